@@ -1,0 +1,220 @@
+"""Options: the per-tensor program that the planner prices and the executor runs.
+
+An :class:`Option` is a short sequence of :class:`Step` values, written like
+
+    Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(cpu) -> PushPullC(inter)
+              -> Decomp(cpu) -> Allgather(intra)
+
+The same value is enumerated by the decision tree (``tree.py``), priced by the cost model and
+timeline, serialized into strategy files by its step names, and interpreted by the worker's
+executor. Which step may follow which lives in the decision tree only; this module defines
+the vocabulary and what each step does to the tensor, which every interpreter follows.
+
+What each step does, on every worker of the step's scope group
+-----------------------------------------------------------------
+The tensor is always in one *form* (dense values or a compressed payload) and covers one
+*extent* (the full tensor, this worker's shard, or nothing on non-root members).
+
+Scopes: ``flat`` = all workers; ``intra`` = the workers of one machine; ``inter`` = one
+worker per machine with the same local rank (after a divisible intra step each local rank
+owns one shard and its inter group exchanges that shard; after ``Reduce``/``GatherC`` only
+local rank 0 holds data and only its inter group communicates).
+
+Shards: a divisible step splits the current extent into ``group size`` contiguous chunks as
+``torch.tensor_split`` does (the first ``numel % n`` chunks one element longer); member ``i``
+of the group owns chunk ``i``.
+
+- ``Comp(d)``       dense -> payload, on device ``d``. If the next communication step is
+  ``AlltoallC`` the extent is compressed chunk by chunk (one payload per destination).
+- ``Decomp(d)``     payload(s) -> dense, on device ``d``; after a gather-like step
+  (``AllgatherC``, ``AlltoallC``, ``GatherC``) it decompresses each received payload and sums
+  them in group-rank order.
+- ``Allreduce(s)``      dense -> dense sum over the group.
+- ``ReduceScatter(s)``  dense -> this member's shard of the group sum.
+- ``Allgather(s)``      dense shard -> concatenation of every member's shard (undoes a
+  ``ReduceScatter`` or ``AlltoallC`` of the same scope).
+- ``Reduce(s)``         dense -> group sum on the group root (rank 0 of the group); other
+  members hold nothing until the matching ``Broadcast``/``BroadcastC``.
+- ``Broadcast(s)``      the root's dense -> every member.
+- ``AllgatherC(s)``     payload -> every member's payload (a list, in group-rank order).
+- ``AlltoallC(s)``      per-destination payloads -> the payloads of this member's shard from
+  every member (a list).
+- ``GatherC(s)``        payload -> the list of every member's payload, on the root only.
+- ``BroadcastC(s)``     the root's payload -> every member; ``Decomp`` then decodes it.
+- ``PushPull(s)``       dense -> dense sum over the pushing workers, through the PS servers.
+- ``PushPullC(s)``      payload -> the servers' aggregate (decompressed, summed in rank
+  order, re-compressed), as a payload.
+
+At the end of an Option every worker holds the dense sum over all workers of the full
+tensor; averaging, if asked for, is the caller's division by the world size.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["COLLECTIVES", "Device", "Kind", "Option", "OptionError", "Scope", "Step"]
+
+
+class OptionError(ValueError):
+    """A step or option string cannot be parsed, or an option is not valid."""
+
+
+class Device(str, enum.Enum):
+    GPU = "gpu"  # the training device (the CPU in tests without CUDA); torch backend
+    CPU = "cpu"  # host threads running numba kernels
+
+
+class Scope(str, enum.Enum):
+    FLAT = "flat"
+    INTRA = "intra"
+    INTER = "inter"
+
+
+class Kind(str, enum.Enum):
+    COMP = "Comp"
+    DECOMP = "Decomp"
+    ALLREDUCE = "Allreduce"
+    REDUCE_SCATTER = "ReduceScatter"
+    ALLGATHER = "Allgather"
+    REDUCE = "Reduce"
+    BROADCAST = "Broadcast"
+    ALLGATHER_C = "AllgatherC"
+    ALLTOALL_C = "AlltoallC"
+    GATHER_C = "GatherC"
+    BROADCAST_C = "BroadcastC"
+    PUSH_PULL = "PushPull"
+    PUSH_PULL_C = "PushPullC"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.COMP, Kind.DECOMP)
+
+    @property
+    def is_compressed(self) -> bool:
+        """A communication step that moves payloads rather than dense values."""
+        return self in _COMPRESSED
+
+    @property
+    def gathers(self) -> bool:
+        """A step after which ``Decomp`` has several payloads to decode and sum."""
+        return self in (Kind.ALLGATHER_C, Kind.ALLTOALL_C, Kind.GATHER_C)
+
+
+_COMPRESSED = frozenset({Kind.ALLGATHER_C, Kind.ALLTOALL_C, Kind.GATHER_C, Kind.BROADCAST_C,
+                         Kind.PUSH_PULL_C})
+COLLECTIVES = tuple(k for k in Kind if not k.is_compute)
+
+_STEP_RE = re.compile(r"^\s*([A-Za-z]+)\(\s*([a-z]+)\s*\)\s*$")
+
+
+@dataclass(frozen=True, order=True)
+class Step:
+    """One step: a compute step on a device, or a communication step in a scope."""
+
+    kind: Kind
+    device: Device | None = None
+    scope: Scope | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind.is_compute:
+            if self.device is None or self.scope is not None:
+                raise OptionError(f"{self.kind.value} needs a device (gpu or cpu) and no scope")
+        elif self.scope is None or self.device is not None:
+            raise OptionError(f"{self.kind.value} needs a scope (flat, intra or inter) "
+                              "and no device")
+
+    @property
+    def arg(self) -> str:
+        return (self.device or self.scope).value  # type: ignore[union-attr]
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}({self.arg})"
+
+    @classmethod
+    def parse(cls, text: str) -> Step:
+        """Parse ``"Comp(gpu)"`` or ``"AlltoallC(intra)"``.
+
+        Raises:
+            OptionError: unknown step kind, device or scope (the message lists valid ones).
+        """
+        match = _STEP_RE.match(text)
+        if not match:
+            raise OptionError(f"cannot parse step {text!r}; write it like 'Comp(gpu)' or "
+                              "'Allreduce(flat)'")
+        kind_name, arg = match.groups()
+        try:
+            kind = Kind(kind_name)
+        except ValueError:
+            raise OptionError(f"unknown step {kind_name!r}; known steps: "
+                              f"{', '.join(k.value for k in Kind)}") from None
+        if kind.is_compute:
+            try:
+                return cls(kind, device=Device(arg))
+            except ValueError:
+                raise OptionError(f"unknown device {arg!r} in {text!r}; use gpu or cpu") from None
+        try:
+            return cls(kind, scope=Scope(arg))
+        except ValueError:
+            raise OptionError(f"unknown scope {arg!r} in {text!r}; use flat, intra or inter") \
+                from None
+
+
+@dataclass(frozen=True, order=True)
+class Option:
+    """A per-tensor program: a tuple of steps."""
+
+    steps: tuple[Step, ...]
+
+    @classmethod
+    def of(cls, *steps: Step | str) -> Option:
+        return cls(tuple(s if isinstance(s, Step) else Step.parse(s) for s in steps))
+
+    @classmethod
+    def parse(cls, text: str | Sequence[str]) -> Option:
+        """Parse ``"Comp(gpu) -> Allreduce(flat)"`` or a list of step names."""
+        parts: Iterable[str] = text.split("->") if isinstance(text, str) else text
+        steps = tuple(Step.parse(p) for p in parts)
+        if not steps:
+            raise OptionError("an option needs at least one step")
+        return cls(steps)
+
+    def names(self) -> list[str]:
+        """The step names, as stored in strategy files."""
+        return [str(s) for s in self.steps]
+
+    def __str__(self) -> str:
+        return " -> ".join(self.names())
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.steps)
+
+    @property
+    def compressions(self) -> int:
+        return sum(1 for s in self.steps if s.kind is Kind.COMP)
+
+    @property
+    def is_compressed(self) -> bool:
+        return self.compressions > 0
+
+    @property
+    def devices(self) -> frozenset[Device]:
+        return frozenset(s.device for s in self.steps if s.device is not None)
+
+    @property
+    def uses_cpu(self) -> bool:
+        return Device.CPU in self.devices
+
+    @property
+    def uses_servers(self) -> bool:
+        return any(s.kind in (Kind.PUSH_PULL, Kind.PUSH_PULL_C) for s in self.steps)
+
+    @property
+    def is_hierarchical(self) -> bool:
+        return any(s.scope is Scope.INTRA for s in self.steps)

@@ -1,0 +1,215 @@
+"""The compressor contract shared by the worker (torch ops) and the servers (numba kernels).
+
+See CONTRACT.md next to this file for the invariants every compressor keeps.
+
+A compressor turns a dense tensor into a *payload*: a tuple of contiguous 1-D arrays with
+fixed dtypes. The payload is the only thing that crosses the wire. The *ctx* stays local and
+can always be rebuilt from the tensor's shape and dtype (:meth:`Compressor.context`), so a
+server or a peer that only received bytes can decode them.
+
+Backends:
+    ``torch``  payload arrays are ``torch.Tensor`` on the input's device.
+    ``numba``  payload arrays are ``numpy.ndarray``; kernels are ``@njit`` functions.
+A payload from one backend decodes with the other after :func:`to_numpy` / :func:`to_torch`.
+"""
+
+from __future__ import annotations
+
+import abc
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "Compressor",
+    "Ctx",
+    "Payload",
+    "PayloadError",
+    "check_input",
+    "key_seed",
+    "to_numpy",
+    "to_torch",
+]
+
+BACKENDS = ("torch", "numba")
+
+# A payload is a tuple of 1-D contiguous arrays (torch tensors or numpy arrays).
+Payload = tuple[Any, ...]
+
+_FLOAT_DTYPES = {"float32": (torch.float32, np.float32)}
+
+
+class PayloadError(ValueError):
+    """A payload does not match its ctx: wrong number of arrays, dtype or length."""
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """Local decoding context: everything a decoder needs that is not in the payload.
+
+    Attributes:
+        shape: the original tensor's shape.
+        dtype: the original dtype name (``"float32"``).
+        name: the tensor's name; selects error-feedback residuals and seeds random draws.
+        step: the iteration number; seeds random draws together with ``name``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    name: str = ""
+    step: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class Compressor(abc.ABC):
+    """Base class: subclasses implement the pure kernels for one algorithm and backend.
+
+    Subclasses set ``name`` (registry name), ``wire_id`` (stable codec number on the wire),
+    ``backend`` and ``payload_dtypes`` (the numpy dtype of each payload array, in order).
+    """
+
+    name: ClassVar[str]
+    wire_id: ClassVar[int]
+    backend: ClassVar[str]
+    payload_dtypes: ClassVar[tuple[np.dtype, ...]]
+    # Whether the same input always gives the same payload (no random draws).
+    deterministic: ClassVar[bool] = True
+
+    def __init__(self, **params: Any) -> None:
+        self.params = params
+
+    # ---- the contract ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def compress(self, x: Any, *, name: str = "", step: int = 0) -> tuple[Payload, Ctx]:
+        """Compress a contiguous float32 tensor/array; returns (payload, ctx)."""
+
+    @abc.abstractmethod
+    def decompress(self, payload: Payload, ctx: Ctx) -> Any:
+        """Rebuild a dense tensor/array of ``ctx.shape`` and ``ctx.dtype``."""
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: Ctx) -> Any:
+        """Decompress each payload and sum them in list order (deterministic)."""
+        if not payloads:
+            raise PayloadError("aggregate needs at least one payload")
+        total = self.decompress(payloads[0], ctx)
+        for payload in payloads[1:]:
+            total += self.decompress(payload, ctx)
+        return total
+
+    @abc.abstractmethod
+    def compressed_nbytes(self, numel: int) -> int:
+        """Exact bytes on the wire for a tensor of ``numel`` elements."""
+
+    # ---- shared helpers ---------------------------------------------------------------------
+    def context(self, shape: Sequence[int], dtype: str = "float32", *, name: str = "",
+                step: int = 0) -> Ctx:
+        """The ctx a receiver rebuilds from the shape and dtype it was told about."""
+        return Ctx(tuple(int(d) for d in shape), dtype, name, step)
+
+    @staticmethod
+    def payload_nbytes(payload: Payload) -> int:
+        """Exact bytes the payload's arrays occupy on the wire."""
+        total = 0
+        for arr in payload:
+            if isinstance(arr, torch.Tensor):
+                total += arr.numel() * arr.element_size()
+            else:
+                total += int(arr.nbytes)
+        return total
+
+    def payload_lengths(self, numel: int) -> tuple[int, ...]:
+        """Element count of each payload array for a tensor of ``numel`` elements.
+
+        The default derives them from :meth:`compressed_nbytes` for single-array payloads;
+        multi-array codecs override it. The wire decoder checks received frames against it.
+        """
+        if len(self.payload_dtypes) != 1:
+            raise NotImplementedError(f"{type(self).__name__} must define payload_lengths")
+        itemsize = np.dtype(self.payload_dtypes[0]).itemsize
+        return (self.compressed_nbytes(numel) // itemsize,)
+
+    def check_payload(self, payload: Payload, ctx: Ctx) -> None:
+        """Raise :class:`PayloadError` unless the payload's arrays fit ``ctx``."""
+        expected = self.payload_lengths(ctx.numel)
+        if len(payload) != len(expected):
+            raise PayloadError(
+                f"{self.name}: payload has {len(payload)} arrays, expected {len(expected)}"
+            )
+        for i, (arr, dtype, length) in enumerate(
+            zip(payload, self.payload_dtypes, expected, strict=True)
+        ):
+            got_dtype = _np_dtype(arr)
+            if got_dtype != np.dtype(dtype):
+                raise PayloadError(
+                    f"{self.name}: payload array {i} has dtype {got_dtype}, expected "
+                    f"{np.dtype(dtype)}"
+                )
+            got_len = arr.numel() if isinstance(arr, torch.Tensor) else arr.size
+            if got_len != length:
+                raise PayloadError(
+                    f"{self.name}: payload array {i} has {got_len} elements, expected "
+                    f"{length} for a tensor of {ctx.numel} elements"
+                )
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in sorted(self.params.items()))
+        return f"{type(self).__name__}({params})"
+
+
+def _np_dtype(arr: Any) -> np.dtype:
+    if isinstance(arr, torch.Tensor):
+        return torch.empty((), dtype=arr.dtype).numpy().dtype
+    return arr.dtype
+
+
+def check_input(x: Any, who: str) -> None:
+    """Reject inputs no compressor accepts, with a message that says what to change."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.float32:
+            raise TypeError(f"{who}: expected a float32 tensor, got {x.dtype}; cast with .float()")
+        if not x.is_contiguous():
+            raise ValueError(f"{who}: tensor is not contiguous; call .contiguous() first")
+        numel = x.numel()
+    elif isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            raise TypeError(f"{who}: expected a float32 array, got {x.dtype}; "
+                            "cast with .astype(np.float32)")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{who}: array is not C-contiguous; use np.ascontiguousarray")
+        numel = x.size
+    else:
+        raise TypeError(f"{who}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    if numel == 0:
+        raise ValueError(f"{who}: cannot compress an empty tensor")
+
+
+def key_seed(seed: int, name: str, step: int) -> int:
+    """A 63-bit seed from (seed, tensor name, step), equal on every worker and backend."""
+    mixed = zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1) ^ (step * 0x85EBCA77)
+    return mixed & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def to_numpy(payload: Payload) -> Payload:
+    """A payload's arrays as numpy arrays (host copies of device tensors)."""
+    return tuple(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a for a in payload)
+
+
+def to_torch(payload: Payload, device: torch.device | str = "cpu") -> Payload:
+    """A payload's arrays as torch tensors on ``device`` (zero-copy for host arrays)."""
+    return tuple(
+        a.to(device) if isinstance(a, torch.Tensor)
+        else torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        for a in payload
+    )

@@ -1,0 +1,1 @@
+"""server of byteps-espresso."""

@@ -1,0 +1,1 @@
+"""worker of byteps-espresso."""
