@@ -107,6 +107,34 @@ class Runtime:
 
         dist.barrier(group=self.transports[0].groups[Scope.FLAT])
 
+    def broadcast(self, tensor: torch.Tensor, root_rank: int) -> None:
+        """Overwrite ``tensor`` in place with global rank ``root_rank``'s values."""
+        import torch.distributed as dist
+
+        group = self.transports[0].groups[Scope.FLAT]
+        comm = self.transports[0].comm_device
+        buf = tensor.detach().to(comm).contiguous()
+        if self.topology.world_size > 1:
+            dist.broadcast(buf, src=root_rank, group=group)
+        if buf.data_ptr() != tensor.data_ptr():
+            with torch.no_grad():
+                tensor.copy_(buf)
+
+    def broadcast_bytes(self, data: bytes | None, root_rank: int = 0) -> bytes:
+        """``root_rank``'s bytes on every rank (length first, then a uint8 tensor)."""
+        me = self.topology.rank == root_rank
+        if me and data is None:
+            raise ValueError("the broadcast root must pass the bytes to send")
+        length = torch.tensor([len(data) if me else 0], dtype=torch.int64)  # type: ignore[arg-type]
+        self.broadcast(length, root_rank)
+        if me and data:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(length.item()), dtype=torch.uint8)
+        if buf.numel():
+            self.broadcast(buf, root_rank)
+        return bytes(buf.numpy().tobytes())
+
     def close(self) -> None:
         """Stop engines, the host pool, the PS client and (if it created it) the world."""
         import torch.distributed as dist
