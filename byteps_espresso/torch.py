@@ -20,6 +20,7 @@ import itertools
 import logging
 import numbers
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ __all__ = [
     "init",
     "local_rank",
     "local_size",
+    "planned_strategy",
     "poll",
     "push_pull",
     "push_pull_async",
@@ -97,6 +99,11 @@ def local_rank() -> int:
 def local_size() -> int:
     """Training processes per machine."""
     return current().runtime.topology.local_size
+
+
+def planned_strategy() -> Any:
+    """The Strategy in use (planned at start-up or loaded from a file), or None."""
+    return current().strategy
 
 
 # ---- push_pull -------------------------------------------------------------------------------

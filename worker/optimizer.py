@@ -168,6 +168,7 @@ class _Sync:
         self.next = 0
         self.iteration = 0
         self.ready_times: list[dict[str, float]] = []
+        self.starts: list[float] = [time.perf_counter()]  # iteration i began at starts[i]
         self.codec = compression.codec(self.session)
         self.engine: Engine = self.session.plain
         self.options: dict[str, Option] | None = None
@@ -187,7 +188,7 @@ class _Sync:
                     f"optimizer.step(); increase backward_passes_per_step (now {self.passes}) "
                     "or call step() after every backward pass")
             if self.options is None and self.count[name] == 1:
-                if not self.ready_times or len(self.ready_times) <= self.iteration:
+                while len(self.ready_times) <= self.iteration:
                     self.ready_times.append({})
                 self.ready_times[self.iteration][name] = time.perf_counter()
             self._dispatch()
@@ -228,8 +229,10 @@ class _Sync:
         self.count = dict.fromkeys(self.order, 0)
         self.next = 0
         self.iteration += 1
-        if self.options is None and self.iteration >= self._profile_steps:
-            self._apply_plan(self.ready_times)
+        if self.options is None:
+            self.starts.append(time.perf_counter())
+            if self.iteration >= self._profile_steps:
+                self._apply_plan((self.ready_times, self.starts))
 
     def _apply_plan(self, profile: Any | None) -> None:
         tensors = [(name, self.numel[name]) for name in self.order]

@@ -7,6 +7,7 @@ and one uncompressed engine; :func:`current` raises a helpful error before ``ini
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from byteps_espresso.worker.executor import Engine
 from byteps_espresso.worker.runtime import Runtime
@@ -42,6 +43,8 @@ class Session:
         self.plain: Engine = runtime.engine(None)
         self.fp32 = fp32_option(runtime.topology, runtime.cfg.num_servers)
         self.lock = threading.Lock()
+        # The Strategy planned at start-up or loaded (set by the optimizer's compression).
+        self.strategy: Any = None
 
 
 _session: Session | None = None
