@@ -30,7 +30,7 @@ OPTIONS = [
 ]
 
 
-def run_threads(machines, local, option, inputs, codec_factory, steps=1):
+def run_threads(machines, local, option, inputs, codec_factory, *, steps=1):
     hub = LocalHub(machines, local, timeout_s=10)
     world = machines * local
     executors = [Executor(hub.transport(r), codec_factory()) for r in range(world)]
