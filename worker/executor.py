@@ -91,6 +91,8 @@ class _State:
     comp_index: int = -1
     asleep: Scope | None = None
     ps_key: str = ""
+    part_names: list[str] = field(default_factory=list)  # ctx names of PS partitions
+    ps_round: int = 0  # the ctx step of PS partitions
 
 
 class Executor:
@@ -189,10 +191,19 @@ class Executor:
             elif nxt.kind is Kind.PUSH_PULL_C:
                 ps = self._need_ps()
                 key = ps_key(name, steps.index(nxt, i + 1), st.extent)
-                ps.declare(key, st.extent.numel, self.topo.group(nxt.scope), compressed=True)
-                st.ps_key = key
+                if st.extent.numel == 0:  # an empty shard: no key, nothing to push
+                    st.value, st.extents, st.part_names, st.form = [], [], [], PARTS
+                    return
+                ps.declare(key, st.extent.numel, self.topo.group(nxt.scope), codec)
+                st.ps_key, st.ps_round = key, ps.next_round(key)
+                st.part_names = ps.key_names(key)
                 st.extents = [Extent(st.extent.offset + o, n) for o, n in ps.partitions(key)]
+                base = st.extent.offset
+                st.value = [codec.compress(dev, st.value[e.offset - base:e.end - base], pn,
+                                           st.ps_round)
+                            for e, pn in zip(st.extents, st.part_names, strict=True)]
                 st.form = PARTS
+                return
             else:
                 st.form = PAYLOAD
                 st.value = codec.compress(dev, st.value, codec_name(name, i, st.extent), step)
@@ -201,6 +212,11 @@ class Executor:
             st.value = [codec.compress(dev, st.value[e.offset - base:e.end - base],
                                        codec_name(name, i, e), step) for e in st.extents]
             return
+        self._decomp(st, at, codec)
+
+    def _decomp(self, st: _State, at: _At, codec: CodecPair) -> None:
+        dev, name, step = at.st.device, at.name, at.step
+        assert dev is not None
         ci = st.comp_index
         if st.form == PAYLOAD:
             st.value = codec.decompress(dev, st.value, st.extent.numel,
@@ -208,9 +224,15 @@ class Executor:
         elif st.form == SUM:
             st.value = codec.aggregate(dev, st.value, st.extent.numel,
                                        codec_name(name, ci, st.extent), step)
-        elif st.form in (CONCAT, PARTS):
+        elif st.form == CONCAT:
             st.value = torch.cat([codec.decompress(dev, p, e.numel, codec_name(name, ci, e), step)
                                   for p, e in zip(st.value, st.extents, strict=True)])
+        elif st.form == PARTS and not st.extents:  # an empty shard
+            st.value = torch.zeros(0, dtype=torch.float32, device=codec.device)
+        elif st.form == PARTS:
+            st.value = torch.cat([codec.decompress(dev, p, e.numel, pn, st.ps_round)
+                                  for p, e, pn in zip(st.value, st.extents, st.part_names,
+                                                      strict=True)])
         else:
             raise ExecutionError(f"nothing to decompress (holds {st.form})")
         st.form = DENSE
@@ -326,8 +348,10 @@ class Executor:
         s = at.st
         self._need(st, DENSE)
         ps = self._need_ps()
+        if st.extent.numel == 0:  # an empty shard: no key, nothing to push
+            return
         key = ps_key(at.name, at.i, st.extent)
-        ps.declare(key, st.extent.numel, self.topo.group(s.scope), compressed=False)
+        ps.declare(key, st.extent.numel, self.topo.group(s.scope))
         host = np.ascontiguousarray(st.value.detach().cpu().numpy(), dtype=np.float32)
         out = ps.push_pull(key, host)
         st.value = torch.as_tensor(np.asarray(out, dtype=np.float32)).reshape(-1).to(self.device)
@@ -335,6 +359,8 @@ class Executor:
     def _push_pull_c(self, st: _State, at: _At) -> None:
         self._need(st, PARTS)
         ps = self._need_ps()
+        if not st.extents:
+            return
         pushed = [tuple(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a
                         for a in p) for p in st.value]
         st.value = [tuple(p) for p in ps.push_pull(st.ps_key, pushed)]

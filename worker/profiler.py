@@ -138,12 +138,12 @@ def _probe_allreduce(session: Session, scope: Scope) -> tuple[float, float]:
 
 
 def _probe_ps(session: Session) -> tuple[float, float]:
-    ps = session.runtime.ps_path(None)
+    ps = session.runtime.ps
     topo = session.runtime.topology
     times = []
     for n in (_PROBE_SMALL, _PROBE_LARGE):
         key = f"espresso.probe.{n}"
-        ps.declare(key, n, list(range(topo.world_size)), compressed=False)  # type: ignore[union-attr]
+        ps.declare(key, n, list(range(topo.world_size)))  # type: ignore[union-attr]
         x = np.ones(n, dtype=np.float32)
         times.append(_time(lambda key=key, x=x: ps.push_pull(key, x), _PROBE_REPS))  # type: ignore[union-attr]
     latency, per_worker = _invert(times[0], times[1], 2, 2)

@@ -39,24 +39,12 @@ from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy.options import Kind, Option, OptionError, Scope, Step
 
-__all__ = ["Reference", "ServerModel", "default_partitions"]
+__all__ = ["Reference", "ServerModel"]
 
-Partitioner = Callable[[str, int], list[tuple[int, int]]]
 
 # Forms a worker's value can take between steps.
 DENSE, PAYLOAD, CHUNKS, PARTS, SUM, CONCAT, NONE = (
     "dense", "payload", "chunks", "parts", "sum", "concat", "none")
-
-
-def default_partitions(partition_elems: int) -> Partitioner:
-    """Contiguous partitions of at most ``partition_elems`` elements (BytePS-style split)."""
-
-    def parts(_key: str, numel: int) -> list[tuple[int, int]]:
-        if numel == 0:
-            return []
-        return [(o, min(partition_elems, numel - o)) for o in range(0, numel, partition_elems)]
-
-    return parts
 
 
 class ServerModel:
@@ -65,7 +53,7 @@ class ServerModel:
     Dense keys: the float32 sum of the pushes in pusher-rank order. Compressed keys: each
     pushed payload decoded with the numba backend, summed in pusher-rank order, and the sum
     re-compressed with ``codec`` (the server-side compressor, error feedback included if it
-    has it) under the name and step the pushers used.
+    has it) under the partition's key name and the round, as ``server.server.aggregate`` does.
     """
 
     def __init__(self, codec: CodecPair | None = None) -> None:
@@ -107,6 +95,9 @@ class _Worker:
     comp_index: int = -1  # step index of the Comp that made the current payload(s)
     asleep: Scope | None = None  # the Reduce/GatherC scope, until its Broadcast(C)
     who: frozenset[int] = frozenset()  # ranks whose values are summed into every element
+    ps_key: str = ""
+    part_names: list[str] = field(default_factory=list)  # ctx names of the PS partitions
+    ps_round: int = 0  # the ctx step of the PS partitions
 
 
 class Reference:
@@ -117,16 +108,26 @@ class Reference:
         codecs: one :class:`CodecPair` per worker (each keeps its own error-feedback state),
             or None for uncompressed Options only.
         server: the PS model for PushPull/PushPullC steps.
-        partitions: how the PS splits a key of n elements: ``(key, n) -> [(offset, n)]``.
+        partition_bytes: the PS's largest key (``BYTEPS_PARTITION_BYTES``); keys split as
+            ``server.keys.split`` does, partitions named by ``server.keys.part_names``.
     """
 
     def __init__(self, machines: int, local_size: int, codecs: Sequence[CodecPair] | None = None,
-                 server: ServerModel | None = None,
-                 partitions: Partitioner | None = None) -> None:
+                 server: ServerModel | None = None, partition_bytes: int = 4_096_000) -> None:
         self.topo = Topology(machines, local_size)
         self.codecs = list(codecs) if codecs is not None else None
         self.server = server or ServerModel()
-        self.partitions = partitions or default_partitions(1_024_000)
+        self.partition_bytes = partition_bytes
+        self._rounds: dict[str, int] = {}  # PS rounds per key, from 0
+
+    def _partitions(self, key: str, numel: int) -> tuple[list[tuple[int, int]], list[str]]:
+        from byteps_espresso.server.keys import part_names
+        from byteps_espresso.server.keys import split as ps_split
+
+        if numel == 0:  # an empty shard: no key
+            return [], []
+        parts = ps_split(numel, 4, self.partition_bytes)
+        return parts, part_names(key, len(parts))
 
     def _codec(self, rank: int) -> CodecPair:
         if self.codecs is None:
@@ -182,9 +183,15 @@ class Reference:
                 w.form = CHUNKS
             elif nxt.kind is Kind.PUSH_PULL_C:
                 key = ps_key(name, steps.index(nxt, i + 1), w.extent)
-                w.extents = [Extent(w.extent.offset + o, k)
-                             for o, k in self.partitions(key, w.extent.numel)]
+                parts, w.part_names = self._partitions(key, w.extent.numel)
+                w.ps_key, w.ps_round = key, self._rounds.get(key, 0)
+                w.extents = [Extent(w.extent.offset + o, k) for o, k in parts]
+                base = w.extent.offset
+                w.value = [codec.compress(dev, w.value[e.offset - base:e.end - base], pn,
+                                          w.ps_round)
+                           for e, pn in zip(w.extents, w.part_names, strict=True)]
                 w.form = PARTS
+                return
             else:
                 w.form = PAYLOAD
                 w.value = codec.compress(dev, w.value, codec_name(name, i, w.extent), step)
@@ -201,9 +208,15 @@ class Reference:
         elif w.form == SUM:
             w.value = codec.aggregate(dev, w.value, w.extent.numel,
                                       codec_name(name, ci, w.extent), step)
-        elif w.form in (CONCAT, PARTS):
+        elif w.form == CONCAT:
             w.value = torch.cat([codec.decompress(dev, p, e.numel, codec_name(name, ci, e), step)
                                  for p, e in zip(w.value, w.extents, strict=True)])
+        elif w.form == PARTS and not w.extents:  # an empty shard
+            w.value = torch.zeros(0, dtype=torch.float32, device=codec.device)
+        elif w.form == PARTS:
+            w.value = torch.cat([codec.decompress(dev, p, e.numel, pn, w.ps_round)
+                                 for p, e, pn in zip(w.value, w.extents, w.part_names,
+                                                     strict=True)])
         else:
             raise OptionError(f"step {i} {st}: nothing to decompress (holds {w.form})")
         w.form = DENSE
@@ -357,11 +370,14 @@ class Reference:
         st, i = at.st, at.i
         self._need(ws, PARTS, st, i)
         self._same_extent(ws, st, i)
-        ci = ws[0].comp_index
+        lead = ws[0]
+        if not lead.extents:
+            return
         out = []
-        for p, e in enumerate(ws[0].extents):
-            out.append(self.server.compressed([w.value[p] for w in ws], e.numel,
-                                              codec_name(at.name, ci, e), at.step))
+        for p, (e, pn) in enumerate(zip(lead.extents, lead.part_names, strict=True)):
+            out.append(self.server.compressed([w.value[p] for w in ws], e.numel, pn,
+                                              lead.ps_round))
+        self._rounds[lead.ps_key] = lead.ps_round + 1
         for w in ws:
             w.value = list(out)
 

@@ -5,7 +5,8 @@ Built once by ``byteps_espresso.torch.init()`` (or directly by tests and tools) 
 
 1. the topology from the BytePS environment;
 2. ``torch.distributed`` joined through the TCPStore the scheduler hosts on
-   ``cfg.store_port`` (gloo on CPU, NCCL when the training device is CUDA);
+   ``cfg.store_port`` (rank 0 hosts it when ``DMLC_NUM_SERVER=0``: no scheduler runs then);
+   gloo on CPU, NCCL when the training device is CUDA;
 3. every scope group for each lane (:func:`~byteps_espresso.worker.transport.create_groups`);
 4. the PS client when ``DMLC_NUM_SERVER`` > 0;
 5. a pool of ``ESPRESSO_CPU_THREADS`` host threads for ``cpu`` compute steps.
@@ -24,7 +25,7 @@ import torch
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.executor import Engine, Executor
 from byteps_espresso.worker.topology import Topology
-from byteps_espresso.worker.transport import PSPath, create_groups, init_distributed
+from byteps_espresso.worker.transport import PSPath, create_groups, host_store, init_distributed
 
 from byteps_espresso.config import Config
 from byteps_espresso.strategy.options import Scope
@@ -70,33 +71,34 @@ class Runtime:
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         comm_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self._owns_world = not dist.is_initialized()
+        self._store, self._store_socket = None, None
         if self._owns_world:
+            timeout_s = max(cfg.start_timeout_s, cfg.op_timeout_s)
+            if cfg.num_servers == 0 and self.topology.rank == 0:
+                # No PS scheduler in this job: rank 0 hosts the rendezvous store itself.
+                self._store, self._store_socket = host_store(
+                    cfg.bind_host(), cfg.root_uri, cfg.store_port, timeout_s)
             init_distributed(self.topology, cfg.root_uri, cfg.store_port, backend=self.backend,
-                             timeout_s=max(cfg.start_timeout_s, cfg.op_timeout_s))
+                             timeout_s=timeout_s, store=self._store)
         self.transports = create_groups(self.topology, lanes, backend=self.backend,
                                         comm_device=comm_device)
         self.ps_client = None
+        self.ps: PSPath | None = None
         if cfg.num_servers > 0:
             from byteps_espresso.server.client import PSClient
 
             self.ps_client = PSClient(cfg, rank=self.topology.rank)
+            self.ps = PSPath(self.ps_client)
         self.cpu_pool = ThreadPoolExecutor(cfg.cpu_threads, thread_name_prefix="espresso-cpu")
         self._engines: list[Engine] = []
         log.info("rank %d/%d (machine %d, local rank %d) on %s, %s, %d lanes, %d servers",
                  self.topology.rank, self.topology.world_size, self.topology.machine_id,
                  self.topology.local_rank, self.device, self.backend, lanes, cfg.num_servers)
 
-    def ps_path(self, codec: CodecPair | None) -> PSPath | None:
-        """A PS path whose compressed keys use ``codec`` (None without servers)."""
-        if self.ps_client is None:
-            return None
-        return PSPath(self.ps_client, codec.name if codec else None,
-                      codec.params if codec else None)
-
     def engine(self, codec: CodecPair | None = None) -> Engine:
         """An asynchronous engine running Options with ``codec`` on every lane."""
-        ps = self.ps_path(codec)
-        executors = [Executor(t, codec, ps, self.device, self.cpu_pool) for t in self.transports]
+        executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool)
+                     for t in self.transports]
         engine = Engine(executors, timeout_s=self.cfg.op_timeout_s)
         self._engines.append(engine)
         return engine
@@ -145,6 +147,9 @@ class Runtime:
         self.cpu_pool.shutdown(wait=True)
         if self.ps_client is not None:
             self.ps_client.close()
-            self.ps_client = None
+            self.ps_client, self.ps = None, None
         if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()
+        if self._store_socket is not None:
+            self._store_socket.close()
+            self._store, self._store_socket = None, None

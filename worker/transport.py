@@ -36,7 +36,7 @@ from byteps_espresso.worker.topology import Topology
 from byteps_espresso.strategy.options import Scope
 
 __all__ = ["DistTransport", "PSPath", "PayloadSpec", "Transport", "create_groups",
-           "init_distributed", "pack", "unpack"]
+           "host_store", "init_distributed", "pack", "unpack"]
 
 log = logging.getLogger(__name__)
 
@@ -284,11 +284,41 @@ class DistTransport:
         return unpack(buf, spec)
 
 
+def host_store(bind_host: str, advertise_host: str, port: int,
+               timeout_s: float) -> tuple[Any, Any]:
+    """Host a TCPStore on ``port``, listening on ``bind_host`` only; returns (store, socket).
+
+    Used by rank 0 when the job has no PS scheduler (``DMLC_NUM_SERVER=0``); with servers the
+    scheduler hosts it the same way.
+
+    Raises:
+        RuntimeError: the port is taken.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((bind_host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot host the torch.distributed store on {bind_host}:{port} "
+                           f"({exc.strerror}); DMLC_PS_ROOT_PORT + 1 must be free on rank 0's "
+                           "host") from None
+    sock.listen(1024)
+    store = dist.TCPStore(advertise_host, port, None, True, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    return store, sock  # the caller keeps the listening socket alive with the store
+
+
 def init_distributed(topology: Topology, host: str, port: int, *, backend: str = "gloo",
-                     timeout_s: float = 60.0) -> None:
+                     timeout_s: float = 60.0, store: Any = None) -> None:
     """Join the job's ``torch.distributed`` world through the TCPStore at ``host:port``.
 
-    The scheduler hosts the store (INTERFACES.md); this process is a client of it.
+    The scheduler hosts the store (INTERFACES.md), or rank 0 when the job has no servers
+    (pass its ``host_store`` as ``store``); every other process is a client.
 
     Raises:
         RuntimeError: the store cannot be reached or the world does not assemble in time.
@@ -296,7 +326,8 @@ def init_distributed(topology: Topology, host: str, port: int, *, backend: str =
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=topology.rank,
                             world_size=topology.world_size, timeout=timeout)
     log.debug("rank %d joined torch.distributed (%s) via %s:%d", topology.rank, backend, host,
@@ -335,46 +366,60 @@ def create_groups(topology: Topology, lanes: int, *, backend: str | None = None,
 class PSPath:
     """The PS half of the transports: push/pull of dense tensors and payloads by key.
 
-    Declares each key once (``pushers`` = the global ranks that push it) and keeps one round
-    counter per key, so every pusher uses the same round for the same iteration.
+    One per process (keys are declared once per client). Declares each key on first use
+    (``pushers`` = the global ranks that push it; compressed keys with the codec's name and
+    parameters, and server-side error feedback when the workers use it) and keeps one round
+    counter per key from 0, so every pusher uses the same round for the same iteration.
+    Compressed partitions are compressed with ``name=key_names(key)[i]`` and ``step=round``,
+    the ctx the servers rebuild.
 
     Args:
         client: a connected ``byteps_espresso.server.client.PSClient``.
-        compressor, params: the codec the servers aggregate compressed keys with.
     """
 
-    def __init__(self, client: Any, compressor: str | None = None,
-                 params: dict[str, Any] | None = None) -> None:
+    def __init__(self, client: Any) -> None:
         self.client = client
-        self.compressor = compressor
-        self.params = dict(params or {})
-        self._declared: dict[str, tuple[int, tuple[int, ...], bool]] = {}
+        self._declared: dict[str, tuple[Any, ...]] = {}
         self._rounds: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def declare(self, key: str, numel: int, pushers: Sequence[int], compressed: bool) -> None:
-        """Declare ``key`` on first use; a later call with other arguments is an error."""
-        want = (numel, tuple(pushers), compressed)
+    def declare(self, key: str, numel: int, pushers: Sequence[int], codec: Any = None) -> None:
+        """Declare ``key`` on first use; a later call with other arguments is an error.
+
+        Args:
+            codec: a :class:`~byteps_espresso.worker.codecs.CodecPair` for a compressed key,
+                None for a dense float32 key.
+        """
+        want = (numel, tuple(pushers), codec.name if codec else None,
+                tuple(sorted(codec.params.items())) if codec else ())
         with self._lock:
             have = self._declared.get(key)
             if have is not None:
                 if have != want:
                     raise ValueError(f"PS key {key!r} was declared as {have}, now {want}")
                 return
-            self.client.declare(key, numel, pushers=list(pushers),
-                                compressor=self.compressor if compressed else None,
-                                params=self.params if compressed else {})
+            params = None
+            if codec is not None:
+                params = dict(codec.params, server_error_feedback=codec.error_feedback)
+            self.client.declare(key, numel, list(pushers),
+                                compressor=codec.name if codec else None, params=params)
             self._declared[key] = want
 
     def partitions(self, key: str) -> list[tuple[int, int]]:
         """(offset, numel) of each server partition of a declared key."""
         return list(self.client.partitions(key))
 
-    def push_pull(self, key: str, data: Any) -> Any:
-        """Push ``data`` (dense float32 array, or one payload per partition); wait for the sum.
+    def key_names(self, key: str) -> list[str]:
+        """The ctx name each partition of a compressed key is compressed with."""
+        return list(self.client.key_names(key))
 
-        Rounds count per key from 0, so a key first used late in training starts at round 0.
-        """
+    def next_round(self, key: str) -> int:
+        """The round the next :meth:`push_pull` of ``key`` will use."""
+        with self._lock:
+            return self._rounds.get(key, 0)
+
+    def push_pull(self, key: str, data: Any) -> Any:
+        """Push ``data`` (dense float32 array, or one payload per partition); wait for the sum."""
         with self._lock:
             round_ = self._rounds.get(key, 0)
             self._rounds[key] = round_ + 1

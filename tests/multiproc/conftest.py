@@ -76,13 +76,22 @@ def run_workers(script: str, args: list[str], *, machines: int = 2, local_size: 
                 stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
         for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
         outputs = []
         for log in logs:
             log.seek(0)
             outputs.append(log.read())
-        for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-            assert p.returncode == 0, f"worker {rank} exited {p.returncode}:\n{out[-4000:]}"
+        hung = [f"--- worker {r} still running after {timeout} s:\n{out[-2500:]}"
+                for r, (p, out) in enumerate(zip(procs, outputs, strict=True))
+                if p.poll() is None]
+        assert not hung, "\n".join(hung)
+        failed = [f"--- worker {r} exited {p.returncode}:\n{out[-2500:]}"
+                  for r, (p, out) in enumerate(zip(procs, outputs, strict=True))
+                  if p.returncode != 0]
+        assert not failed, "\n".join(failed)
         return outputs
     finally:
         for p in procs:
@@ -99,7 +108,40 @@ def cluster():
     import types
 
     return types.SimpleNamespace(free_port=free_port, free_port_pair=free_port_pair,
-                                 run_workers=run_workers, store=_store)
+                                 run_workers=run_workers, store=_store, ps_job=ps_job)
+
+
+@contextlib.contextmanager
+def ps_job(machines: int = 2, local_size: int = 2, servers: int = 1,
+           extra_env: Mapping[str, str] | None = None):
+    """A real scheduler (which hosts the torch.distributed store) and ``servers`` servers.
+
+    Yields the DMLC_PS_ROOT_PORT to give the workers; kills everything on exit.
+    """
+    root = free_port_pair()
+    env = worker_env(machines, local_size, 0, root, servers=servers, extra=extra_env)
+    env.pop("DMLC_WORKER_ID")
+    env.pop("BYTEPS_LOCAL_RANK")
+    procs = []
+    logs = []
+    try:
+        for role in ["scheduler"] + ["server"] * servers:
+            log = tempfile.TemporaryFile("w+")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, "-m", "byteps_espresso.server"],
+                                          env={**env, "DMLC_ROLE": role}, stdout=log,
+                                          stderr=subprocess.STDOUT))
+        yield root
+    finally:
+        deadline = time.monotonic() + 10
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from byteps_espresso.worker.codecs import CodecPair
-from byteps_espresso.worker.reference import Reference
+from byteps_espresso.worker.reference import Reference, ServerModel
 
 from byteps_espresso.strategy.options import Kind, Option, Scope
 
@@ -34,6 +34,9 @@ UNCOMPRESSED = [
     "Reduce(intra) -> Allreduce(inter) -> Broadcast(intra)",
     "ReduceScatter(intra) -> ReduceScatter(inter) -> Allgather(inter) -> Allgather(intra)",
     "Reduce(intra) -> Reduce(inter) -> Broadcast(inter) -> Broadcast(intra)",
+    "PushPull(flat)",
+    "ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)",
+    "Reduce(intra) -> PushPull(inter) -> Broadcast(intra)",
 ]
 
 COMPRESSED = [
@@ -58,9 +61,18 @@ COMPRESSED = [
     "-> AllgatherC(intra) -> Decomp(gpu)",
     "Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Allreduce(inter) -> Comp(cpu) "
     "-> AllgatherC(intra) -> Decomp(gpu)",
+    "Comp(cpu) -> PushPullC(flat) -> Decomp(cpu)",
+    "Comp(gpu) -> PushPullC(flat) -> Decomp(gpu)",
+    "Reduce(intra) -> Comp(cpu) -> PushPullC(inter) -> Decomp(cpu) -> Broadcast(intra)",
+    "Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(cpu) -> PushPullC(inter) "
+    "-> Decomp(cpu) -> Allgather(intra)",
+    "ReduceScatter(intra) -> Comp(gpu) -> PushPullC(inter) -> Decomp(cpu) -> Comp(gpu) "
+    "-> AllgatherC(intra) -> Decomp(gpu)",
 ]
 
 SIZES = [1, 7, 1000, 4099]
+# Small PS partitions (bytes) so that the larger sizes split into several server keys.
+PARTITION_BYTES = 4096
 CODECS = [{"name": "fp16", "params": {}, "ef": False}]
 
 
@@ -94,10 +106,11 @@ def results(tmp_path_factory, cluster):
             for r in range(WORLD):
                 np.save(tmp / f"in_{idx}_{it}_{r}.npy",
                         case_input(idx, it, r, case["numel"]).numpy(), allow_pickle=False)
-    root = cluster.free_port_pair()
-    with cluster.store(root):
+    env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES)}
+    with cluster.ps_job(MACHINES, LOCAL, servers=1, extra_env=env) as root:
         cluster.run_workers("options_worker.py", [str(tmp / "cases.json"), str(tmp)],
-                            machines=MACHINES, local_size=LOCAL, root_port=root, timeout=240)
+                            machines=MACHINES, local_size=LOCAL, root_port=root, servers=1,
+                            timeout=240, extra_env=env)
     out = {}
     for idx, case in enumerate(CASES):
         for it in range(case["iters"]):
@@ -107,9 +120,12 @@ def results(tmp_path_factory, cluster):
 
 def _reference(idx: int, case: dict) -> list[list[np.ndarray]]:
     spec = case["codec"]
-    codecs = None if spec is None else [
-        CodecPair(spec["name"], spec["params"], error_feedback=spec["ef"]) for _ in range(WORLD)]
-    ref = Reference(MACHINES, LOCAL, codecs)
+    codecs, server = None, None
+    if spec is not None:
+        codecs = [CodecPair(spec["name"], spec["params"], error_feedback=spec["ef"])
+                  for _ in range(WORLD)]
+        server = ServerModel(CodecPair(spec["name"], spec["params"], error_feedback=spec["ef"]))
+    ref = Reference(MACHINES, LOCAL, codecs, server, partition_bytes=PARTITION_BYTES)
     option = Option.parse(case["option"])
     return [[t.numpy() for t in ref.run(option, [case_input(idx, it, r, case["numel"])
                                                  for r in range(WORLD)], name=f"t{idx}", step=it)]

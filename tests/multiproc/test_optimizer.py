@@ -42,15 +42,19 @@ def _expected(passes: int, steps: int) -> list[np.ndarray]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("case", [("none", 1, 4, 1e-5), ("none", 2, 3, 1e-5),
-                                  ("fp16", 1, 3, 2e-3)], ids=["none", "none-2passes", "fp16"])
+@pytest.mark.parametrize("case", [("none", 1, 4, 1e-5, 1), ("none", 2, 3, 1e-5, 0),
+                                  ("fp16", 1, 3, 2e-3, 1)],
+                         ids=["none-ps", "none-2passes-collectives", "fp16-ps"])
 def test_workers_stay_identical_and_match_single_process(tmp_path, cluster, case):
-    compression, passes, steps, rtol = case
-    root = cluster.free_port_pair()
-    with cluster.store(root):
-        cluster.run_workers("optimizer_worker.py",
-                            [str(tmp_path), compression, str(passes), str(steps)],
-                            root_port=root, timeout=150)
+    compression, passes, steps, rtol, servers = case
+    args = [str(tmp_path), compression, str(passes), str(steps)]
+    if servers:
+        with cluster.ps_job(servers=servers) as root:
+            cluster.run_workers("optimizer_worker.py", args, root_port=root, servers=servers,
+                                timeout=150)
+    else:  # no scheduler: rank 0 hosts the store
+        cluster.run_workers("optimizer_worker.py", args, root_port=cluster.free_port_pair(),
+                            timeout=150)
     expected = _expected(passes, steps)
     for step in range(steps):
         got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.layout import Extent, split
-from byteps_espresso.worker.reference import Reference, ServerModel, default_partitions
+from byteps_espresso.worker.reference import Reference, ServerModel
 from byteps_espresso.worker.transport import pack, packed_nbytes, unpack
 
 from byteps_espresso.strategy.options import Option, OptionError
@@ -48,7 +48,7 @@ def test_fp16_options_are_close_to_the_sum(option):
     xs = _inputs(333)
     codecs = [CodecPair("fp16") for _ in range(6)]
     ref = Reference(3, 2, codecs, server=ServerModel(CodecPair("fp16")),
-                    partitions=default_partitions(100))
+                    partition_bytes=400)
     outs = ref.run(Option.parse(option), xs, name="w", step=0)
     true = sum(x.double() for x in xs)
     np.testing.assert_allclose(outs[0].numpy(), true.numpy(), rtol=1e-2, atol=2e-2)
