@@ -130,9 +130,10 @@ class Handle:
         return self._out
 
     # ---- called by the I/O thread -------------------------------------------------------------
-    def _describe_pending(self, why: str) -> str:
+    def _describe_pending(self, why: str, server: int | None = None) -> str:
         pending = [self.tensor.parts[i] for i in sorted(self._missing)]
-        part = pending[0] if pending else self.tensor.parts[0]
+        on_server = [p for p in pending if p.server == server]
+        part = (on_server or pending or list(self.tensor.parts))[0]
         return (f"push_pull of {part.spec.name!r} (key {part.key}) round {self.round} on server "
                 f"{part.server}: {why}; {len(pending)} of {len(self.tensor.parts)} "
                 "partition(s) incomplete")
@@ -347,13 +348,17 @@ class PSClient:
         return [self._finish_call(c) for c in calls]
 
     def close(self) -> None:
-        """Tell the scheduler this worker is done, then close every socket (idempotent)."""
+        """Tell the scheduler this worker is done, then close every socket (idempotent).
+
+        A client that lost a server reports it, and the scheduler aborts the job."""
         if self._closed:
             return
         self._closing = True
         if _SCHEDULER not in self._dead:
+            failed = next(iter(self._dead.values()), None)
             try:
-                self._call(_SCHEDULER, P.encode(P.MsgType.DONE, sender=self.rank),
+                self._call(_SCHEDULER, P.encode_json(P.MsgType.DONE, {"failed": failed},
+                                                     sender=self.rank),
                            P.MsgType.DONE, 0, "close")
             except PSError as exc:
                 log.warning("worker %d: closing without the scheduler's acknowledgement: %s",
@@ -511,9 +516,9 @@ class PSClient:
     def _send_op(self, handle: Handle, frames: list[list[np.ndarray]]) -> None:
         tensor = handle.tensor
         for i, (part, arrays) in enumerate(zip(tensor.parts, frames, strict=True)):
-            dead = self._dead.get(part.server) or self._dead.get(_SCHEDULER)
-            if dead:
-                handle._fail(PSError(handle._describe_pending(dead)))
+            dead = self._dead.get(_SCHEDULER) or self._dead.get(part.server)
+            if dead:  # an ABORT's reason names the root cause; prefer it
+                handle._fail(PSError(handle._describe_pending(dead, part.server)))
                 return
             slot = (part.server, part.key, handle.round)
             if slot in self._inflight:
@@ -530,7 +535,7 @@ class PSClient:
             sock.send_multipart(pull, copy=True)
 
     def _send_call(self, call: _Call) -> None:
-        dead = self._dead.get(call.target) or self._dead.get(_SCHEDULER)
+        dead = self._dead.get(_SCHEDULER) or self._dead.get(call.target)
         if dead:
             call.finish(error=PSError(f"{call.what}: {dead}"))
             return
@@ -588,7 +593,7 @@ class PSClient:
             entry = self._inflight.get((target, h.key, h.round))
             if entry is not None:
                 self._fail_handle(entry[0], f"server {target} ({self.servers[target]}) "
-                                            f"rejected {request}: {text}")
+                                            f"rejected {request}: {text}", target)
                 return
         try:
             reply = _REPLY_OF[P.MsgType[request]]
@@ -632,8 +637,8 @@ class PSClient:
         else:
             self._answer_call(_SCHEDULER, msg)
 
-    def _fail_handle(self, handle: Handle, why: str) -> None:
-        handle._fail(PSError(handle._describe_pending(why)))
+    def _fail_handle(self, handle: Handle, why: str, server: int | None = None) -> None:
+        handle._fail(PSError(handle._describe_pending(why, server)))
         self._forget(handle)
 
     def _forget(self, handle: Handle) -> None:
@@ -668,7 +673,7 @@ class PSClient:
             return
         for handle in {id(h): h for (s, _, _), (h, _) in self._inflight.items()
                        if s == target}.values():
-            self._fail_handle(handle, why)
+            self._fail_handle(handle, why, target)
         for (t, _, _), calls in self._calls.items():
             while t == target and calls:
                 calls.popleft().finish(error=PSError(why))
