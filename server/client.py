@@ -90,7 +90,8 @@ class _Tensor:
 class Handle:
     """An in-flight push_pull; :meth:`wait` returns its result."""
 
-    def __init__(self, tensor: _Tensor, round_: int, deadline: float, timeout_s: float) -> None:
+    def __init__(self, tensor: _Tensor, round_: int, deadline: float, timeout_s: float,
+                 out: np.ndarray | None = None) -> None:
         self.tensor = tensor
         self.round = round_
         self.deadline = deadline
@@ -98,8 +99,10 @@ class Handle:
         self._event = threading.Event()
         self._error: PSError | None = None
         self._missing = {i: 2 for i in range(len(tensor.parts))}  # PUSH_OK + PULL_REPLY each
-        self._out: Any = (np.empty(tensor.numel, dtype=tensor.dtype) if not tensor.compressed
-                          else [None] * len(tensor.parts))
+        if tensor.compressed:
+            self._out: Any = [None] * len(tensor.parts)
+        else:
+            self._out = np.empty(tensor.numel, dtype=tensor.dtype) if out is None else out
 
     def done(self) -> bool:
         """True once the result (or an error) is there."""
@@ -300,7 +303,8 @@ class PSClient:
         """The server rank holding each partition of ``name``."""
         return [p.server for p in self._tensor(name).parts]
 
-    def push_pull_async(self, name: str, data: Any, round: int) -> Handle:
+    def push_pull_async(self, name: str, data: Any, round: int, *,
+                        out: np.ndarray | None = None) -> Handle:
         """Push this worker's contribution for ``round`` and pull the aggregate.
 
         Args:
@@ -309,6 +313,9 @@ class PSClient:
                 dtype; compressed key: a list with one payload (sequence of numpy arrays)
                 per partition.
             round: the round (iteration) number; strictly increasing per key.
+            out: dense keys only: a C-contiguous array of the tensor's dtype and numel that
+                receives the sum (may be ``data`` itself: a pull is answered only after the
+                server received every push); default: a new array.
 
         Returns:
             A :class:`Handle`; ``wait()`` gives the result.
@@ -322,14 +329,21 @@ class PSClient:
             raise PSError(f"round of {name!r} must be a non-negative integer, got {round!r}")
         frames = (self._dense_frames(tensor, data) if not tensor.compressed
                   else self._payload_frames(tensor, data))
+        if out is not None:
+            if tensor.compressed:
+                raise PSError(f"out= is for dense keys; {name!r} is compressed")
+            self._dense_frames(tensor, out)
+            out = out.reshape(-1)
         now = time.monotonic()
-        handle = Handle(tensor, int(round), now + self.cfg.op_timeout_s, self.cfg.op_timeout_s)
+        handle = Handle(tensor, int(round), now + self.cfg.op_timeout_s, self.cfg.op_timeout_s,
+                        out)
         self._command(("op", handle, frames))
         return handle
 
-    def push_pull(self, name: str, data: Any, round: int) -> Any:
-        """``push_pull_async(name, data, round).wait()``."""
-        return self.push_pull_async(name, data, round).wait()
+    def push_pull(self, name: str, data: Any, round: int, *, out: np.ndarray | None = None
+                  ) -> Any:
+        """``push_pull_async(name, data, round, out=out).wait()``."""
+        return self.push_pull_async(name, data, round, out=out).wait()
 
     def barrier(self, timeout: float | None = None) -> None:
         """Block until every worker of the job called barrier.
