@@ -98,7 +98,7 @@ class Handle:
         self._timeout_s = timeout_s
         self._event = threading.Event()
         self._error: PSError | None = None
-        self._missing = {i: 2 for i in range(len(tensor.parts))}  # PUSH_OK + PULL_REPLY each
+        self._missing = set(range(len(tensor.parts)))  # partitions without a PULL_REPLY
         if tensor.compressed:
             self._out: Any = [None] * len(tensor.parts)
         else:
@@ -146,12 +146,8 @@ class Handle:
             self._error = error
             self._event.set()
 
-    def _part_step(self, index: int) -> None:
-        left = self._missing.get(index, 0) - 1
-        if left > 0:
-            self._missing[index] = left
-            return
-        self._missing.pop(index, None)
+    def _part_done(self, index: int) -> None:
+        self._missing.discard(index)
         if not self._missing:
             self._event.set()
 
@@ -541,12 +537,10 @@ class PSClient:
                 return
             lay = part.push_layout
             push = P.encode(P.MsgType.PUSH, key=part.key, round=handle.round, sender=self.rank,
-                            codec=lay.codec, dtype=lay.dtype, numel=lay.numel, frames=arrays)
-            pull = P.encode(P.MsgType.PULL, key=part.key, round=handle.round, sender=self.rank)
+                            codec=lay.codec, dtype=lay.dtype, numel=lay.numel, frames=arrays,
+                            flags=P.FLAG_PULL)
             self._inflight[slot] = (handle, i)
-            sock = self._socks[part.server]
-            sock.send_multipart(push, copy=False)
-            sock.send_multipart(pull, copy=True)
+            self._socks[part.server].send_multipart(push, copy=False)
 
     def _send_call(self, call: _Call) -> None:
         dead = self._dead.get(_SCHEDULER) or self._dead.get(call.target)
@@ -566,18 +560,17 @@ class PSClient:
                       server, exc)
             return
         h = msg.header
-        if h.type in (P.MsgType.PUSH_OK, P.MsgType.PULL_REPLY):
+        if h.type is P.MsgType.PULL_REPLY:
             entry = self._inflight.get((server, h.key, h.round))
             if entry is None:
                 return  # the handle already failed or timed out
             handle, i = entry
-            if h.type is P.MsgType.PULL_REPLY:
-                try:
-                    self._store_reply(handle, i, msg)
-                except P.ProtocolError as exc:
-                    self._fail_handle(handle, f"server {server} sent a bad reply: {exc}")
-                    return
-            handle._part_step(i)
+            try:
+                self._store_reply(handle, i, msg)
+            except P.ProtocolError as exc:
+                self._fail_handle(handle, f"server {server} sent a bad reply: {exc}")
+                return
+            handle._part_done(i)
             if handle.done():
                 self._forget(handle)
         elif h.type is P.MsgType.ERROR:

@@ -81,6 +81,7 @@ def _patch(head: bytes, offset: int, fmt: str, value: int) -> bytes:
     (lambda f: [_patch(f[0], 28, "<H", 999), f[1]], P.ErrorCode.UNKNOWN_CODEC),
     (lambda f: [_patch(f[0], 16, "<q", -1), f[1]], P.ErrorCode.BAD_FIELD),
     (lambda f: [_patch(f[0], 24, "<i", -2), f[1]], P.ErrorCode.BAD_FIELD),
+    (lambda f: [_patch(f[0], 6, "<H", 0x8000), f[1]], P.ErrorCode.BAD_FIELD),
 ])
 def test_each_rule_rejects_with_its_code(mutate, code):
     frames = _push(np.ones(4, np.float32))
