@@ -151,6 +151,7 @@ class SchedulerLink:
             self._next_beat = now + HEARTBEAT_INTERVAL_S
         return max(0.0, self._next_beat - now)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` lets a last message (BYE) leave first."""
         self.watch.close()
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)

@@ -194,7 +194,7 @@ class Server:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
-        self.link.close()
+        self.link.close(linger_ms=1000)  # BYE must reach the scheduler
         self.router.close(linger=0)
         self.ctx.term()
         os.close(self._wake_r)

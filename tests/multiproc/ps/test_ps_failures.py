@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-START_TIMEOUT_S = 8.0
+START_TIMEOUT_S = 5.0
 OP_TIMEOUT_S = 8.0
 
 
@@ -103,3 +103,25 @@ def test_configuration_errors_exit_2_naming_the_variable(env, needle):
                             capture_output=True, text=True, timeout=50)
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_scheduler_killed_fails_pending_and_later_operations(tmp_path, ps_tools):
+    import numpy as np
+    from byteps_espresso.server.client import PSError
+
+    with ps_tools.ps_job(tmp_path, 2, 1, ESPRESSO_TIMEOUT=str(OP_TIMEOUT_S)) as job:
+        c0, c1 = job.connect(2)
+        for c in (c0, c1):
+            c.declare("s", 100, pushers=[0, 1])
+        x = np.ones(100, np.float32)
+        pending = c0.push_pull_async("s", x, 0)  # waits for rank 1, which never pushes
+        job.procs["scheduler"].kill()
+        killed_at = time.monotonic()
+        with pytest.raises(PSError, match="lost the connection to the scheduler"):
+            pending.wait()
+        with pytest.raises(PSError, match="lost the connection to the scheduler"):
+            c1.push_pull("s", x, 0)
+        assert time.monotonic() - killed_at < OP_TIMEOUT_S
+        assert job.procs["server0"].wait(timeout=OP_TIMEOUT_S + 10) == 1
+    assert "lost the connection to the scheduler" in ps_tools.read_log(tmp_path, "server0")

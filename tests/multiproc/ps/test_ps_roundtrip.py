@@ -136,6 +136,9 @@ def test_worker_processes_round_trip_every_codec(tmp_path, ps_tools):
                 assert proc.wait(timeout=200) == 0, job.logs()
         finally:
             ps_tools.kill_all(procs)
+    # Every worker closed: the scheduler shut the servers down and every process exited 0.
+    assert {n: p.returncode for n, p in job.procs.items()} == {
+        "scheduler": 0, "server0": 0, "server1": 0}, job.logs()
     saved = [dict(np.load(tmp_path / f"worker{r}.npz")) for r in range(2)]
     for round_ in range(2):
         want = saved[0][f"dense/{round_}/in"] + saved[1][f"dense/{round_}/in"]
