@@ -20,6 +20,7 @@ payloads and parameters around them.
 from __future__ import annotations
 
 import abc
+import contextlib
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -137,7 +138,8 @@ class Compressor(abc.ABC):
         check_input(x, f"{self.name}: tensor {name!r}")
         flat = x.detach().reshape(-1) if isinstance(x, torch.Tensor) else x.reshape(-1)
         ctx = Ctx(tuple(int(d) for d in x.shape), "float32", name, int(step))
-        return self.encode(flat, ctx), ctx
+        with self._threads(ctx.numel):
+            return self.encode(flat, ctx), ctx
 
     def decompress(self, payload: Payload, ctx: Ctx) -> Any:
         """Rebuild a dense tensor/array of ``ctx.shape`` (float32) from a payload.
@@ -147,7 +149,8 @@ class Compressor(abc.ABC):
                 content such as out-of-range indices).
         """
         self.check_payload(payload, ctx)
-        return self.decode(payload, ctx).reshape(ctx.shape)
+        with self._threads(ctx.numel):
+            return self.decode(payload, ctx).reshape(ctx.shape)
 
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx) -> Any:
         """Decompress each payload and sum them in list order (deterministic)."""
@@ -236,6 +239,13 @@ class Compressor(abc.ABC):
             raise exc(f"{self.name} ({self.backend} backend): {what} must be a "
                       f"{want.__module__}.{want.__name__}, got {type(arr).__name__}; "
                       f"convert with byteps_espresso.kernels.{hint}")
+
+    def _threads(self, numel: int) -> contextlib.AbstractContextManager[None]:
+        if self.backend != "numba":
+            return contextlib.nullcontext()
+        from byteps_espresso.kernels._exact import threads_for
+
+        return threads_for(numel)
 
     def non_finite(self, ctx: Ctx) -> NonFiniteError:
         """The error for a NaN/Inf input (see CONTRACT.md)."""
