@@ -11,7 +11,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from byteps_espresso.kernels._bits import decode_lut, decode_lut_torch, packed_len
+from byteps_espresso.kernels import _bits
+from byteps_espresso.kernels._bits import decode_lut_torch, packed_len
 from byteps_espresso.kernels.base import Compressor, Ctx, Payload
 
 __all__ = ["SignCodec", "SignCodecNumba", "SignCodecTorch"]
@@ -44,4 +45,4 @@ class SignCodecNumba(SignCodec):
     backend = "numba"
 
     def decode(self, payload: Payload, ctx: Ctx) -> np.ndarray:
-        return decode_lut(payload[0], ctx.numel, 1, self.table(payload))
+        return _bits.decode(payload[0], ctx.numel, 1, self.table(payload))

@@ -21,26 +21,21 @@ _QUIET_NAN = np.uint16(0x7FC0)
 
 
 @njit(parallel=True, cache=True)
-def to_bf16(u):  # pragma: no cover - compiled
-    """uint32 view of float32 -> uint16 bfloat16 bits (round to nearest even)."""
-    out = np.empty(u.size, np.uint16)
+def to_bf16(u, out):  # pragma: no cover - compiled
+    """uint32 view of float32 -> uint16 bfloat16 bits (round to nearest even) into ``out``."""
     for i in prange(u.size):
         v = u[i]
-        if (v & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            out[i] = _QUIET_NAN
-        else:
-            lsb = (v >> np.uint32(16)) & np.uint32(1)
-            out[i] = np.uint16((v + np.uint32(0x7FFF) + lsb) >> np.uint32(16))
-    return out
+        rounded = np.uint16((v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1)))
+                            >> np.uint32(16))
+        nan = (v & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        out[i] = _QUIET_NAN if nan else rounded
 
 
 @njit(parallel=True, cache=True)
-def from_bf16(b):  # pragma: no cover - compiled
-    """uint16 bfloat16 bits -> float32 (exact)."""
-    out = np.empty(b.size, np.uint32)
+def from_bf16(b, out):  # pragma: no cover - compiled
+    """uint16 bfloat16 bits -> float32 bit patterns (uint32, exact) into ``out``."""
     for i in prange(b.size):
         out[i] = np.uint32(b[i]) << np.uint32(16)
-    return out.view(np.float32)
 
 
 class _Bf16(Compressor):
@@ -68,7 +63,11 @@ class Bf16Numba(_Bf16):
     backend = "numba"
 
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
-        return (to_bf16(flat.view(np.uint32)),)
+        out = np.empty(flat.size, np.uint16)
+        to_bf16(flat.view(np.uint32), out)
+        return (out,)
 
     def decode(self, payload: Payload, ctx: Ctx) -> np.ndarray:
-        return from_bf16(payload[0])
+        out = np.empty(ctx.numel, np.uint32)
+        from_bf16(payload[0], out)
+        return out.view(np.float32)

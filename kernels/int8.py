@@ -24,21 +24,18 @@ LEVELS = 127  # codes in [-127, 127]; -128 is never produced
 
 
 @njit(parallel=True, cache=True)
-def quantize(x, scale):  # pragma: no cover - compiled
-    """float32[n] / scale, rounded half to even and clipped to [-127, 127], as int8."""
-    out = np.empty(x.size, np.int8)
+def quantize(x, scale, out):  # pragma: no cover - compiled
+    """x / scale, rounded half to even and clipped to [-127, 127], into int8 ``out``."""
     for i in prange(x.size):
         q = np.rint(x[i] / scale)
         out[i] = np.int8(min(max(q, np.float32(-LEVELS)), np.float32(LEVELS)))
-    return out
 
 
 @njit(parallel=True, cache=True)
-def dequantize(q, scale):  # pragma: no cover - compiled
-    out = np.empty(q.size, np.float32)
+def dequantize(q, scale, out):  # pragma: no cover - compiled
+    """q * scale into float32 ``out``."""
     for i in prange(q.size):
         out[i] = np.float32(q[i]) * scale
-    return out
 
 
 def scale_of(amax_bits: int) -> np.float32:
@@ -89,7 +86,11 @@ class Int8Numba(_Int8):
         scale_a = np.array([scale], np.float32)
         if scale == 0:
             return np.zeros(flat.size, np.int8), scale_a
-        return quantize(flat, scale), scale_a
+        out = np.empty(flat.size, np.int8)
+        quantize(flat, scale, out)
+        return out, scale_a
 
     def decode(self, payload: Payload, ctx: Ctx) -> np.ndarray:
-        return dequantize(payload[0], payload[1][0])
+        out = np.empty(ctx.numel, np.float32)
+        dequantize(payload[0], payload[1][0], out)
+        return out

@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from byteps_espresso.kernels import _exact
-from byteps_espresso.kernels._bits import decode_lut, decode_lut_torch
+from byteps_espresso.kernels import _bits, _exact
+from byteps_espresso.kernels._bits import decode_lut_torch
 from byteps_espresso.kernels._random import UNIT24, hash32, hash32_torch, split_seed
 from byteps_espresso.kernels.base import (
     Compressor,
@@ -49,11 +49,10 @@ def lowest_exponent(amax_bits: int) -> int:
 
 
 @njit(parallel=True, cache=True)
-def encode_codes(x, low, s0, s1):  # pragma: no cover - compiled
-    """Sign-and-power codes of ``x`` for lowest biased exponent ``low``."""
+def encode_codes(x, low, s0, s1, out):  # pragma: no cover - compiled
+    """Sign-and-power codes of ``x`` for lowest biased exponent ``low``, into ``out``."""
     n = x.size
     u = x.view(np.uint32)
-    out = np.empty(n, np.uint8)
     emin = max(low, 1)
     tiny_scale = 2.0 ** (127 - low)
     for i in prange(n):
@@ -67,7 +66,6 @@ def encode_codes(x, low, s0, s1):  # pragma: no cover - compiled
             p = abs(np.float64(x[i])) * tiny_scale
             m = np.int64(np.float64(h >> np.uint64(8)) * UNIT24 < p)
         out[i] = np.uint8((np.int64(v >> np.uint32(31)) << 7) | m)
-    return out
 
 
 def encode_torch(flat: torch.Tensor, low: int, seed: int) -> torch.Tensor:
@@ -142,8 +140,9 @@ class NaturalNumba(_Natural):
         low = self._low(int(_exact.abs_max_bits(flat.view(np.uint32),
                                                 _exact.nchunks(flat.size))), ctx)
         s0, s1 = split_seed(key_seed(self.seed, ctx.name, ctx.step))
-        codes = encode_codes(flat, low, np.uint64(s0), np.uint64(s1))
+        codes = np.empty(flat.size, np.uint8)
+        encode_codes(flat, low, np.uint64(s0), np.uint64(s1), codes)
         return codes, np.array([low], np.int32)
 
     def decode(self, payload: Payload, ctx: Ctx) -> np.ndarray:
-        return decode_lut(payload[0], ctx.numel, 8, power_table(int(payload[1][0])))
+        return _bits.decode(payload[0], ctx.numel, 8, power_table(int(payload[1][0])))

@@ -17,10 +17,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from byteps_espresso.kernels import _exact
+from byteps_espresso.kernels import _bits, _exact
 from byteps_espresso.kernels._bits import (
     constant_codes,
-    decode_lut,
     decode_lut_torch,
     pack_codes_torch,
     packed_len,
@@ -40,11 +39,10 @@ def code_bits(levels: int) -> int:
 
 
 @njit(parallel=True, cache=True)
-def quantize_packed(x, norm, levels, bits, s0, s1):  # noqa: PLR0917  # pragma: no cover
+def quantize_packed(x, norm, levels, bits, s0, s1, out):  # noqa: PLR0917  # pragma: no cover
     """Stochastically rounded level codes of ``x`` (norm > 0), packed ``bits`` per code."""
     n = x.size
     per = 8 // bits
-    out = np.empty((n + per - 1) // per, np.uint8)
     u = x.view(np.uint32)
     sf = np.float32(levels)
     for j in prange(out.size):
@@ -60,7 +58,6 @@ def quantize_packed(x, norm, levels, bits, s0, s1):  # noqa: PLR0917  # pragma: 
                 else:
                     b |= (levels + level) << (bits * t)
         out[j] = np.uint8(b)
-    return out
 
 
 def quantize_torch(flat: torch.Tensor, norm: np.float32, levels: int, bits: int,
@@ -156,9 +153,9 @@ class QsgdNumba(_Qsgd):
         if norm == 0:
             return constant_codes(flat.size, self.bits, self.levels), norm_a
         s0, s1 = split_seed(key_seed(self.seed, ctx.name, ctx.step))
-        packed = quantize_packed(flat, norm, self.levels, self.bits, np.uint64(s0),
-                                 np.uint64(s1))
+        packed = np.empty(packed_len(flat.size, self.bits), np.uint8)
+        quantize_packed(flat, norm, self.levels, self.bits, np.uint64(s0), np.uint64(s1), packed)
         return packed, norm_a
 
     def decode(self, payload: Payload, ctx: Ctx) -> np.ndarray:
-        return decode_lut(payload[0], ctx.numel, self.bits, self.table(float(payload[1][0])))
+        return _bits.decode(payload[0], ctx.numel, self.bits, self.table(float(payload[1][0])))

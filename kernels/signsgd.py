@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from byteps_espresso.kernels._bits import pack_signs, pack_signs_torch
+from byteps_espresso.kernels._bits import pack_signs_torch, signs
 from byteps_espresso.kernels._signs import SignCodec, SignCodecNumba, SignCodecTorch
 from byteps_espresso.kernels.base import Ctx, Payload
 from byteps_espresso.kernels.registry import register
@@ -30,7 +30,7 @@ def signs_torch(flat: torch.Tensor, codec: SignCodec, ctx: Ctx) -> torch.Tensor:
 
 def signs_numba(flat: np.ndarray, codec: SignCodec, ctx: Ctx) -> np.ndarray:
     """Packed sign bits of finite input (raises the codec's NonFiniteError otherwise)."""
-    packed, bad = pack_signs(flat.view(np.uint32))
+    packed, bad = signs(flat.view(np.uint32))
     if bad:
         raise codec.non_finite(ctx)
     return packed

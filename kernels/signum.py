@@ -27,17 +27,17 @@ WIRE_ID = 9
 
 
 @njit(parallel=True, cache=True)
-def momentum_update(m, x, beta, one_minus_beta):  # pragma: no cover - compiled
-    """New momentum beta * m + (1 - beta) * x (each product rounded to float32), NaN/Inf count.
+def momentum_update(m, x, beta, one_minus_beta, out):  # pragma: no cover
+    """out = beta * m + (1 - beta) * x (each product rounded to float32); returns NaN/Inf count.
 
     ``m`` is left untouched so that a refused input does not poison the state.
     """
-    out = np.empty_like(m)
+    u = x.view(np.uint32)
     bad = 0
     for i in prange(m.size):
         out[i] = beta * m[i] + one_minus_beta * x[i]
-        bad += not np.isfinite(x[i])
-    return out, bad
+        bad += (u[i] & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+    return bad
 
 
 class _Signum:
@@ -72,8 +72,9 @@ class SignumTorch(_Signum, SignSgdTorch):
 @register
 class SignumNumba(_Signum, SignSgdNumba):
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
-        m, bad = momentum_update(self._momentum(flat, ctx, np.zeros_like(flat)), flat,
-                                 self.beta, self.one_minus_beta)
+        m = np.empty_like(flat)
+        bad = momentum_update(self._momentum(flat, ctx, np.zeros_like(flat)), flat, self.beta,
+                              self.one_minus_beta, m)
         if bad:
             raise self.non_finite(ctx)
         self.momenta[ctx.name] = m
