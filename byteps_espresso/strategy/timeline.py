@@ -366,6 +366,19 @@ class Evaluator:
         self.calls += len(cands)
         return int(k), float(t)
 
+    @staticmethod
+    def warm_up() -> None:
+        """Load (or compile) the numba kernels now, so timings measure the search only."""
+        one = np.zeros(1, dtype=np.int64)
+        res = np.zeros((1, 1), dtype=np.int64)
+        dur = np.ones((1, 1, 1))
+        _simulate(np.ones(1), one, one, np.ones(1, dtype=np.int64), res, dur, len(RESOURCES),
+                  True, np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), np.zeros(1))
+        _best_of(np.ones(1), one, one, 0, one, np.ones(1, dtype=np.int64), res, dur,
+                 len(RESOURCES), 0.0, 1e-6)
+        _exhaustive(np.ones(1), one, np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64),
+                    np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0)
+
     def iteration_us(self, choice: np.ndarray) -> float:
         """Iteration time of ``choice`` (option index per tensor), microseconds."""
         bwd, last, *_ = self._run(np.asarray(choice, dtype=np.int64), False)
