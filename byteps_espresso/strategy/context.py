@@ -33,7 +33,8 @@ __all__ = ["PlanContext", "pareto_front"]
 # B's plus DOMINANCE_ABS_US (differences below a microsecond or 1% do not keep an option).
 DOMINANCE_REL = 0.01
 DOMINANCE_ABS_US = 1.0
-# At most this many non-dominated options per size, those with the least total busy time.
+# At most this many non-dominated compressed options per size, those with the least total
+# busy time (every non-dominated uncompressed option is kept: there are few).
 FRONT_LIMIT = 8
 FRONT_RANK = "sum"
 
@@ -129,10 +130,12 @@ class PlanContext:
         keep = pareto_front(np.concatenate([busy, total[:, :, None]], axis=2))
         rank = busy.sum(axis=2) if FRONT_RANK == "sum" else busy.max(axis=2)
         out = []
+        compressed = np.array([o.is_compressed for o in candidates], dtype=bool)
         for u in range(len(self.numels)):
-            alive = np.flatnonzero(keep[:, u])
+            alive = np.flatnonzero(keep[:, u] & compressed)
             alive = alive[np.argsort(rank[alive, u], kind="stable")][:FRONT_LIMIT]
-            out.append([candidates[k] for k in sorted(alive)])
+            dense = np.flatnonzero(keep[:, u] & ~compressed)
+            out.append([candidates[k] for k in sorted([*dense, *alive])])
         self._fronts[key] = out
         return out
 

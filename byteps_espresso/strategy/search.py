@@ -2,12 +2,15 @@
 
 Algorithm 1 (``gpu_greedy``)
     1. Start from the best uniform uncompressed strategy.
-    2. Visit tensors grouped by size, largest first; within a size, closest to the output
+    2. Group moves (ours): for each group of equal-size tensors, largest first, try giving
+       the whole group each non-dominated option at once. The same from a second start,
+       every tensor on its fastest option in isolation; continue from the better one.
+    3. Visit tensors grouped by size, largest first; within a size, closest to the output
        layer first (backward index 0 first).
-    3. Skip an uncompressed tensor whose synchronization ends before the next gradient is
+    4. Skip an uncompressed tensor whose synchronization ends before the next gradient is
        ready (a bubble follows it: nothing later waits for it, so compressing it cannot
        shorten the iteration); re-checked on the current timeline before every decision.
-    4. Otherwise try every non-dominated single-device option for its size (see
+    5. Otherwise try every non-dominated single-device option for its size (see
        :mod:`context`) with all other tensors fixed and keep the fastest (ties keep the
        current choice).
 
@@ -75,6 +78,12 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
                     if o in ctx.evaluator.index}
     n = ctx.n_tensors
     order = _visit_order(ctx)
+    _group_moves(ctx, choice, front_idx)
+    # Second start (ours): every tensor on its fastest option in isolation; keep the better.
+    alone = _isolated_best(ctx, fronts)
+    _group_moves(ctx, alone, front_idx)
+    if ctx.iteration_us(alone) < ctx.iteration_us(choice) - 1e-6:
+        choice = alone
     for _ in range(passes):
         changed = False
         _, ready, done = ctx.evaluator.ready_done(choice)
@@ -91,6 +100,41 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
         if not changed:
             break
     return choice
+
+
+def _isolated_best(ctx: PlanContext, fronts: list[list]) -> np.ndarray:  # type: ignore[type-arg]
+    """Per tensor, the front option with the shortest end-to-end time on its own."""
+    best = []
+    for u, front in enumerate(fronts):
+        totals = [ctx.pricer.tasks(o).duration[u].sum() for o in front]
+        best.append(front[int(np.argmin(totals))])
+    idx = ctx.index(best)
+    return np.array([idx[ctx.tensor_size_index(i)] for i in range(ctx.n_tensors)],
+                    dtype=np.int64)
+
+
+def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarray]) -> None:
+    """For each size group (largest first), try giving all its tensors one option (in place).
+
+    Tensors of one size are interchangeable for the cost model; moving them together escapes
+    the plateau where compressing any single one does not shorten the iteration because the
+    others still hold the link."""
+    members: dict[int, list[int]] = {}
+    for i in _visit_order(ctx):
+        members.setdefault(ctx.tensor_size_index(i), []).append(i)
+    current = ctx.iteration_us(choice)
+    for u, group in members.items():
+        keep = choice[group].copy()
+        best_k = -1
+        for k in front_idx[u]:
+            choice[group] = k
+            t = ctx.iteration_us(choice)
+            if t < current - 1e-6:
+                best_k, current = int(k), t
+        if best_k >= 0:
+            choice[group] = best_k
+        else:
+            choice[group] = keep
 
 
 def _offload_groups(ctx: PlanContext, choice: np.ndarray) -> list[tuple[list[int], int]]:
