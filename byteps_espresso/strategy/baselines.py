@@ -145,7 +145,7 @@ def _hipress(ctx: PlanContext) -> Solution:
     gpu_options = ctx.single_device(Device.GPU)
     if not any(o.is_compressed for o in gpu_options):
         raise BaselineUnavailable("hipress: no GPU compression allowed")
-    alone = np.stack([ctx.pricer.tasks(o).duration.sum(axis=1) for o in gpu_options])  # (O, U)
+    alone = np.stack([ctx.pricer.tasks(o).total for o in gpu_options])  # (O, U)
     best = [gpu_options[k] for k in np.argmin(alone, axis=0)]
 
     def pick(i: int) -> Option:

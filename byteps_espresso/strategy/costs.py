@@ -34,6 +34,7 @@ servers, pull on the NIC). Durations are vectors over the workload's distinct te
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ __all__ = [
 GPU, CPU, INTRA, INTER, SERVER = range(5)
 RESOURCES = ("gpu", "cpu", "intra", "inter", "server")
 FLOAT32_BYTES = 4
+_ONE_HOT = np.eye(len(RESOURCES))
 
 
 def bytes_per_us(gbps: float) -> float:
@@ -107,12 +109,15 @@ class StepTasks:
     step: np.ndarray  # (L,) int64: index into option.steps
     duration: np.ndarray  # (U, L) float64 microseconds
 
+    @functools.cached_property
     def busy(self) -> np.ndarray:
         """(U, R) total busy time per resource."""
-        out = np.zeros((self.duration.shape[0], len(RESOURCES)))
-        for j, r in enumerate(self.resource):
-            out[:, r] += self.duration[:, j]
-        return out
+        return self.duration @ _ONE_HOT[self.resource]
+
+    @functools.cached_property
+    def total(self) -> np.ndarray:
+        """(U,) sum of the task durations: the option's time with nothing else running."""
+        return self.duration.sum(axis=1)
 
 
 def _ceil_div(a: np.ndarray, p: int) -> np.ndarray:

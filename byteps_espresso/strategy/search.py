@@ -106,7 +106,7 @@ def _isolated_best(ctx: PlanContext, fronts: list[list]) -> np.ndarray:  # type:
     """Per tensor, the front option with the shortest end-to-end time on its own."""
     best = []
     for u, front in enumerate(fronts):
-        totals = [ctx.pricer.tasks(o).duration[u].sum() for o in front]
+        totals = [ctx.pricer.tasks(o).total[u] for o in front]
         best.append(front[int(np.argmin(totals))])
     idx = ctx.index(best)
     return np.array([idx[ctx.tensor_size_index(i)] for i in range(ctx.n_tensors)],

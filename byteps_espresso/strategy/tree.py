@@ -42,7 +42,7 @@ from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
 
 __all__ = ["FAMILIES", "ConstraintError", "Constraints", "count_decomposition",
-           "enumerate_options", "path_of", "validate"]
+           "enumerate_options", "option_set", "path_of", "validate"]
 
 
 class ConstraintError(ValueError):
@@ -392,6 +392,17 @@ def enumerate_options(cluster: Cluster, constraints: Constraints | None = None) 
     """
     return list(_enumerate(cluster.hierarchical, cluster.servers > 0,
                            constraints or Constraints()))
+
+
+@functools.lru_cache(maxsize=64)
+def _option_set(hierarchical: bool, servers: bool, constraints: Constraints) \
+        -> frozenset[Option]:
+    return frozenset(_enumerate(hierarchical, servers, constraints))
+
+
+def option_set(cluster: Cluster, constraints: Constraints | None = None) -> frozenset[Option]:
+    """The options of :func:`enumerate_options` as a set (cached), for membership tests."""
+    return _option_set(cluster.hierarchical, cluster.servers > 0, constraints or Constraints())
 
 
 def count_decomposition(cluster: Cluster, constraints: Constraints | None = None) \
