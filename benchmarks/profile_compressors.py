@@ -4,10 +4,11 @@ For every compressor in the kernels registry this times, single-threaded, ``comp
 ``aggregate`` (decompress-and-sum, per payload) at several sizes with
 
 - the numba backend            -> the ``cpu`` profile (one host thread), and
-- the torch backend on the CPU -> scaled to a V100 for the ``gpu`` profile: the per-element
-  slope is multiplied by (this host's single-thread copy bandwidth / 900 GB/s, the V100's
-  HBM2 bandwidth from NVIDIA's Tesla V100 datasheet) and the fixed cost is set to
-  GPU_FIXED_US (a handful of kernel launches of ~5 us each, CUDA C Best Practices Guide).
+- the torch backend on the CPU -> with the numba timings, scaled to a V100 for the ``gpu``
+  profile: the per-element slope of the faster CPU implementation (torch or numba) is
+  multiplied by (this host's single-thread copy bandwidth / 900 GB/s, the V100's HBM2
+  bandwidth from NVIDIA's Tesla V100 datasheet) and the fixed cost is set to GPU_FIXED_US
+  (a handful of kernel launches of ~5 us each, CUDA C Best Practices Guide).
   This is an estimate for machines without a GPU; profile on the GPU when you have one
   (the worker's profiler does at start-up).
 
@@ -69,7 +70,7 @@ def _time_backend(name: str, backend: str, numel: int, repeats: int) -> tuple[fl
 def _copy_bandwidth() -> float:
     src = np.ones(1 << 26, dtype=np.float32)
     dst = np.empty_like(src)
-    us = _median_us(lambda: np.copyto(dst, src), 5)
+    us = _median_us(lambda: np.copyto(dst, src), 9)
     return 2 * src.nbytes / (us * 1e-6)  # read + write bytes per second
 
 
@@ -111,13 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     fitted = CompressorCosts.fit(samples)
     models = {}
     for comp, devs in fitted.models.items():
-        gpu = {op: Linear(GPU_FIXED_US, m.b_us * scale) for op, m in devs["gpu"].items()}
+        gpu = {op: Linear(GPU_FIXED_US, min(m.b_us, devs["cpu"][op].b_us) * scale)
+               for op, m in devs["gpu"].items()}
         models[comp] = {"cpu": devs["cpu"], "gpu": gpu}
     note = (f"Measured {datetime.date.today().isoformat()} on {platform.node() or 'host'} "
             f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared and "
             f"noisy) by benchmarks/profile_compressors.py: single-thread medians of "
-            f"{repeats} runs at sizes {list(sizes)}; cpu = numba backend; gpu = torch-CPU "
-            f"slope x (host copy bandwidth {host_bw / 1e9:.1f} GB/s / V100 HBM2 900 GB/s) "
+            f"{repeats} runs at sizes {list(sizes)}; cpu = numba backend; gpu = the smaller of "
+            f"the torch-CPU and numba slopes x (host copy bandwidth {host_bw / 1e9:.1f} GB/s / "
+            f"V100 HBM2 900 GB/s) "
             f"+ {GPU_FIXED_US:g} us fixed (an estimate: no GPU here); decompress = aggregate of "
             f"{AGG_PAYLOADS} payloads / {AGG_PAYLOADS}.")
     costs = CompressorCosts(models, _dense_sum(), note,

@@ -11,7 +11,7 @@ from byteps_espresso.cli import main
 from byteps_espresso.strategy import Strategy, Workload
 
 BASE = ["plan", "--machines", "4", "--gpus-per-machine", "2", "--intra", "pcie",
-        "--inter-gbps", "25", "--compressor", "fp16"]
+        "--inter-gbps", "25", "--compressor", "randomk", "--ratio", "0.01"]
 
 
 def test_plan_writes_strategy_and_timeline(tmp_path, capsys):
@@ -65,7 +65,7 @@ def test_malformed_cluster_constraint_and_outputs(tmp_path, capsys):
     assert main([*args, "--cluster", str(cluster)]) == 2
     err = capsys.readouterr().err
     assert str(cluster) in err and "intra_gbps" in err
-    assert main([*BASE[:-2], "--compressor", "fp16", "--workload", "lstm", "--out", str(out),
+    assert main([*BASE, "--workload", "lstm", "--out", str(out),
                  "--constraint", "max-compressions=many"]) == 2
     assert "max-compressions" in capsys.readouterr().err
     assert main([*BASE, "--workload", "lstm", "--out", str(out),
@@ -73,7 +73,7 @@ def test_malformed_cluster_constraint_and_outputs(tmp_path, capsys):
     assert "unsupported image type" in capsys.readouterr().err
     assert main([*BASE, "--workload", "lstm", "--out", str(tmp_path / "no" / "s.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main([*BASE[:-1], "nope", "--workload", "lstm", "--out", str(out)]) == 2
+    assert main([*BASE[:-3], "nope", "--workload", "lstm", "--out", str(out)]) == 2
     assert "unknown compressor" in capsys.readouterr().err
     assert main([*BASE, "--workload", "lstm", "--out", str(out), "--algorithm",
                  "bruteforce"]) == 2

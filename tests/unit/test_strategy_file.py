@@ -17,7 +17,8 @@ from byteps_espresso.strategy import (
 
 @pytest.fixture(scope="module")
 def strategy():
-    return plan(Workload.builtin("lstm"), Cluster.preset(4, 2, "pcie", 25), "fp16",
+    return plan(Workload.builtin("lstm"), Cluster.preset(4, 2, "pcie", 25), "randomk",
+                {"ratio": 0.01},
                 constraints=Constraints(max_compressions=2))
 
 

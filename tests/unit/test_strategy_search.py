@@ -7,12 +7,13 @@ from byteps_espresso.strategy import Cluster, Constraints, TensorProfile, Worklo
 from byteps_espresso.strategy.context import PlanContext, pareto_front
 from byteps_espresso.strategy.instances import random_instance
 
-COMPRESSOR = "fp16"
+COMPRESSOR = "randomk"
+PARAMS = {"ratio": 0.01}
 
 
 def test_every_option_is_priced_and_simulated():
     wl = Workload((TensorProfile("a", 3_000_000, 500.0), TensorProfile("b", 1000, 10.0)), 100.0)
-    ctx = PlanContext(wl, Cluster.preset(4, 4, "pcie", 25), COMPRESSOR)
+    ctx = PlanContext(wl, Cluster.preset(4, 4, "pcie", 25), COMPRESSOR, PARAMS)
     idx = ctx.index(ctx.options)
     assert len(idx) == len(ctx.options) == 2340
     for k in idx:
@@ -24,7 +25,7 @@ def test_espresso_matches_bruteforce_on_small_instances():
     ratios = []
     for seed in range(12):
         inst = random_instance(seed)
-        ctx = PlanContext(inst.workload, inst.cluster, COMPRESSOR,
+        ctx = PlanContext(inst.workload, inst.cluster, COMPRESSOR, PARAMS,
                           constraints=inst.constraints)
         found = baselines.get("espresso").run(ctx).iteration_us
         best = baselines.get("bruteforce").run(ctx).iteration_us
@@ -36,14 +37,14 @@ def test_espresso_matches_bruteforce_on_small_instances():
 
 def test_bruteforce_refuses_large_inputs():
     wl = Workload(tuple(TensorProfile(f"t{i}", 1 << 20, 100.0) for i in range(6)))
-    ctx = PlanContext(wl, Cluster.preset(2, 2), COMPRESSOR)
+    ctx = PlanContext(wl, Cluster.preset(2, 2), COMPRESSOR, PARAMS)
     with pytest.raises(baselines.BruteforceTooLarge, match="--constraint"):
         baselines.get("bruteforce").run(ctx)
 
 
 def test_baselines_run_and_espresso_is_not_slower():
     wl = Workload.builtin("lstm")
-    ctx = PlanContext(wl, Cluster.preset(8, 8, "pcie", 25), COMPRESSOR)
+    ctx = PlanContext(wl, Cluster.preset(8, 8, "pcie", 25), COMPRESSOR, PARAMS)
     times = {name: baselines.get(name).run(ctx).iteration_us
              for name in ("espresso", "fp32", "all-gpu", "hipress", "cpu-only")}
     assert all(times["espresso"] <= t + 1e-6 for t in times.values())
@@ -54,13 +55,13 @@ def test_baselines_run_and_espresso_is_not_slower():
 
 
 def test_unavailable_baseline_and_unknown_algorithm():
-    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2, servers=0), COMPRESSOR)
+    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2, servers=0), COMPRESSOR, PARAMS)
     with pytest.raises(baselines.BaselineUnavailable):
         baselines.get("cpu-only").run(ctx)
     with pytest.raises(ValueError, match="choose one of"):
         baselines.get("greedy")
     with pytest.raises(ValueError, match="relax"):
-        PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2), COMPRESSOR,
+        PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2), COMPRESSOR, PARAMS,
                     constraints=Constraints(forbid=frozenset(
                         k for k in __import__("byteps_espresso.strategy", fromlist=["Kind"]).Kind
                         if not k.is_compute)))
