@@ -7,12 +7,16 @@ Algorithm 1 (``gpu_greedy``)
        every tensor on its fastest option in isolation; continue from the better one.
     3. Visit tensors grouped by size, largest first; within a size, closest to the output
        layer first (backward index 0 first).
-    4. Skip an uncompressed tensor whose synchronization ends before the next gradient is
-       ready (a bubble follows it: nothing later waits for it, so compressing it cannot
-       shorten the iteration); re-checked on the current timeline before every decision.
+    4. Skip tensors of sizes where no compressed option is non-dominated (their scheme was
+       set by the group move), and an uncompressed tensor whose synchronization ends before
+       the next gradient is ready (a bubble follows it: nothing later waits for it, so
+       compressing it cannot shorten the iteration); re-checked on the current timeline
+       before every decision.
     5. Otherwise try every non-dominated single-device option for its size (see
-       :mod:`context`) with all other tensors fixed and keep the fastest (ties keep the
-       current choice).
+       :mod:`context`) with all other tensors fixed and keep the one with the lowest
+       (iteration time, sum of synchronized times); ties keep the current choice.
+    6. Repeat (GREEDY_PASSES at most, while something changes) over the tensors at least as
+       large as the smallest compressed one.
 
 Algorithm 2 (``cpu_offload``)
     1. Group the compressed tensors by (size, option).
@@ -77,7 +81,9 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
     uncompressed = {ctx.evaluator.index[o] for o in ctx.uncompressed()
                     if o in ctx.evaluator.index}
     n = ctx.n_tensors
-    order = _visit_order(ctx)
+    # Sizes whose non-dominated options are all uncompressed were decided by the group moves.
+    compressible = {u for u, f in enumerate(fronts) if any(o.is_compressed for o in f)}
+    order = [i for i in _visit_order(ctx) if ctx.tensor_size_index(i) in compressible]
     _group_moves(ctx, choice, front_idx)
     # Second start (ours): every tensor on its fastest option in isolation; keep the better.
     alone = _isolated_best(ctx, fronts)
@@ -99,6 +105,12 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
                 _, ready, done = ctx.evaluator.ready_done(choice)
         if not changed:
             break
+        # Later passes revisit only sizes down to the smallest compressed tensor: below it,
+        # compression lost everywhere in this pass.
+        sizes = [ctx.workload.tensors[i].numel for i in range(n)
+                 if ctx.evaluator.options[choice[i]].is_compressed]
+        floor = min(sizes, default=0)
+        order = [i for i in order if ctx.workload.tensors[i].numel >= floor]
     return choice
 
 

@@ -117,12 +117,17 @@ def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, c
     """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]).
 
     acc = [backward end, last task end, sum of tensor done times]; returns False (and stops)
-    as soon as forward + max(backward, last) exceeds ``bound``.
+    as soon as a lower bound of the iteration time, forward + max(backward so far + the
+    backward still to run, last), exceeds ``bound``.
     """
     bwd = acc[0]
     last = acc[1]
     sdone = acc[2]
+    rest = 0.0  # backward still to run after tensor i: bwd + rest bounds the final backward
+    for i in range(j0, gaps.shape[0]):
+        rest += gaps[i]
     for i in range(j0, j1):
+        rest -= gaps[i]
         bwd = _backward(starts, ends, count, bwd, gaps[i])
         t = bwd
         o = ok if i == oi else choice[i]
@@ -142,7 +147,7 @@ def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, c
             done[i] = t
         sdone += t
         last = max(last, t)
-        if forward + max(bwd, last) > bound:
+        if forward + max(bwd + rest, last) > bound:
             acc[0] = bwd
             acc[1] = last
             acc[2] = sdone
