@@ -91,6 +91,7 @@ class Runtime:
             self.ps = PSPath(self.ps_client)
         self.cpu_pool = ThreadPoolExecutor(cfg.cpu_threads, thread_name_prefix="espresso-cpu")
         self._engines: list[Engine] = []
+        self._counters: dict[str, int] = {}  # iterations per tensor, shared by the engines
         log.info("rank %d/%d (machine %d, local rank %d) on %s, %s, %d lanes, %d servers",
                  self.topology.rank, self.topology.world_size, self.topology.machine_id,
                  self.topology.local_rank, self.device, self.backend, lanes, cfg.num_servers)
@@ -99,7 +100,7 @@ class Runtime:
         """An asynchronous engine running Options with ``codec`` on every lane."""
         executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool)
                      for t in self.transports]
-        engine = Engine(executors, timeout_s=self.cfg.op_timeout_s)
+        engine = Engine(executors, timeout_s=self.cfg.op_timeout_s, counters=self._counters)
         self._engines.append(engine)
         return engine
 
