@@ -380,6 +380,7 @@ class PSPath:
     def __init__(self, client: Any) -> None:
         self.client = client
         self._declared: dict[str, tuple[Any, ...]] = {}
+        self._probe_rounds: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @property
@@ -417,6 +418,13 @@ class PSPath:
         """Push ``data`` (dense float32 array, or one payload per partition) for ``round_``
         (the tensor's iteration: strictly increasing per key); wait for the aggregate."""
         return self.client.push_pull_async(key, data, round_).wait()
+
+    def next_probe_round(self, key: str) -> int:
+        """Rounds for keys outside any Option (link probes): 0, 1, 2, ... per key."""
+        with self._lock:
+            round_ = self._probe_rounds.get(key, 0)
+            self._probe_rounds[key] = round_ + 1
+            return round_
 
     def close(self) -> None:
         self.client.close()
