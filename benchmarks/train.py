@@ -21,29 +21,16 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ps import _free_port_pair as free_port_pair  # benchmarks/ps.py: p and p + 1 free
+
 REPO = Path(__file__).resolve().parents[1]
 MACHINES, LOCAL, SERVERS = 2, 2, 1
-
-
-def free_port_pair() -> int:
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
 
 
 def job_env(root: int, extra: dict[str, str]) -> dict[str, str]:

@@ -16,7 +16,7 @@ import torch
 import byteps_espresso.torch as bps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import train as example  # noqa: E402
+import train as example
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ, LR = 500, 32, 64, 16, 8, 0.5
 
