@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -132,15 +133,22 @@ class Executor:
         """
         flat = tensor.detach().reshape(-1).to(self.device, torch.float32)
         st = _State(DENSE, flat, Extent(0, flat.numel()), tensor=name)
+        timed = log.isEnabledFor(logging.DEBUG)
+        times: list[str] = []
         for i, s in enumerate(option.steps):
+            t0 = time.perf_counter() if timed else 0.0
             try:
                 self._step(st, _At(i, s, name, step, option.steps))
+                if timed:
+                    times.append(f"{s} {(time.perf_counter() - t0) * 1e3:.2f}")
             except (OptionError, ExecutionError) as exc:
                 raise ExecutionError(f"tensor {name!r}, step {i} {s} of [{option}]: {exc}") \
                     from None
             except Exception as exc:
                 raise ExecutionError(f"tensor {name!r}, step {i} {s} of [{option}] failed: "
                                      f"{type(exc).__name__}: {exc}") from exc
+        if timed:
+            log.debug("%s step %d ms: %s", name, step, ", ".join(times))
         if st.form != DENSE or st.extent.numel != flat.numel() or st.stack:
             raise ExecutionError(f"tensor {name!r}: [{option}] does not end with the full dense "
                                  f"sum (holds {st.form} over {st.extent})")
