@@ -110,13 +110,16 @@ class PlanContext:
         self.evaluator = Evaluator(self.workload, self.pricer, [])
         self._fronts: dict[tuple, list[list[Option]]] = {}
         self._single: dict[Device, list[Option]] = {}
+        self._moved: dict[tuple[Option, Device], Option] = {}
 
     def prepare(self) -> None:
-        """Price the search's candidate options for every tensor size now (the cost model of
-        this workload), so that a timed search measures the search alone."""
-        for option in self.single_device(self.primary_device()):
-            priced = self.pricer.tasks(option)
-            _ = priced.busy, priced.total
+        """Price the options whose compression runs on one device (Algorithm 1's candidates
+        and Algorithm 2's offloaded versions) for every tensor size now: the cost model of
+        this workload, built once, so that a timed search measures the search alone."""
+        for device in self.constraints.devices:
+            for option in self.single_device(device):
+                priced = self.pricer.tasks(option)
+                _ = priced.busy, priced.total
         self.evaluator.warm_up()
         pareto_front(np.zeros((1, 1, 1)))
 
@@ -179,8 +182,13 @@ class PlanContext:
 
     def on_device(self, option: Option, device: Device) -> Option:
         """The same option with every Comp/Decomp moved to ``device``."""
-        return Option(tuple(Step(s.kind, device=device) if s.device is not None else s
-                            for s in option.steps))
+        key = (option, device)
+        got = self._moved.get(key)
+        if got is None:
+            got = self._moved[key] = Option(tuple(
+                Step(s.kind, device=device) if s.device is not None else s
+                for s in option.steps))
+        return got
 
     def device_variants(self, option: Option) -> list[Option]:
         """The allowed options equal to ``option`` but with its Comp steps on one device and

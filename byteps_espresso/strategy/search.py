@@ -33,8 +33,11 @@ option (mixed GPU/CPU placements of its Comp/Decomp steps) with the others fixed
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -212,8 +215,26 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     return choice
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (restored after): the search allocates many
+    small containers, and a collection would traverse the whole decision tree's objects."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def espresso(ctx: PlanContext) -> np.ndarray:
     """Algorithm 1, Algorithm 2, then the device refinement; returns option indices."""
+    with _gc_paused():
+        return _espresso(ctx)
+
+
+def _espresso(ctx: PlanContext) -> np.ndarray:
     start = uniform_best(ctx, ctx.uncompressed())
     device = ctx.primary_device()
     choice = gpu_greedy(ctx, start, device, passes=GREEDY_PASSES)

@@ -311,6 +311,7 @@ class Evaluator:
         self._len = np.zeros(0, dtype=np.int64)
         self.add(options)
         self.calls = 0
+        self._dummy = (np.zeros((1, 1)), np.zeros(1))  # unused outputs of unrecorded runs
 
     def add(self, options: Sequence[Option]) -> list[int]:
         """Add options (priced now) and return their indices."""
@@ -386,7 +387,11 @@ class Evaluator:
 
     def iteration_us(self, choice: np.ndarray) -> float:
         """Iteration time of ``choice`` (option index per tensor), microseconds."""
-        bwd, last, *_ = self._run(np.asarray(choice, dtype=np.int64), False)
+        d2, d1 = self._dummy
+        bwd, last, _ = _simulate(self.gaps, self.size_idx, np.asarray(choice, dtype=np.int64),
+                                 self._len, self._res, self._dur, len(RESOURCES), False, d2, d2,
+                                 d1, d1)
+        self.calls += 1
         return self.forward_us + max(bwd, last)
 
     def ready_done(self, choice: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
