@@ -101,7 +101,8 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
                 continue
             keep = choice[i]
             cands = front_idx[ctx.tensor_size_index(i)]
-            best_k, _ = ctx.evaluator.best_of(choice, i, np.concatenate([[keep], cands]))
+            best_k, _ = ctx.evaluator.best_of(choice, i,
+                                              np.concatenate([[keep], cands[cands != keep]]))
             if best_k != keep:
                 choice[i] = best_k
                 changed = True

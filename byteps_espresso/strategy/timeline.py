@@ -112,13 +112,15 @@ def _backward(starts, ends, count, t, work):  # pragma: no cover - compiled
 
 @numba.njit(cache=True)
 def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0917
-             cat_res, cat_dur, forward, bound, record, task_start, task_end, ready,
+             cat_res, cat_dur, forward, best_t, best_s, tol, record, task_start, task_end, ready,
              done):  # pragma: no cover - compiled
     """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]).
 
-    acc = [backward end, last task end, sum of tensor done times]; returns False (and stops)
-    as soon as a lower bound of the iteration time, forward + max(backward so far + the
-    backward still to run, last), exceeds ``bound``.
+    acc = [backward end, last task end, sum of tensor done times]. Returns False (and stops)
+    as soon as the run cannot beat (best_t, best_s) lexicographically: a lower bound of its
+    iteration time, forward + max(backward so far + the backward still to run, last),
+    exceeds best_t + tol, or that bound already rules out a shorter time and the partial sum
+    of done times reached best_s - tol (done times only add up).
     """
     bwd = acc[0]
     last = acc[1]
@@ -147,7 +149,8 @@ def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, c
             done[i] = t
         sdone += t
         last = max(last, t)
-        if forward + max(bwd + rest, last) > bound:
+        low = forward + max(bwd + rest, last)
+        if low > best_t + tol or (low >= best_t - tol and sdone >= best_s - tol):
             acc[0] = bwd
             acc[1] = last
             acc[2] = sdone
@@ -175,7 +178,8 @@ def _simulate(gaps, size_idx, choice, cat_len, cat_res, cat_dur, n_res, record, 
     count = np.zeros(n_res, dtype=np.int64)
     acc = np.zeros(3)
     _advance(starts, ends, count, acc, gaps, size_idx, choice, 0, gaps.shape[0], -1, 0,
-             cat_len, cat_res, cat_dur, 0.0, np.inf, record, task_start, task_end, ready, done)
+             cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, record, task_start, task_end,
+             ready, done)
     return acc[0], acc[1], acc[2]
 
 
@@ -193,7 +197,7 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
     dummy1 = np.zeros(1)
     n = gaps.shape[0]
     _advance(starts, ends, count, acc, gaps, size_idx, choice, 0, i, -1, 0, cat_len, cat_res,
-             cat_dur, 0.0, np.inf, False, dummy, dummy, dummy1, dummy1)
+             cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, dummy1, dummy1)
     width = count.max()
     s2 = np.empty((n_res, cap))
     e2 = np.empty((n_res, cap))
@@ -208,8 +212,8 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
         c2[:] = count
         a2[:] = acc
         ok = _advance(s2, e2, c2, a2, gaps, size_idx, choice, i, n, i, cands[c], cat_len,
-                      cat_res, cat_dur, forward, best_t + tol, False, dummy, dummy, dummy1,
-                      dummy1)
+                      cat_res, cat_dur, forward, best_t, best_s, tol, False, dummy, dummy,
+                      dummy1, dummy1)
         if not ok:
             continue
         t = forward + max(a2[0], a2[1])
