@@ -12,6 +12,8 @@ front). Options identical in every task duration are deduplicated (the first kep
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,8 @@ from byteps_espresso.strategy.tree import Constraints, enumerate_options, option
 from byteps_espresso.strategy.workload import Workload
 
 __all__ = ["PlanContext", "pareto_front"]
+
+log = logging.getLogger(__name__)
 
 
 # Dominance tolerance: A dominates B when every entry of A is <= (1 + DOMINANCE_REL) times
@@ -100,6 +104,7 @@ class PlanContext:
             self.costs = CompressorCosts.default()
         if self.sizes is None:
             self.sizes = CompressedSizes(self.compressor, self.params)
+        self.constraints = self._restrict_to_profiled_devices(self.constraints)
         self.options: list[Option] = enumerate_options(self.cluster, self.constraints)
         if not self.options:
             raise ValueError("the constraints leave no valid option; relax them")
@@ -111,6 +116,27 @@ class PlanContext:
         self._fronts: dict[tuple, list[list[Option]]] = {}
         self._single: dict[Device, list[Option]] = {}
         self._moved: dict[tuple[Option, Device], Option] = {}
+
+    def _restrict_to_profiled_devices(self, constraints: Constraints) -> Constraints:
+        """A profile measured on one device only (e.g. the worker's GPU) forbids the other."""
+        assert self.costs is not None
+        if self.free_compression:
+            return constraints
+        known = {d for d in ("gpu", "cpu") if self.costs.has(self.compressor, d)}
+        if not known:
+            self.costs.compress_us(self.compressor, "gpu", 1)  # raises naming the compressor
+        changes = {}
+        if "cpu" not in known and constraints.allow_cpu:
+            # the servers' aggregation of PushPullC runs the CPU kernels too
+            changes["allow_cpu"] = False
+            changes["forbid"] = constraints.forbid | {Kind.PUSH_PULL_C}
+        if "gpu" not in known and constraints.allow_gpu:
+            changes["allow_gpu"] = False
+        if changes:
+            log.info("cost profile of %s lacks %s: those options are left out", self.compressor,
+                     "cpu" if "allow_cpu" in changes else "gpu")
+            return dataclasses.replace(constraints, **changes)
+        return constraints
 
     def prepare(self) -> None:
         """Price the options whose compression runs on one device (Algorithm 1's candidates
