@@ -113,9 +113,10 @@ class PlanContext:
         self.pricer = Pricer(self.cluster, self.compressor, self.sizes, self.costs, self.numels,
                              free_compression=self.free_compression)
         self.evaluator = Evaluator(self.workload, self.pricer, [])
-        self._fronts: dict[tuple, list[list[Option]]] = {}
+        self._fronts: dict[int, tuple[Sequence[Option], list[list[Option]]]] = {}
         self._single: dict[Device, list[Option]] = {}
         self._moved: dict[tuple[Option, Device], Option] = {}
+        self._stacked: dict[int, tuple[Sequence[Option], tuple[np.ndarray, np.ndarray]]] = {}
 
     def _restrict_to_profiled_devices(self, constraints: Constraints) -> Constraints:
         """A profile measured on one device only (e.g. the worker's GPU) forbids the other."""
@@ -139,13 +140,18 @@ class PlanContext:
         return constraints
 
     def prepare(self) -> None:
-        """Price the options whose compression runs on one device (Algorithm 1's candidates
-        and Algorithm 2's offloaded versions) for every tensor size now: the cost model of
-        this workload, built once, so that a timed search measures the search alone."""
+        """Price the options the search uses (single-device ones: Algorithm 1's candidates
+        and Algorithm 2's offloaded versions; and their mixed GPU/CPU placements) for every
+        tensor size now: the cost model of this workload, built once, so that a timed search
+        measures the search alone."""
         for device in self.constraints.devices:
-            for option in self.single_device(device):
-                priced = self.pricer.tasks(option)
-                _ = priced.busy, priced.total
+            options = self.single_device(device)
+            self._stacks(options)
+            self.evaluator.add(options)
+        if Device.GPU in self.constraints.devices:  # the refinement's mixed placements
+            mixed = [v for o in self.single_device(Device.GPU) if o.is_compressed
+                     for v in self.device_variants(o)]
+            self.evaluator.add(mixed)
         self.evaluator.warm_up()
         pareto_front(np.zeros((1, 1, 1)))
 
@@ -177,13 +183,10 @@ class PlanContext:
 
     def front(self, candidates: Sequence[Option]) -> list[list[Option]]:
         """Per distinct size, the non-dominated candidates (see the module docstring)."""
-        key = tuple(candidates)
-        got = self._fronts.get(key)
-        if got is not None:
-            return got
-        priced = [self.pricer.tasks(o) for o in candidates]
-        busy = np.stack([p.busy for p in priced], axis=0)  # (O, U, R)
-        total = np.stack([p.total for p in priced], axis=0)  # (O, U)
+        hit = self._fronts.get(id(candidates))
+        if hit is not None and hit[0] is candidates:
+            return hit[1]
+        busy, total = self._stacks(candidates)
         keep = pareto_front(np.concatenate([busy, total[:, :, None]], axis=2))
         rank = busy.sum(axis=2) if FRONT_RANK == "sum" else busy.max(axis=2)
         out = []
@@ -193,8 +196,20 @@ class PlanContext:
             alive = alive[np.argsort(rank[alive, u], kind="stable")][:FRONT_LIMIT]
             dense = np.flatnonzero(keep[:, u] & ~compressed)
             out.append([candidates[k] for k in sorted([*dense, *alive])])
-        self._fronts[key] = out
+        self._fronts[id(candidates)] = (candidates, out)  # keyed by identity: lists are long
         return out
+
+    def _stacks(self, candidates: Sequence[Option]) -> tuple[np.ndarray, np.ndarray]:
+        """(busy (O, U, R), total (O, U)) of the candidates, cached per candidate list
+        (by identity: hashing and comparing long lists of options costs milliseconds)."""
+        hit = self._stacked.get(id(candidates))
+        if hit is not None and hit[0] is candidates:
+            return hit[1]
+        priced = [self.pricer.tasks(o) for o in candidates]
+        got = (np.stack([p.busy for p in priced], axis=0),
+               np.stack([p.total for p in priced], axis=0))
+        self._stacked[id(candidates)] = (candidates, got)
+        return got
 
     def index(self, options: Sequence[Option]) -> np.ndarray:
         """Evaluator indices of options (adding them when new)."""

@@ -80,7 +80,8 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
                use_bubbles: bool = True, passes: int = 1) -> np.ndarray:
     """Algorithm 1 on ``choice`` (modified copy returned)."""
     choice = choice.copy()
-    fronts = ctx.front(ctx.single_device(device))
+    candidates = ctx.single_device(device)
+    fronts = ctx.front(candidates)
     front_idx = [ctx.index(f) for f in fronts]
     uncompressed = {ctx.evaluator.index[o] for o in ctx.uncompressed()
                     if o in ctx.evaluator.index}
@@ -90,7 +91,7 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
     order = [i for i in _visit_order(ctx) if ctx.tensor_size_index(i) in compressible]
     _group_moves(ctx, choice, front_idx)
     # Second start (ours): every tensor on its fastest option in isolation; keep the better.
-    alone = _isolated_best(ctx, fronts)
+    alone = _isolated_best(ctx, candidates, fronts)
     _group_moves(ctx, alone, front_idx)
     if ctx.iteration_us(alone) < ctx.iteration_us(choice) - 1e-6:
         choice = alone
@@ -119,15 +120,17 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
     return choice
 
 
-def _isolated_best(ctx: PlanContext, fronts: list[list]) -> np.ndarray:  # type: ignore[type-arg]
+def _isolated_best(ctx: PlanContext, candidates: list, fronts: list[list]) -> np.ndarray:  # type: ignore[type-arg]
     """Per tensor, the front option with the shortest end-to-end time on its own."""
+    _, total = ctx._stacks(candidates)
+    position = {o: k for k, o in enumerate(candidates)}
     best = []
     for u, front in enumerate(fronts):
-        totals = [ctx.pricer.tasks(o).total[u] for o in front]
-        best.append(front[int(np.argmin(totals))])
+        rows = [position[o] for o in front]
+        best.append(front[int(np.argmin(total[rows, u]))])
     idx = ctx.index(best)
-    return np.array([idx[ctx.tensor_size_index(i)] for i in range(ctx.n_tensors)],
-                    dtype=np.int64)
+    sizes = [ctx.tensor_size_index(i) for i in range(ctx.n_tensors)]
+    return idx[sizes]
 
 
 def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarray]) -> None:
