@@ -65,6 +65,8 @@ setup(
     entry_points={
         "console_scripts": [
             "espresso=byteps_espresso.cli:main",
+            "espresso-launch=byteps_espresso.deploy.launch:main",
+            "bpslaunch=byteps_espresso.deploy.launch:bpslaunch",
         ],
     },
 )
