@@ -35,12 +35,18 @@ import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from byteps_espresso.deploy.reaper import Reaper
 
 __all__ = [
     "DEFAULT_SUBNET",
     "EmulatedCluster",
     "EmulationError",
     "Placement",
+    "check_host",
+    "delete_namespace",
     "list_namespaces",
     "shape_args",
     "sweep_stale",
@@ -126,14 +132,15 @@ def sweep_stale() -> list[str]:
     for name in list_namespaces():
         match = _PREFIX_RE.match(name)
         if match and not _pid_alive(int(match.group(1))):
-            _delete_namespace(name)
+            delete_namespace(name)
             stale.append(name)
     if stale:
         log.info("removed %d namespace(s) of dead emulated runs", len(stale))
     return stale
 
 
-def _delete_namespace(name: str) -> None:
+def delete_namespace(name: str) -> None:
+    """Kill every process still inside namespace ``name`` and delete it (absent: no-op)."""
     with contextlib.suppress(EmulationError):
         for pid in _sh(["ip", "netns", "pids", name]).split():
             with contextlib.suppress(ProcessLookupError):
@@ -163,6 +170,8 @@ class EmulatedCluster:
         inter_gbps: bandwidth of every node's link, Gbit/s.
         inter_latency_ms: one-way latency between two nodes, ms (half on each link).
         subnet: private IPv4 subnet for the bridge (default :data:`DEFAULT_SUBNET`).
+        reaper: told about every namespace before it is created, so that it is deleted
+            even if this process is killed outright.
 
     Raises:
         EmulationError: not root, iproute2 missing, bad parameters, or the kernel lacks a
@@ -170,7 +179,8 @@ class EmulatedCluster:
     """
 
     def __init__(self, machines: int, servers: int, inter_gbps: float,
-                 inter_latency_ms: float = 0.0, subnet: str = DEFAULT_SUBNET):
+                 inter_latency_ms: float = 0.0, *, subnet: str = DEFAULT_SUBNET,
+                 reaper: Reaper | None = None):
         if machines < 1 or servers < 0:
             raise EmulationError(f"need machines >= 1 and servers >= 0, got {machines}, "
                                  f"{servers}")
@@ -188,6 +198,7 @@ class EmulatedCluster:
         self.inter_gbps, self.inter_latency_ms = inter_gbps, inter_latency_ms
         self.prefix = f"esp{os.getpid()}x{secrets.token_hex(2)}"
         self.created: list[str] = []
+        self.reaper = reaper
 
     # ---- naming ---------------------------------------------------------------------------
     def namespace(self, node: str) -> str:
@@ -222,11 +233,13 @@ class EmulatedCluster:
         """Kill what still runs in the namespaces and delete them (idempotent)."""
         with _signals_blocked():
             for name in reversed(self.created):
-                _delete_namespace(name)
+                delete_namespace(name)
             self.created.clear()
 
     def _add_namespace(self, node: str) -> str:
         name = self.namespace(node)
+        if self.reaper is not None:
+            self.reaper.watch_namespace(name)
         _sh(["ip", "netns", "add", name])
         self.created.append(name)
         _sh(["ip", "-n", name, "link", "set", "lo", "up"])

@@ -37,7 +37,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from byteps_espresso.deploy.emulate import EmulationError, Placement
+from byteps_espresso.deploy.emulate import EmulationError, Placement, check_host
+from byteps_espresso.deploy.reaper import Reaper
 from byteps_espresso.deploy.supervisor import DEFAULT_GRACE_S, ProcessSpec, Supervisor
 
 from byteps_espresso.config import Config, ConfigError, Role
@@ -240,29 +241,31 @@ def build_parser(prog: str = "espresso-launch") -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace, environ: Mapping[str, str], prog: str) -> int:
+def _run(args: argparse.Namespace, environ: Mapping[str, str], prog: str,
+         reaper: Reaper) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not (args.local or args.emulate):
-        return _supervise(machine_specs(command, environ), args, prog)
+        return _supervise(machine_specs(command, environ), args, prog, reaper)
     if not args.emulate:
         port = args.port or free_port_pair()
         specs = cluster_specs(command, machines=args.machines,
                               workers_per_machine=args.workers_per_machine,
                               servers=args.servers, base_env=environ, root_port=port)
-        return _supervise(specs, args, prog)
+        return _supervise(specs, args, prog, reaper)
     from byteps_espresso.deploy.emulate import EmulatedCluster
 
     with EmulatedCluster(args.machines, args.servers, args.inter_gbps,
-                         args.inter_latency_ms) as cluster:
+                         args.inter_latency_ms, reaper=reaper) as cluster:
         specs = cluster_specs(command, machines=args.machines,
                               workers_per_machine=args.workers_per_machine,
                               servers=args.servers, base_env=environ,
                               root_port=args.port or _EMULATED_PORT, place=cluster.placement)
-        return _supervise(specs, args, prog)
+        return _supervise(specs, args, prog, reaper)
 
 
-def _supervise(specs: list[ProcessSpec], args: argparse.Namespace, prog: str) -> int:
-    result = Supervisor(specs, grace_s=args.grace_s).run()
+def _supervise(specs: list[ProcessSpec], args: argparse.Namespace, prog: str,
+               reaper: Reaper) -> int:
+    result = Supervisor(specs, grace_s=args.grace_s, reaper=reaper).run()
     stream = sys.stderr if result.exit_code else sys.stdout
     print(f"{prog}: {result.message}", file=stream, flush=True)
     return result.exit_code
@@ -292,7 +295,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        return _run(args, environ, prog)
+        if args.emulate:
+            check_host()  # refuse before anything starts
+        with Reaper() as reaper:
+            return _run(args, environ, prog, reaper)
     except (ConfigError, ValueError, EmulationError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2

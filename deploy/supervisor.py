@@ -26,7 +26,10 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from byteps_espresso.deploy.reaper import Reaper
 
 __all__ = ["JobResult", "ProcessSpec", "Supervisor", "stop_process_groups"]
 
@@ -160,18 +163,22 @@ class Supervisor:
         grace_s: seconds between SIGTERM and SIGKILL when stopping.
         linger_s: seconds non-worker processes may take to exit on their own after the last
             worker finished, before they are stopped.
+        reaper: told every process group, so that they are stopped even if this process is
+            killed outright.
 
     Raises:
         ValueError: no worker among ``specs``.
     """
 
     def __init__(self, specs: Sequence[ProcessSpec], out: IO[str] | None = None,
-                 grace_s: float = DEFAULT_GRACE_S, linger_s: float = DEFAULT_LINGER_S):
+                 grace_s: float = DEFAULT_GRACE_S, linger_s: float = DEFAULT_LINGER_S,
+                 reaper: Reaper | None = None):
         if not any(s.role == "worker" for s in specs):
             raise ValueError("a job needs at least one worker process")
         self.specs = list(specs)
         self.out = out if out is not None else sys.stdout
         self.grace_s, self.linger_s = grace_s, linger_s
+        self.reaper = reaper
         self.procs: list[subprocess.Popen] = []
         self._interrupt: int | None = None
         self._lock = threading.Lock()
@@ -220,6 +227,8 @@ class Supervisor:
             except OSError as exc:
                 raise OSError(f"cannot start {spec.name}: {' '.join(spec.argv)}: {exc}") from exc
             self.procs.append(proc)
+            if self.reaper is not None:
+                self.reaper.watch_group(proc.pid)
             log.debug("started %s pid %d: %s", spec.name, proc.pid, " ".join(spec.argv))
 
     def _watch(self) -> JobResult:

@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from byteps_espresso.deploy.emulate import (
@@ -163,3 +164,27 @@ def test_bad_parameters_are_refused():
         EmulatedCluster(machines=1, servers=1, inter_gbps=0)
     with pytest.raises(EmulationError, match="subnet"):
         EmulatedCluster(machines=10, servers=1, inter_gbps=1, subnet="10.213.0.0/29")
+
+
+@needs_root
+def test_namespaces_are_deleted_when_the_owner_is_killed_outright():
+    code = ("import time\n"
+            "from byteps_espresso.deploy.emulate import EmulatedCluster\n"
+            "from byteps_espresso.deploy.reaper import Reaper\n"
+            "with Reaper() as r, EmulatedCluster(machines=2, servers=1, inter_gbps=1, "
+            "reaper=r) as c:\n"
+            "    print(c.prefix, flush=True)\n"
+            "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        prefix = proc.stdout.readline().strip()
+        assert len([n for n in list_namespaces() if n.startswith(prefix)]) == 5
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while [n for n in list_namespaces() if n.startswith(prefix)]:
+            assert time.monotonic() < deadline, "namespaces survived their owner"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -149,3 +149,21 @@ def test_missing_contract_variable_is_named(tmp_path):
     assert proc.returncode == 2
     assert "DMLC_PS_ROOT_URI is not set" in err
     assert not _pids(tmp_path)
+
+
+def test_killing_the_launcher_outright_leaves_no_process_behind(tmp_path):
+    proc = _launch(tmp_path, ["3=sleep", "4=sleep", "5=sleep"])
+    try:
+        deadline = time.monotonic() + 20
+        while len(_pids(tmp_path)) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_pids(tmp_path)) == 6, "workers did not start"
+        proc.kill()  # no cleanup code runs in the launcher
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while [p for p in _pids(tmp_path) if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in _pids(tmp_path) if _alive(p)], "orphans survived"
+    finally:
+        _finish(proc)
+        _kill_leftovers(tmp_path)
