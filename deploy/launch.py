@@ -151,8 +151,8 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
         ValueError: a count is out of range or the command is empty.
         ConfigError: the resulting environment is invalid (e.g. a malformed ESPRESSO_ knob).
     """
-    if machines < 1 or workers_per_machine < 1 or servers < 0:
-        raise ValueError("need --machines >= 1, --workers-per-machine >= 1 and --servers >= 0; "
+    if machines < 1 or workers_per_machine < 1 or servers < 1:
+        raise ValueError("need --machines >= 1, --workers-per-machine >= 1 and --servers >= 1; "
                          f"got {machines}, {workers_per_machine}, {servers}")
     if not command:
         raise ValueError("no training command given: espresso-launch --local ... -- python "

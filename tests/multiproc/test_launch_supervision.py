@@ -81,6 +81,13 @@ def _finish(proc, timeout=30):
     return out, err
 
 
+def _wait_started(out: Path, count: int):
+    deadline = time.monotonic() + 20
+    while len(_pids(out)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_pids(out)) == count, "workers did not start"
+
+
 def _kill_leftovers(out: Path):
     for pid in _pids(out):
         if _alive(pid):
@@ -128,10 +135,7 @@ def test_sigterm_ignoring_process_is_killed_after_the_grace_period(tmp_path):
 def test_ctrl_c_stops_everything(tmp_path):
     proc = _launch(tmp_path, ["3=sleep", "4=sleep", "5=sleep"])
     try:
-        deadline = time.monotonic() + 20
-        while len(_pids(tmp_path)) < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(_pids(tmp_path)) == 6, "workers did not start"
+        _wait_started(tmp_path, 6)
         proc.send_signal(signal.SIGINT)
         _, err = _finish(proc)
         assert proc.returncode == 128 + signal.SIGINT
@@ -154,10 +158,7 @@ def test_missing_contract_variable_is_named(tmp_path):
 def test_killing_the_launcher_outright_leaves_no_process_behind(tmp_path):
     proc = _launch(tmp_path, ["3=sleep", "4=sleep", "5=sleep"])
     try:
-        deadline = time.monotonic() + 20
-        while len(_pids(tmp_path)) < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(_pids(tmp_path)) == 6, "workers did not start"
+        _wait_started(tmp_path, 6)
         proc.kill()  # no cleanup code runs in the launcher
         proc.wait()
         deadline = time.monotonic() + 20

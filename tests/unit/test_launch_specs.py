@@ -67,7 +67,7 @@ def test_placement_sets_prefix_and_addresses():
 @pytest.mark.parametrize(("kw", "message"), [
     ({"machines": 0}, "--machines"),
     ({"workers_per_machine": 0}, "--workers-per-machine"),
-    ({"servers": -1}, "--servers"),
+    ({"servers": 0}, "--servers"),
 ])
 def test_bad_counts_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
