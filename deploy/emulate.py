@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 # Private test subnet, configured only inside the namespaces a run creates.
 DEFAULT_SUBNET = "10.213.0.0/24"
+# gloo and NCCL pick their interface from the host name, which resolves to the host's
+# loopback inside a namespace; point them at the namespace's link instead.
+_NAMESPACE_ENV = (("GLOO_SOCKET_IFNAME", "eth0"), ("NCCL_SOCKET_IFNAME", "eth0"))
 _PREFIX_RE = re.compile(r"^esp(\d+)x[0-9a-f]{4}-")
 # tbf bucket: 1 ms of traffic at the shaped rate, at least 128 KiB so that a 64 KiB GSO
 # segment always fits (tbf would otherwise split it). Queue: 50 ms at the shaped rate.
@@ -71,10 +74,17 @@ class EmulationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a process runs: a command prefix (e.g. ``ip netns exec NS``) and its address."""
+    """Where a process runs.
+
+    Attributes:
+        prefix: command prefix, e.g. ``("ip", "netns", "exec", NS)``.
+        host: the address the process binds and advertises (``DMLC_NODE_HOST``).
+        env: extra variables for libraries the launcher does not configure otherwise.
+    """
 
     prefix: tuple[str, ...] = ()
     host: str = "127.0.0.1"
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def shape_args(gbps: float, one_way_ms: float) -> list[list[str]]:
@@ -212,7 +222,8 @@ class EmulatedCluster:
     def placement(self, role: str, index: int) -> Placement:
         """Where process ``index`` of ``role`` runs: ``ip netns exec`` prefix and address."""
         node = self.node_of(role, index)
-        return Placement(("ip", "netns", "exec", self.namespace(node)), self.addresses[node])
+        return Placement(("ip", "netns", "exec", self.namespace(node)), self.addresses[node],
+                         _NAMESPACE_ENV)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> EmulatedCluster:

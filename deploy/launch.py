@@ -170,7 +170,8 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
 
     def ps_spec(role: Role, index: int) -> ProcessSpec:
         where = place(role.value, index)
-        env = {**common, **cpu_only, "DMLC_ROLE": role.value, "DMLC_NODE_HOST": where.host}
+        env = {**common, **dict(where.env), **cpu_only, "DMLC_ROLE": role.value,
+               "DMLC_NODE_HOST": where.host}
         return ProcessSpec(role.value, index, (*where.prefix, *PS_COMMAND), _checked(env))
 
     specs = [ps_spec(Role.SCHEDULER, 0)] + [ps_spec(Role.SERVER, j) for j in range(servers)]
@@ -178,7 +179,7 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
         where = place(Role.WORKER.value, machine)
         for local in range(workers_per_machine):
             rank = machine * workers_per_machine + local
-            env = {**common, **_gpu_env(rank, gpus), "DMLC_ROLE": "worker",
+            env = {**common, **dict(where.env), **_gpu_env(rank, gpus), "DMLC_ROLE": "worker",
                    "DMLC_NODE_HOST": where.host, "DMLC_WORKER_ID": str(machine),
                    "BYTEPS_LOCAL_RANK": str(local)}
             specs.append(ProcessSpec("worker", rank, (*where.prefix, *command), _checked(env)))

@@ -28,6 +28,16 @@ from byteps_espresso.server.client import PSClient
 
 cfg = Config.from_env()
 fail_rank = int(sys.argv[1]) if len(sys.argv) > 1 else -1
+if "gloo" in sys.argv:  # torch.distributed through the scheduler's store, across machines
+    import datetime, torch, torch.distributed as dist
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore(cfg.root_uri, cfg.store_port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=cfg.rank, world_size=cfg.world_size,
+                            timeout=timeout)
+    t = torch.full((8,), float(cfg.rank + 1))
+    dist.all_reduce(t)
+    assert t[0].item() == cfg.world_size * (cfg.world_size + 1) / 2, t
+    print(f"gloo ok rank={cfg.rank}", flush=True)
 client = PSClient(cfg, rank=cfg.rank)
 client.declare("grad", 4096, pushers=list(range(cfg.world_size)))
 total = client.push_pull("grad", np.full(4096, cfg.rank + 1, np.float32), 0)
@@ -127,13 +137,15 @@ def test_local_ctrl_c_stops_everything(tmp_path):
 
 
 @needs_root
-def test_emulated_job_uses_namespace_addresses(tmp_path):
-    proc, tag = _launch(tmp_path, ["--emulate", *LOCAL[1:], "--inter-gbps", "1"])
+def test_emulated_job_uses_namespace_addresses_for_ps_and_gloo(tmp_path):
+    proc, tag = _launch(tmp_path, ["--emulate", *LOCAL[1:], "--inter-gbps", "1"],
+                        job_args=[-1, "gloo"])
     out, err, survivors = _finish(proc, tag)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     hosts = {line.split("host=")[1].split()[0] for line in out.splitlines() if "sum ok" in line}
     assert len(hosts) == 2 and all(h.startswith("10.213.0.") for h in hosts), hosts
     assert "root=10.213.0.1" in out
+    assert out.count("gloo ok") == 4
     assert not [n for n in list_namespaces() if n.startswith(f"esp{proc.pid}x")]
     assert not survivors
 

@@ -55,13 +55,14 @@ def test_placement_sets_prefix_and_addresses():
     def place(role, index):
         host = {"scheduler": "10.1.0.1", "server": f"10.1.0.{2 + index}",
                 "worker": f"10.1.0.{10 + index}"}[role]
-        return Placement(("netns", role, str(index)), host)
+        return Placement(("netns", role, str(index)), host, (("GLOO_SOCKET_IFNAME", "eth0"),))
 
     specs = _plan(place=place)
     assert all(s.env["DMLC_PS_ROOT_URI"] == "10.1.0.1" for s in specs)
     assert specs[1].argv[:3] == ("netns", "server", "0")
     assert specs[-1].env["DMLC_NODE_HOST"] == "10.1.0.11"
     assert specs[-1].argv == ("netns", "worker", "1", "python", "train.py")
+    assert all(s.env["GLOO_SOCKET_IFNAME"] == "eth0" for s in specs)
 
 
 @pytest.mark.parametrize(("kw", "message"), [
