@@ -158,7 +158,8 @@ class Supervisor:
     """Starts the processes of one job and supervises them until it ends.
 
     Args:
-        specs: the processes; at least one worker.
+        specs: the processes. The job ends when every worker exited 0 (or, with no worker
+            among them, as a scheduler or server machine has none, when every process did).
         out: where prefixed output goes (default: ``sys.stdout``).
         grace_s: seconds between SIGTERM and SIGKILL when stopping.
         linger_s: seconds non-worker processes may take to exit on their own after the last
@@ -167,14 +168,14 @@ class Supervisor:
             killed outright.
 
     Raises:
-        ValueError: no worker among ``specs``.
+        ValueError: ``specs`` is empty.
     """
 
     def __init__(self, specs: Sequence[ProcessSpec], out: IO[str] | None = None,
                  grace_s: float = DEFAULT_GRACE_S, linger_s: float = DEFAULT_LINGER_S,
                  reaper: Reaper | None = None):
-        if not any(s.role == "worker" for s in specs):
-            raise ValueError("a job needs at least one worker process")
+        if not specs:
+            raise ValueError("nothing to supervise: no process given")
         self.specs = list(specs)
         self.out = out if out is not None else sys.stdout
         self.grace_s, self.linger_s = grace_s, linger_s
@@ -233,7 +234,9 @@ class Supervisor:
 
     def _watch(self) -> JobResult:
         workers = [i for i, s in enumerate(self.specs) if s.role == "worker"]
-        others = [i for i, s in enumerate(self.specs) if s.role != "worker"]
+        what = "worker" if workers else "process"
+        workers = workers or list(range(len(self.specs)))
+        others = [i for i in range(len(self.specs)) if i not in workers]
         linger_until: float | None = None
         while True:
             if self._interrupt is not None:
@@ -246,7 +249,7 @@ class Supervisor:
                     return self._failure(i, code)
             if all(codes[i] == 0 for i in workers):
                 if all(codes[i] is not None for i in others):
-                    return self._result(0, None, "every worker finished")
+                    return self._result(0, None, f"every {what} finished")
                 if linger_until is None:
                     linger_until = time.monotonic() + self.linger_s
                 elif time.monotonic() > linger_until:

@@ -87,20 +87,29 @@ def _launch(tmp_path, args, job_args=(), **popen):
     return proc, tag
 
 
-def _finish(proc, tag, timeout=90):
+def _communicate(proc, timeout=90):
     try:
-        out, err = proc.communicate(timeout=timeout)
+        return proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _survivors(tag):
+    """Processes of the job still alive (given a moment to be reaped), then killed."""
     deadline = time.monotonic() + 10  # the kernel may take a moment to reap
     while _tagged_pids(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
     survivors = _tagged_pids(tag)
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
-    return out, err, survivors
+    return survivors
+
+
+def _finish(proc, tag, timeout=90):
+    out, err = _communicate(proc, timeout)
+    return out, err, _survivors(tag)
 
 
 LOCAL = ["--local", "--machines", "2", "--workers-per-machine", "2", "--servers", "1"]
@@ -127,7 +136,8 @@ def test_local_failure_stops_scheduler_servers_and_workers(tmp_path):
 def test_local_ctrl_c_stops_everything(tmp_path):
     proc, tag = _launch(tmp_path, LOCAL, job_args=[99])  # nobody fails: all wait
     deadline = time.monotonic() + 60
-    while len(_tagged_pids(tag)) < 7 and time.monotonic() < deadline:  # 1+1+4 and launcher
+    # launcher, its watchdog, scheduler, server and four workers
+    while len(_tagged_pids(tag)) < 8 and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(1)
     proc.send_signal(signal.SIGINT)
@@ -158,3 +168,32 @@ def test_emulated_failure_tears_down_every_namespace(tmp_path):
     assert "worker 3 exited with code 5" in err
     assert not [n for n in list_namespaces() if n.startswith(f"esp{proc.pid}x")]
     assert not survivors
+
+
+def test_one_bpslaunch_per_machine_and_role_like_byteps(tmp_path):
+    """The BytePS contract: scheduler, server and two worker machines, each its own launcher."""
+    from byteps_espresso.deploy.launch import free_port_pair
+
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    tag = uuid.uuid4().hex
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("DMLC_", "BYTEPS_", "CUDA_VISIBLE"))}
+    base.update(DEPLOY_TEST_TAG=tag, DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1",
+                DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port_pair()),
+                BYTEPS_LOCAL_SIZE="2", ESPRESSO_START_TIMEOUT="60")
+    bpslaunch = str(Path(sys.executable).with_name("bpslaunch"))
+    roles = [{"DMLC_ROLE": "scheduler"}, {"DMLC_ROLE": "server"},
+             {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0"},
+             {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "1"}]
+    procs = [subprocess.Popen([bpslaunch, sys.executable, str(script)], env={**base, **extra},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for extra in roles]
+    outputs = [_communicate(proc) for proc in procs]
+    assert not _survivors(tag)
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    worker_out = outputs[2][0] + outputs[3][0]
+    assert sorted(line.split("]")[0] for line in worker_out.splitlines() if "sum ok" in line) \
+        == ["[worker 0", "[worker 1", "[worker 2", "[worker 3"]
+    assert "every process finished" in outputs[0][0]
