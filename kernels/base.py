@@ -11,11 +11,16 @@ Backends:
     ``torch``  payload arrays are ``torch.Tensor`` on the input's device.
     ``numba``  payload arrays are ``numpy.ndarray``; kernels are ``@njit`` functions.
 A payload from one backend decodes with the other after :func:`to_numpy` / :func:`to_torch`.
+
+Subclasses implement two pure steps, :meth:`Compressor.encode` (flat input -> payload) and
+:meth:`Compressor.decode` (checked payload -> flat output); the base class validates inputs,
+payloads and parameters around them.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,11 +31,14 @@ import torch
 
 __all__ = [
     "BACKENDS",
+    "MAX_NUMEL",
     "Compressor",
     "Ctx",
+    "NonFiniteError",
     "Payload",
     "PayloadError",
     "check_input",
+    "check_ratio",
     "key_seed",
     "to_numpy",
     "to_torch",
@@ -38,14 +46,19 @@ __all__ = [
 
 BACKENDS = ("torch", "numba")
 
+# Largest tensor a compressor accepts, in elements: sparse indices are int32 on the wire.
+MAX_NUMEL = 2**31 - 1
+
 # A payload is a tuple of 1-D contiguous arrays (torch tensors or numpy arrays).
 Payload = tuple[Any, ...]
 
-_FLOAT_DTYPES = {"float32": (torch.float32, np.float32)}
-
 
 class PayloadError(ValueError):
-    """A payload does not match its ctx: wrong number of arrays, dtype or length."""
+    """A payload does not match its ctx: wrong number of arrays, dtype, length or content."""
+
+
+class NonFiniteError(ValueError):
+    """The input holds NaN or Inf and the codec cannot encode it faithfully."""
 
 
 @dataclass(frozen=True)
@@ -77,36 +90,84 @@ class Compressor(abc.ABC):
     """Base class: subclasses implement the pure kernels for one algorithm and backend.
 
     Subclasses set ``name`` (registry name), ``wire_id`` (stable codec number on the wire),
-    ``backend`` and ``payload_dtypes`` (the numpy dtype of each payload array, in order).
+    ``backend``, ``payload_dtypes`` (the numpy dtype of each payload array, in order) and
+    ``defaults`` (every accepted parameter with its default value).
     """
 
     name: ClassVar[str]
     wire_id: ClassVar[int]
     backend: ClassVar[str]
     payload_dtypes: ClassVar[tuple[np.dtype, ...]]
+    defaults: ClassVar[dict[str, Any]] = {}
     # Whether the same input always gives the same payload (no random draws).
     deterministic: ClassVar[bool] = True
+    # Whether E[decompress(compress(x))] == x over the random draws.
+    unbiased: ClassVar[bool] = False
 
     def __init__(self, **params: Any) -> None:
-        self.params = params
+        unknown = sorted(set(params) - set(self.defaults))
+        if unknown:
+            valid = ", ".join(sorted(self.defaults)) or "none"
+            raise ValueError(f"{self.name}: unknown parameter(s) {', '.join(unknown)}; "
+                             f"valid parameters: {valid}")
+        self.params = {**self.defaults, **params}
+        self.validate_params()
+
+    def validate_params(self) -> None:  # noqa: B027 - optional hook
+        """Raise ValueError for a bad parameter value (subclasses extend)."""
 
     # ---- the contract ------------------------------------------------------------------------
-    @abc.abstractmethod
     def compress(self, x: Any, *, name: str = "", step: int = 0) -> tuple[Payload, Ctx]:
-        """Compress a contiguous float32 tensor/array; returns (payload, ctx)."""
+        """Compress a contiguous float32 tensor/array.
 
-    @abc.abstractmethod
+        Args:
+            x: a non-empty contiguous float32 ``torch.Tensor`` (torch backend) or
+                ``numpy.ndarray`` (numba backend).
+            name: the tensor's name (seeds random draws, keys per-tensor state).
+            step: the iteration (seeds random draws).
+
+        Returns:
+            ``(payload, ctx)``: the wire arrays and the local decoding context.
+
+        Raises:
+            TypeError: wrong array type or dtype.
+            ValueError: empty, non-contiguous or too large input.
+            NonFiniteError: NaN/Inf in the input of a codec that cannot carry it.
+        """
+        self._check_array_type(x, "input")
+        check_input(x, f"{self.name}: tensor {name!r}")
+        flat = x.detach().reshape(-1) if isinstance(x, torch.Tensor) else x.reshape(-1)
+        ctx = Ctx(tuple(int(d) for d in x.shape), "float32", name, int(step))
+        with self._threads(ctx.numel):
+            return self.encode(flat, ctx), ctx
+
     def decompress(self, payload: Payload, ctx: Ctx) -> Any:
-        """Rebuild a dense tensor/array of ``ctx.shape`` and ``ctx.dtype``."""
+        """Rebuild a dense tensor/array of ``ctx.shape`` (float32) from a payload.
+
+        Raises:
+            PayloadError: the payload's arrays do not fit ``ctx`` (count, type, dtype, length,
+                content such as out-of-range indices).
+        """
+        self.check_payload(payload, ctx)
+        with self._threads(ctx.numel):
+            return self.decode(payload, ctx).reshape(ctx.shape)
 
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx) -> Any:
         """Decompress each payload and sum them in list order (deterministic)."""
         if not payloads:
-            raise PayloadError("aggregate needs at least one payload")
+            raise PayloadError(f"{self.name}: aggregate needs at least one payload")
         total = self.decompress(payloads[0], ctx)
         for payload in payloads[1:]:
             total += self.decompress(payload, ctx)
         return total
+
+    @abc.abstractmethod
+    def encode(self, flat: Any, ctx: Ctx) -> Payload:
+        """Pure kernel step: a checked 1-D float32 array -> payload."""
+
+    @abc.abstractmethod
+    def decode(self, payload: Payload, ctx: Ctx) -> Any:
+        """Pure kernel step: a checked payload -> 1-D float32 array of ``ctx.numel``."""
 
     @abc.abstractmethod
     def compressed_nbytes(self, numel: int) -> int:
@@ -142,6 +203,9 @@ class Compressor(abc.ABC):
 
     def check_payload(self, payload: Payload, ctx: Ctx) -> None:
         """Raise :class:`PayloadError` unless the payload's arrays fit ``ctx``."""
+        if not isinstance(payload, tuple | list):
+            raise PayloadError(f"{self.name}: payload must be a tuple of arrays, "
+                               f"got {type(payload).__name__}")
         expected = self.payload_lengths(ctx.numel)
         if len(payload) != len(expected):
             raise PayloadError(
@@ -150,6 +214,7 @@ class Compressor(abc.ABC):
         for i, (arr, dtype, length) in enumerate(
             zip(payload, self.payload_dtypes, expected, strict=True)
         ):
+            self._check_array_type(arr, f"payload array {i}", PayloadError)
             got_dtype = _np_dtype(arr)
             if got_dtype != np.dtype(dtype):
                 raise PayloadError(
@@ -157,11 +222,38 @@ class Compressor(abc.ABC):
                     f"{np.dtype(dtype)}"
                 )
             got_len = arr.numel() if isinstance(arr, torch.Tensor) else arr.size
-            if got_len != length:
+            if got_len != length or arr.ndim != 1:
                 raise PayloadError(
-                    f"{self.name}: payload array {i} has {got_len} elements, expected "
-                    f"{length} for a tensor of {ctx.numel} elements"
+                    f"{self.name}: payload array {i} has shape {tuple(arr.shape)}, expected "
+                    f"({length},) for a tensor of {ctx.numel} elements"
                 )
+        self.check_payload_content(payload, ctx)
+
+    def check_payload_content(self, payload: Payload, ctx: Ctx) -> None:  # noqa: B027
+        """Raise :class:`PayloadError` for well-shaped payloads with impossible content."""
+
+    def _check_array_type(self, arr: Any, what: str, exc: type[Exception] = TypeError) -> None:
+        want = torch.Tensor if self.backend == "torch" else np.ndarray
+        if not isinstance(arr, want):
+            hint = "to_torch" if self.backend == "torch" else "to_numpy"
+            raise exc(f"{self.name} ({self.backend} backend): {what} must be a "
+                      f"{want.__module__}.{want.__name__}, got {type(arr).__name__}; "
+                      f"convert with byteps_espresso.kernels.{hint}")
+
+    def _threads(self, numel: int) -> contextlib.AbstractContextManager[None]:
+        if self.backend != "numba":
+            return contextlib.nullcontext()
+        from byteps_espresso.kernels._exact import threads_for
+
+        return threads_for(numel)
+
+    def non_finite(self, ctx: Ctx) -> NonFiniteError:
+        """The error for a NaN/Inf input (see CONTRACT.md)."""
+        return NonFiniteError(
+            f"{self.name}: tensor {ctx.name!r} (step {ctx.step}) contains NaN or Inf, which "
+            f"{self.name} cannot encode; fix the diverging gradient (lower the learning rate, "
+            "clip gradients) or use fp16/bf16, which carry NaN/Inf through"
+        )
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in sorted(self.params.items()))
@@ -193,6 +285,23 @@ def check_input(x: Any, who: str) -> None:
         raise TypeError(f"{who}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
     if numel == 0:
         raise ValueError(f"{who}: cannot compress an empty tensor")
+    if numel > MAX_NUMEL:
+        raise ValueError(f"{who}: {numel} elements exceed the limit of {MAX_NUMEL}; "
+                         "split the tensor into partitions")
+
+
+def check_ratio(who: str, ratio: Any) -> float:
+    """Validate a sparsification ratio: a number in (0, 1]."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+        raise ValueError(f"{who}: ratio must be a number in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+def check_int(who: str, param: str, value: Any, lo: int, hi: int) -> int:
+    """Validate an integer parameter in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not lo <= value <= hi:
+        raise ValueError(f"{who}: {param} must be an integer in [{lo}, {hi}], got {value!r}")
+    return int(value)
 
 
 def key_seed(seed: int, name: str, step: int) -> int:

@@ -1,20 +1,53 @@
 """fp16: cast to IEEE half precision (round to nearest even); the sum is taken in float32.
 
-Payload: ``(float16[numel],)``. Deterministic; both backends give identical bits, because
-numpy's and torch's float32->float16 casts both round to nearest even. Values beyond the
-float16 range become +-inf (documented in CONTRACT.md).
+Payload: ``(float16[numel],)``. Deterministic; both backends give identical bits: the numba
+kernel reproduces torch's float32->float16 conversion (round to nearest even, subnormals
+rounded exactly, every NaN becomes the quiet NaN 0x7E00 with its sign), which also equals
+numpy's cast for every non-NaN input. NaN/Inf pass through; values beyond the float16 range
+(|x| >= 65520) become +-inf (documented in CONTRACT.md).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
-from byteps_espresso.kernels.base import Compressor, Ctx, Payload, check_input
+from byteps_espresso.kernels.base import Compressor, Ctx, Payload
 from byteps_espresso.kernels.registry import register
+from numba import njit, prange
 
 WIRE_ID = 1
+# Every float16 bit pattern decoded to float32 (exact), for the numba decoder.
+_TO_FLOAT32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16) \
+    .astype(np.float32)
+
+
+@njit(parallel=True, cache=True)
+def to_half_bits(x, out):  # pragma: no cover - compiled
+    """float32 -> float16 bit patterns (uint16), round to nearest even, branch-free select.
+
+    Normal results add the rounding bias 0xFFF plus the lowest kept bit before dropping 13
+    significand bits while rebasing the exponent from 127 to 15; subnormal results are
+    ``rint(|x| * 2**24)`` (exact product, round half even); >= 2**16 gives Inf (NaN: 0x7E00).
+    """
+    u = x.view(np.uint32)
+    for i in prange(x.size):
+        v = np.int64(u[i])
+        a = v & 0x7FFFFFFF
+        sign = (v >> 16) & 0x8000
+        normal = (a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13
+        sub = np.int64(np.rint(min(abs(x[i]), np.float32(1.0)) * np.float32(16777216.0)))
+        big = 0x7E00 if a > 0x7F800000 else 0x7C00
+        half = big if a >= 0x47800000 else (sub if a < 0x38800000 else normal)
+        out[i] = np.uint16(half | sign)
+
+
+@njit(parallel=True, cache=True)
+def gather(table, codes, out):  # pragma: no cover - compiled
+    """out[i] = table[codes[i]]."""
+    for i in prange(codes.size):
+        out[i] = table[codes[i]]
 
 
 class _Fp16(Compressor):
@@ -30,23 +63,23 @@ class _Fp16(Compressor):
 class Fp16Torch(_Fp16):
     backend = "torch"
 
-    def compress(self, x: torch.Tensor, *, name: str = "", step: int = 0) -> tuple[Payload, Ctx]:
-        check_input(x, "fp16")
-        return (x.reshape(-1).to(torch.float16),), Ctx(tuple(x.shape), "float32", name, step)
+    def encode(self, flat: torch.Tensor, ctx: Ctx) -> Payload:
+        return (flat.to(torch.float16),)
 
-    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        self.check_payload(payload, ctx)
-        return payload[0].to(torch.float32).reshape(ctx.shape)
+    def decode(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
+        return payload[0].to(torch.float32)
 
 
 @register
 class Fp16Numba(_Fp16):
     backend = "numba"
 
-    def compress(self, x: np.ndarray, *, name: str = "", step: int = 0) -> tuple[Payload, Ctx]:
-        check_input(x, "fp16")
-        return (x.reshape(-1).astype(np.float16),), Ctx(tuple(x.shape), "float32", name, step)
+    def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
+        out = np.empty(flat.size, np.uint16)
+        to_half_bits(flat, out)
+        return (out.view(np.float16),)
 
-    def decompress(self, payload: Payload, ctx: Ctx) -> Any:
-        self.check_payload(payload, ctx)
-        return payload[0].astype(np.float32).reshape(ctx.shape)
+    def decode(self, payload: Payload, ctx: Ctx) -> np.ndarray:
+        out = np.empty(ctx.numel, np.float32)
+        gather(_TO_FLOAT32, payload[0].view(np.uint16), out)
+        return out

@@ -1,0 +1,56 @@
+"""efsignsgd: scaled sign (Karimireddy et al., ICML 2019): ``sign(x) * mean(|x|)``.
+
+Payload: ``(uint8[ceil(numel / 8)] sign bits, float32[1] scale)`` with ``scale =
+||x||_1 / numel``. The scale comes from an exact, order-independent sum (``_exact``), so both
+backends produce identical payloads. Meant to be wrapped in
+:class:`~byteps_espresso.kernels.error_feedback.ErrorFeedback` (the "EF" of EF-SignSGD).
+NaN/Inf input raises :class:`NonFiniteError` (the scale would be poisoned).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+from byteps_espresso.kernels import _exact
+from byteps_espresso.kernels._signs import SignCodec, SignCodecNumba, SignCodecTorch
+from byteps_espresso.kernels.base import Ctx, Payload
+from byteps_espresso.kernels.registry import register
+from byteps_espresso.kernels.signsgd import signs_numba, signs_torch
+
+WIRE_ID = 7
+
+
+class _EfSignSgd(SignCodec):
+    name = "efsignsgd"
+    wire_id = WIRE_ID
+    n_scales = 1
+    payload_dtypes: ClassVar = (np.dtype(np.uint8), np.dtype(np.float32))
+
+    def scale(self, bins: list[int] | np.ndarray, numel: int, ctx: Ctx) -> np.ndarray:
+        """float32[1] mean |x| from exact bins (raises on NaN/Inf)."""
+        if _exact.abs_non_finite(bins):
+            raise self.non_finite(ctx)
+        return np.array([_exact.abs_mean(bins, numel)], np.float32)
+
+
+@register
+class EfSignSgdTorch(_EfSignSgd, SignCodecTorch):
+    def encode(self, flat: torch.Tensor, ctx: Ctx) -> Payload:
+        scale = self.scale(_exact.abs_bins_torch(flat), flat.numel(), ctx)
+        return signs_torch(flat, self, ctx), torch.from_numpy(scale).to(flat.device)
+
+    def table(self, payload: Payload) -> torch.Tensor:
+        return torch.cat((payload[1], -payload[1]))
+
+
+@register
+class EfSignSgdNumba(_EfSignSgd, SignCodecNumba):
+    def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
+        bins = _exact.abs_bins(flat.view(np.uint32), _exact.nchunks(flat.size))
+        scale = self.scale(bins, flat.size, ctx)
+        return signs_numba(flat, self, ctx), scale
+
+    def table(self, payload: Payload) -> np.ndarray:
+        return np.array([payload[1][0], -payload[1][0]], np.float32)
