@@ -151,9 +151,18 @@ def test_compressor_knob_names_a_registered_compressor(docs):
         assert name in kernels.names(), f"unknown compressor {name}; known: {kernels.names()}"
 
 
-def test_worker_command_exists_in_the_image_layout(docs):
+def test_worker_command_exists_and_takes_its_options(docs):
     job = _one(docs, "Job")
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
     script = next(a for a in args if a.endswith(".py"))
     relative = re.sub(r"^/opt/byteps-espresso/", "", script)
     assert (ROOT / relative).is_file(), f"{script} is not in the repository"
+    flags = [a for a in args if a.startswith("--")]
+    if flags:
+        usage = subprocess.run([sys.executable, str(ROOT / relative), "--help"],
+                               capture_output=True, text=True, timeout=90)
+        assert usage.returncode == 0, usage.stderr
+        assert all(f in usage.stdout for f in flags), (flags, usage.stdout)
+    compressor = _one(docs, "ConfigMap")["data"].get("ESPRESSO_COMPRESSOR")
+    if "--compressor" in args and compressor is not None:
+        assert args[args.index("--compressor") + 1] == compressor, "knob and flag disagree"
