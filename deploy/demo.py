@@ -27,9 +27,11 @@ from pathlib import Path
 
 __all__ = ["RunResult", "main", "run_training"]
 
-# Lines of the launcher's output shown live: rank 0 (progress bar, per-epoch summary) and
-# the launcher's own verdict. Everything is also written to the run's log file.
-_LIVE_PREFIXES = ("[worker 0]", "espresso-launch:")
+# Lines of the launcher's output shown live: rank 0's progress bar and per-epoch summary,
+# and the launcher's own verdict. Everything is also written to the run's log file.
+def _is_live(line: str) -> bool:
+    return (line.startswith("[worker 0]") and "epoch" in line) or line.startswith(
+        ("espresso-launch:", "Traceback"))
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def run_training(name: str, cluster: Sequence[str], train: Sequence[str], out: P
         try:
             for line in proc.stdout:
                 log.write(line)
-                if live and line.startswith(_LIVE_PREFIXES):
+                if live and _is_live(line):
                     print(f"  {line.rstrip()}", flush=True)
             proc.wait(timeout=timeout_s)
         except (KeyboardInterrupt, subprocess.TimeoutExpired):
@@ -122,8 +124,9 @@ def draw_predicted_timeline(profile: Path, picture: Path, compressor: str,
     cluster = Cluster.load(profile / "cluster.json")
     costs = CompressorCosts.load(profile / "costs.json")
     _, timelines = plan_with_timelines(workload, cluster, compressor, params, costs=costs)
-    draw_timelines(timelines, picture, title=f"{workload.model or 'examples/train.py'}: "
-                   f"predicted iteration, {compressor} {params}")
+    draw_timelines(timelines, picture, title=f"examples/train.py on {cluster.machines} x "
+                   f"{cluster.gpus_per_machine} workers: predicted iteration, {compressor} "
+                   f"{params}")
     return picture
 
 
