@@ -40,7 +40,7 @@ setup(
     package_dir=_PACKAGE_DIR,
     include_package_data=True,
     package_data={
-        "byteps_espresso": ["data/*.json"],
+        "byteps_espresso": ["data/*.json", "data/workloads/*.json", "data/workloads/README.md"],
         "byteps_espresso.deploy": ["k8s/**/*", "Dockerfile"],
     },
     install_requires=[
