@@ -90,16 +90,19 @@ class _Tensor:
 class Handle:
     """An in-flight push_pull; :meth:`wait` returns its result."""
 
-    def __init__(self, tensor: _Tensor, round_: int, deadline: float, timeout_s: float) -> None:
+    def __init__(self, tensor: _Tensor, round_: int, deadline: float, timeout_s: float,
+                 out: np.ndarray | None = None) -> None:
         self.tensor = tensor
         self.round = round_
         self.deadline = deadline
         self._timeout_s = timeout_s
         self._event = threading.Event()
         self._error: PSError | None = None
-        self._missing = {i: 2 for i in range(len(tensor.parts))}  # PUSH_OK + PULL_REPLY each
-        self._out: Any = (np.empty(tensor.numel, dtype=tensor.dtype) if not tensor.compressed
-                          else [None] * len(tensor.parts))
+        self._missing = set(range(len(tensor.parts)))  # partitions without a PULL_REPLY
+        if tensor.compressed:
+            self._out: Any = [None] * len(tensor.parts)
+        else:
+            self._out = np.empty(tensor.numel, dtype=tensor.dtype) if out is None else out
 
     def done(self) -> bool:
         """True once the result (or an error) is there."""
@@ -130,9 +133,10 @@ class Handle:
         return self._out
 
     # ---- called by the I/O thread -------------------------------------------------------------
-    def _describe_pending(self, why: str) -> str:
+    def _describe_pending(self, why: str, server: int | None = None) -> str:
         pending = [self.tensor.parts[i] for i in sorted(self._missing)]
-        part = pending[0] if pending else self.tensor.parts[0]
+        on_server = [p for p in pending if p.server == server]
+        part = (on_server or pending or list(self.tensor.parts))[0]
         return (f"push_pull of {part.spec.name!r} (key {part.key}) round {self.round} on server "
                 f"{part.server}: {why}; {len(pending)} of {len(self.tensor.parts)} "
                 "partition(s) incomplete")
@@ -142,12 +146,8 @@ class Handle:
             self._error = error
             self._event.set()
 
-    def _part_step(self, index: int) -> None:
-        left = self._missing.get(index, 0) - 1
-        if left > 0:
-            self._missing[index] = left
-            return
-        self._missing.pop(index, None)
+    def _part_done(self, index: int) -> None:
+        self._missing.discard(index)
         if not self._missing:
             self._event.set()
 
@@ -299,7 +299,8 @@ class PSClient:
         """The server rank holding each partition of ``name``."""
         return [p.server for p in self._tensor(name).parts]
 
-    def push_pull_async(self, name: str, data: Any, round: int) -> Handle:
+    def push_pull_async(self, name: str, data: Any, round: int, *,
+                        out: np.ndarray | None = None) -> Handle:
         """Push this worker's contribution for ``round`` and pull the aggregate.
 
         Args:
@@ -308,6 +309,9 @@ class PSClient:
                 dtype; compressed key: a list with one payload (sequence of numpy arrays)
                 per partition.
             round: the round (iteration) number; strictly increasing per key.
+            out: dense keys only: a C-contiguous array of the tensor's dtype and numel that
+                receives the sum (may be ``data`` itself: a pull is answered only after the
+                server received every push); default: a new array.
 
         Returns:
             A :class:`Handle`; ``wait()`` gives the result.
@@ -321,14 +325,21 @@ class PSClient:
             raise PSError(f"round of {name!r} must be a non-negative integer, got {round!r}")
         frames = (self._dense_frames(tensor, data) if not tensor.compressed
                   else self._payload_frames(tensor, data))
+        if out is not None:
+            if tensor.compressed:
+                raise PSError(f"out= is for dense keys; {name!r} is compressed")
+            self._dense_frames(tensor, out)
+            out = out.reshape(-1)
         now = time.monotonic()
-        handle = Handle(tensor, int(round), now + self.cfg.op_timeout_s, self.cfg.op_timeout_s)
+        handle = Handle(tensor, int(round), now + self.cfg.op_timeout_s, self.cfg.op_timeout_s,
+                        out)
         self._command(("op", handle, frames))
         return handle
 
-    def push_pull(self, name: str, data: Any, round: int) -> Any:
-        """``push_pull_async(name, data, round).wait()``."""
-        return self.push_pull_async(name, data, round).wait()
+    def push_pull(self, name: str, data: Any, round: int, *, out: np.ndarray | None = None
+                  ) -> Any:
+        """``push_pull_async(name, data, round, out=out).wait()``."""
+        return self.push_pull_async(name, data, round, out=out).wait()
 
     def barrier(self, timeout: float | None = None) -> None:
         """Block until every worker of the job called barrier.
@@ -347,13 +358,17 @@ class PSClient:
         return [self._finish_call(c) for c in calls]
 
     def close(self) -> None:
-        """Tell the scheduler this worker is done, then close every socket (idempotent)."""
+        """Tell the scheduler this worker is done, then close every socket (idempotent).
+
+        A client that lost a server reports it, and the scheduler aborts the job."""
         if self._closed:
             return
         self._closing = True
         if _SCHEDULER not in self._dead:
+            failed = next(iter(self._dead.values()), None)
             try:
-                self._call(_SCHEDULER, P.encode(P.MsgType.DONE, sender=self.rank),
+                self._call(_SCHEDULER, P.encode_json(P.MsgType.DONE, {"failed": failed},
+                                                     sender=self.rank),
                            P.MsgType.DONE, 0, "close")
             except PSError as exc:
                 log.warning("worker %d: closing without the scheduler's acknowledgement: %s",
@@ -511,9 +526,9 @@ class PSClient:
     def _send_op(self, handle: Handle, frames: list[list[np.ndarray]]) -> None:
         tensor = handle.tensor
         for i, (part, arrays) in enumerate(zip(tensor.parts, frames, strict=True)):
-            dead = self._dead.get(part.server) or self._dead.get(_SCHEDULER)
-            if dead:
-                handle._fail(PSError(handle._describe_pending(dead)))
+            dead = self._dead.get(_SCHEDULER) or self._dead.get(part.server)
+            if dead:  # an ABORT's reason names the root cause; prefer it
+                handle._fail(PSError(handle._describe_pending(dead, part.server)))
                 return
             slot = (part.server, part.key, handle.round)
             if slot in self._inflight:
@@ -522,15 +537,13 @@ class PSClient:
                 return
             lay = part.push_layout
             push = P.encode(P.MsgType.PUSH, key=part.key, round=handle.round, sender=self.rank,
-                            codec=lay.codec, dtype=lay.dtype, numel=lay.numel, frames=arrays)
-            pull = P.encode(P.MsgType.PULL, key=part.key, round=handle.round, sender=self.rank)
+                            codec=lay.codec, dtype=lay.dtype, numel=lay.numel, frames=arrays,
+                            flags=P.FLAG_PULL)
             self._inflight[slot] = (handle, i)
-            sock = self._socks[part.server]
-            sock.send_multipart(push, copy=False)
-            sock.send_multipart(pull, copy=True)
+            self._socks[part.server].send_multipart(push, copy=False)
 
     def _send_call(self, call: _Call) -> None:
-        dead = self._dead.get(call.target) or self._dead.get(_SCHEDULER)
+        dead = self._dead.get(_SCHEDULER) or self._dead.get(call.target)
         if dead:
             call.finish(error=PSError(f"{call.what}: {dead}"))
             return
@@ -547,18 +560,17 @@ class PSClient:
                       server, exc)
             return
         h = msg.header
-        if h.type in (P.MsgType.PUSH_OK, P.MsgType.PULL_REPLY):
+        if h.type is P.MsgType.PULL_REPLY:
             entry = self._inflight.get((server, h.key, h.round))
             if entry is None:
                 return  # the handle already failed or timed out
             handle, i = entry
-            if h.type is P.MsgType.PULL_REPLY:
-                try:
-                    self._store_reply(handle, i, msg)
-                except P.ProtocolError as exc:
-                    self._fail_handle(handle, f"server {server} sent a bad reply: {exc}")
-                    return
-            handle._part_step(i)
+            try:
+                self._store_reply(handle, i, msg)
+            except P.ProtocolError as exc:
+                self._fail_handle(handle, f"server {server} sent a bad reply: {exc}")
+                return
+            handle._part_done(i)
             if handle.done():
                 self._forget(handle)
         elif h.type is P.MsgType.ERROR:
@@ -588,7 +600,7 @@ class PSClient:
             entry = self._inflight.get((target, h.key, h.round))
             if entry is not None:
                 self._fail_handle(entry[0], f"server {target} ({self.servers[target]}) "
-                                            f"rejected {request}: {text}")
+                                            f"rejected {request}: {text}", target)
                 return
         try:
             reply = _REPLY_OF[P.MsgType[request]]
@@ -632,8 +644,8 @@ class PSClient:
         else:
             self._answer_call(_SCHEDULER, msg)
 
-    def _fail_handle(self, handle: Handle, why: str) -> None:
-        handle._fail(PSError(handle._describe_pending(why)))
+    def _fail_handle(self, handle: Handle, why: str, server: int | None = None) -> None:
+        handle._fail(PSError(handle._describe_pending(why, server)))
         self._forget(handle)
 
     def _forget(self, handle: Handle) -> None:
@@ -668,7 +680,7 @@ class PSClient:
             return
         for handle in {id(h): h for (s, _, _), (h, _) in self._inflight.items()
                        if s == target}.values():
-            self._fail_handle(handle, why)
+            self._fail_handle(handle, why, target)
         for (t, _, _), calls in self._calls.items():
             while t == target and calls:
                 calls.popleft().finish(error=PSError(why))

@@ -63,7 +63,7 @@ class ConnectionWatch:
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.socket = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.connected = False
+        self.connected_at: float | None = None
 
     def lost(self) -> bool:
         """Drain pending events; True when the peer disconnected after having connected."""
@@ -71,8 +71,9 @@ class ConnectionWatch:
         while self.socket.poll(0):
             event = recv_monitor_message(self.socket)["event"]
             if event == zmq.EVENT_CONNECTED:
-                self.connected = True
-            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                if self.connected_at is None:
+                    self.connected_at = time.monotonic()
+            elif event == zmq.EVENT_DISCONNECTED and self.connected_at is not None:
                 lost = True
         return lost
 
@@ -104,16 +105,22 @@ class SchedulerLink:
                 ERROR reply, or no answer within ESPRESSO_START_TIMEOUT plus a grace period.
         """
         self.send(P.encode_json(P.MsgType.REGISTER, self._body, sender=self._sender))
+        # The wait runs from the moment the scheduler's socket accepted the connection (its
+        # own start-up deadline began before it listened), or from now while unreachable.
         wait_s = self.cfg.start_timeout_s + REGISTER_GRACE_S
-        deadline = time.monotonic() + wait_s
+        since = time.monotonic()
         while True:
-            left = deadline - time.monotonic()
+            self.watch.lost()
+            started = self.watch.connected_at or since
+            left = started + wait_s - time.monotonic()
             if left <= 0:
+                state = ("it accepted the connection but never answered"
+                         if self.watch.connected_at else "it could not be reached")
                 raise RendezvousError(
                     f"{self.role}: no answer from the scheduler at {self.endpoint} within "
                     f"{wait_s:.1f} s (ESPRESSO_START_TIMEOUT={self.cfg.start_timeout_s:g} + "
-                    f"{REGISTER_GRACE_S:g}); is DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT right and "
-                    "the scheduler running?")
+                    f"{REGISTER_GRACE_S:g}): {state}; is DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT "
+                    "right and the scheduler running?")
             if not self.sock.poll(min(left, HEARTBEAT_INTERVAL_S) * 1000):
                 continue
             msg = self.recv()
@@ -144,6 +151,7 @@ class SchedulerLink:
             self._next_beat = now + HEARTBEAT_INTERVAL_S
         return max(0.0, self._next_beat - now)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` lets a last message (BYE) leave first."""
         self.watch.close()
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "FLAG_PULL",
     "HEADER",
     "MAGIC",
     "MAX_CONTROL_BYTES",
@@ -62,6 +63,10 @@ MAX_FRAMES = 16
 MAX_CONTROL_BYTES = 1 << 20
 # Codec id 0 means "dense": one frame holding the tensor in the header's dtype.
 DENSE_CODEC = 0
+# Header flag bits. FLAG_PULL on a PUSH: "and pull": the server answers with the round's
+# PULL_REPLY (or ERROR) instead of PUSH_OK, saving a message pair per key and round.
+FLAG_PULL = 0x1
+KNOWN_FLAGS = FLAG_PULL
 
 
 class MsgType(enum.IntEnum):
@@ -159,6 +164,7 @@ class Header:
     dtype: DType = DType.NONE
     numel: int = 0
     lengths: tuple[int, ...] = ()
+    flags: int = 0
 
     def describe(self) -> str:
         return f"{self.type.name} key={self.key} round={self.round} sender={self.sender}"
@@ -202,12 +208,12 @@ def _nbytes(frame: Any) -> int:
 
 def encode(type: MsgType, *, key: int = 0, round: int = 0, sender: int = -1,
            codec: int = DENSE_CODEC, dtype: DType = DType.NONE, numel: int = 0,
-           frames: Sequence[Any] = ()) -> list[Any]:
+           frames: Sequence[Any] = (), flags: int = 0) -> list[Any]:
     """Build the frames of one message: the packed header, then ``frames`` unchanged.
 
     Args:
         type: the message type.
-        key, round, sender, codec, dtype, numel: header fields.
+        key, round, sender, codec, dtype, numel, flags: header fields.
         frames: payload buffers (numpy arrays, bytes); they are sent without copying.
 
     Returns:
@@ -221,8 +227,8 @@ def encode(type: MsgType, *, key: int = 0, round: int = 0, sender: int = -1,
                             f"{len(frames)} frames exceed the limit of {MAX_FRAMES}")
     lengths = [_nbytes(f) for f in frames]
     try:
-        head = HEADER.pack(MAGIC, VERSION, int(type), 0, key, round, sender, codec, int(dtype),
-                           len(frames), numel)
+        head = HEADER.pack(MAGIC, VERSION, int(type), flags, key, round, sender, codec,
+                           int(dtype), len(frames), numel)
     except struct.error as exc:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"header field out of range: {exc}") from None
     head += b"".join(_LENGTH.pack(n) for n in lengths)
@@ -277,7 +283,7 @@ def decode(frames: Sequence[Any], max_message_bytes: int) -> Message:
         raise ProtocolError(ErrorCode.TRUNCATED, "empty message")
     head = _buffer(frames[0])
     fields, lengths = _parse_header(head)
-    mtype, key, round_, sender, codec, dtype_id, numel = fields
+    mtype, flags, key, round_, sender, codec, dtype_id, numel = fields
     total = sum(lengths) + head.nbytes
     if total > max_message_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE,
@@ -294,15 +300,18 @@ def decode(frames: Sequence[Any], max_message_bytes: int) -> Message:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"round {round_} is negative")
     if sender < -1:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"sender {sender} is not a rank")
-    return Message(Header(mtype, key, round_, sender, codec, dtype, numel, lengths), views)
+    if flags & ~KNOWN_FLAGS:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
+    return Message(Header(mtype, key, round_, sender, codec, dtype, numel, lengths, flags),
+                   views)
 
 
 def _parse_header(head: memoryview) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-    """Fixed fields (type, key, round, sender, codec, dtype id, numel) and frame lengths."""
+    """Fixed fields (type, flags, key, round, sender, codec, dtype id, numel), frame lengths."""
     if head.nbytes < HEADER.size:
         raise ProtocolError(ErrorCode.TRUNCATED,
                             f"header has {head.nbytes} bytes, needs at least {HEADER.size}")
-    (magic, version, type_id, _flags, key, round_, sender, codec, dtype_id, nframes,
+    (magic, version, type_id, flags, key, round_, sender, codec, dtype_id, nframes,
      numel) = HEADER.unpack_from(head)
     if magic != MAGIC:
         raise ProtocolError(ErrorCode.BAD_MAGIC, f"magic {bytes(magic)!r} is not {MAGIC!r}")
@@ -324,7 +333,7 @@ def _parse_header(head: memoryview) -> tuple[tuple[Any, ...], tuple[int, ...]]:
                             f"{nframes} frames")
     lengths = tuple(_LENGTH.unpack_from(head, HEADER.size + i * _LENGTH.size)[0]
                     for i in range(nframes))
-    return (mtype, key, round_, sender, codec, dtype_id, numel), lengths
+    return (mtype, flags, key, round_, sender, codec, dtype_id, numel), lengths
 
 
 def _check_frames(frames: Sequence[Any], lengths: tuple[int, ...]) -> tuple[memoryview, ...]:

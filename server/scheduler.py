@@ -11,7 +11,9 @@ Lifecycle:
        get the same answer); BARRIER releases once every worker arrived; HEARTBEAT keeps nodes
        alive. A node silent for ``ESPRESSO_TIMEOUT`` (or for ``DISCONNECT_GRACE_S`` after a
        connection dropped) is lost: everyone gets ABORT naming it, and the scheduler exits 1.
-    3. Shutdown: when every worker sent DONE, servers get SHUTDOWN, and the scheduler exits 0.
+    3. Shutdown: when every worker sent DONE, servers get SHUTDOWN, and the scheduler exits 0
+       once each acknowledged it (1 if one did not). A worker whose PS client saw a lost
+       server reports it with DONE; the scheduler then aborts the job for everyone.
 
 The scheduler also hosts the job's ``torch.distributed`` TCPStore on ``cfg.store_port``,
 bound to the same interface as everything else.
@@ -29,7 +31,7 @@ from typing import Any
 import zmq
 from byteps_espresso.server import protocol as P
 from byteps_espresso.server.keys import KeySpec
-from byteps_espresso.server.link import HEARTBEAT_INTERVAL_S
+from byteps_espresso.server.link import HEARTBEAT_INTERVAL_S, REGISTER_GRACE_S
 from zmq.utils.monitor import recv_monitor_message
 
 from byteps_espresso.config import Config
@@ -70,6 +72,9 @@ class Scheduler:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        # The start-up deadline runs from here, before the (slow) torch store starts, so
+        # that nodes started at the same time hear ABORT before their own deadline.
+        self.created = time.monotonic()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
@@ -127,7 +132,7 @@ class Scheduler:
         Raises:
             SchedulerError: start-up timed out or a node was lost (everyone got ABORT).
         """
-        deadline = time.monotonic() + self.cfg.start_timeout_s
+        deadline = self.created + self.cfg.start_timeout_s
         log.info("scheduler listening on %s:%d for %d server(s) and %s worker(s)",
                  self.cfg.bind_host(), self.cfg.root_port, self.cfg.num_servers,
                  self.expected_workers or f"DMLC_NUM_WORKER={self.cfg.num_machines} machines of")
@@ -185,9 +190,18 @@ class Scheduler:
             self.dropped_at = None
 
     def _abort(self, reason: str) -> None:
+        """Send ABORT to every node, answer late comers with ABORT for a while, then raise."""
         log.error("aborting the job: %s", reason)
+        abort = P.encode_json(P.MsgType.ABORT, {"reason": reason})
         for identity in self.by_identity:
-            self._send(identity, P.encode_json(P.MsgType.ABORT, {"reason": reason}))
+            self._send(identity, abort)
+        linger_until = time.monotonic() + REGISTER_GRACE_S
+        while time.monotonic() < linger_until:
+            if self.sock.poll(_POLL_S * 1000):
+                identity = self.sock.recv_multipart()[0]
+                if identity not in self.by_identity:
+                    self._send(identity, abort)
+                    self.by_identity[identity] = _Node("late", -1, identity)
         raise SchedulerError(reason)
 
     def _shutdown_servers(self) -> None:
@@ -205,7 +219,9 @@ class Scheduler:
             except P.ProtocolError:
                 continue
         if pending:
-            log.warning("%d server(s) did not acknowledge SHUTDOWN", len(pending))
+            lost = ", ".join(n.describe() for n in self.servers if n.identity in pending)
+            raise SchedulerError(f"every worker is done, but {lost} did not acknowledge "
+                                 f"SHUTDOWN within {SHUTDOWN_WAIT_S:g} s: lost")
         log.info("every worker is done; job finished")
 
     def close(self) -> None:
@@ -355,6 +371,9 @@ class Scheduler:
         node = self._require_worker(node, "DONE")
         node.done = True
         self._send(identity, P.encode(P.MsgType.DONE_OK))
+        failed = P.decode_json(msg).get("failed") if msg.frames else None
+        if failed:
+            self._abort(f"{node.describe()} failed: {failed}")
 
 
 _HANDLERS = {

@@ -26,6 +26,8 @@ from byteps_espresso.config import Config
 
 HERE = Path(__file__).parent
 WORKER_SCRIPT = HERE / "ps_worker.py"
+# Small keys keep the tests fast while every tensor still spans several partitions.
+PARTITION_BYTES = 64 * 1024
 # Hard limit for any PS process started by a test, in seconds.
 PROC_TIMEOUT_S = 90
 
@@ -58,7 +60,7 @@ def base_env(num_workers: int, num_servers: int, **extra: str) -> dict[str, str]
         "ESPRESSO_START_TIMEOUT": "30",
         "ESPRESSO_TIMEOUT": "20",
         "ESPRESSO_MAX_MESSAGE_BYTES": str(8 << 20),
-        "BYTEPS_PARTITION_BYTES": str(1 << 20),
+        "BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES),
         "BYTEPS_SERVER_ENGINE_THREAD": "2",
         "ESPRESSO_LOG_LEVEL": "WARNING",
     })

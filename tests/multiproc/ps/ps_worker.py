@@ -23,7 +23,7 @@ from byteps_espresso.server.client import PSClient
 
 from byteps_espresso.config import Config
 
-NUMEL = 300_001  # 1.2 MB of float32: two partitions at BYTEPS_PARTITION_BYTES=1 MiB
+NUMEL = 20_001  # 80 KB of float32: two partitions at BYTEPS_PARTITION_BYTES=64 KiB
 ROUNDS = 2
 
 

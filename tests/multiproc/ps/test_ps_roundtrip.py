@@ -17,9 +17,13 @@ import torch
 from byteps_espresso.kernels import create, names
 from byteps_espresso.kernels.base import to_numpy
 
-NUMEL = 300_001  # two partitions at BYTEPS_PARTITION_BYTES=1 MiB
+NUMEL = 20_001  # 80 KB: two partitions at the tests' BYTEPS_PARTITION_BYTES=64 KiB
 ROUNDS = 3
-CODECS = ["dense", "dense16", *names()]
+# Dense keys run on every layout; each compressor on 1 server x 2 workers and 2 servers x 4
+# workers, which covers both server counts and both worker counts for every codec.
+LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]
+CASES = [("dense", s, w) for s, w in LAYOUTS] + [("dense16", s, w) for s, w in LAYOUTS] + [
+    (codec, s, w) for codec in names() for s, w in ((1, 2), (2, 4))]
 
 
 def _data(rank: int, round_: int, numel: int, dtype: str = "float32") -> np.ndarray:
@@ -34,14 +38,17 @@ def _compress(codec: str, x: np.ndarray, names_: list[str], parts: list, round_:
             for key_name, (off, n) in zip(names_, parts, strict=True)]
 
 
-def reference(codec: str, inputs: list, names_: list[str], parts: list, round_: int):
-    """Decompress each pusher's payload, sum in rank order, re-compress (numba backend)."""
+def reference(codec: str, inputs: list, names_: list[str], parts: list, round_: int, *,
+              comp=None):
+    """Decompress each pusher's payload, sum in rank order, re-compress (numba backend).
+
+    ``comp`` is the reference's own compressor of this tensor, kept across rounds like the
+    server's (stateful codecs such as signum carry momentum from round to round)."""
     if codec.startswith("dense"):
         total = inputs[0].astype(np.float32)
         for x in inputs[1:]:
             total = total + x
         return total.astype(inputs[0].dtype)
-    comp = create(codec, backend="numba")
     out = []
     for i, (key_name, (_, n)) in enumerate(zip(names_, parts, strict=True)):
         ctx = comp.context((n,), "float32", name=key_name, step=round_)
@@ -71,9 +78,7 @@ def assert_same_bits(codec: str, got, want, what: str) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("num_servers", [1, 2])
-@pytest.mark.parametrize("num_pushers", [2, 4])
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize(("codec", "num_servers", "num_pushers"), CASES)
 def test_round_trip_matches_reference_in_any_arrival_order(ps_job_factory, num_servers,
                                                            num_pushers, codec):
     job = ps_job_factory(num_servers)
@@ -85,10 +90,11 @@ def test_round_trip_matches_reference_in_any_arrival_order(ps_job_factory, num_s
                        compressor=None if codec.startswith("dense") else codec, dtype=dtype)
     parts, key_names = clients[0].partitions(name), clients[0].key_names(name)
     assert sum(n for _, n in parts) == NUMEL
-    assert len(parts) == (1 if dtype == "float16" else 2)  # 600 KB vs 1.2 MB at 1 MiB keys
+    assert len(parts) == (1 if dtype == "float16" else 2)  # 40 KB vs 80 KB at 64 KiB keys
     if num_servers == 2 and len(parts) == 2:
         assert sorted(clients[0].servers_of(name)) == [0, 1], "partitions not balanced"
     rng = random.Random(f"{name}-{num_servers}")
+    ref_comp = None if codec.startswith("dense") else create(codec, backend="numba")
     for round_ in range(ROUNDS):
         dense = [_data(r, round_, NUMEL, dtype) for r in range(num_pushers)]
         inputs = (dense if codec.startswith("dense")
@@ -100,7 +106,7 @@ def test_round_trip_matches_reference_in_any_arrival_order(ps_job_factory, num_s
             handles[rank] = clients[rank].push_pull_async(name, inputs[rank], round_)
             time.sleep(rng.random() * 0.01)
         results = {rank: handles[rank].wait() for rank in range(num_pushers)}
-        want = reference(codec, inputs, key_names, parts, round_)
+        want = reference(codec, inputs, key_names, parts, round_, comp=ref_comp)
         for rank, got in results.items():
             assert_same_bits(codec, got, want, f"{name} round {round_} rank {rank} order {order}")
 
@@ -136,13 +142,17 @@ def test_worker_processes_round_trip_every_codec(tmp_path, ps_tools):
                 assert proc.wait(timeout=200) == 0, job.logs()
         finally:
             ps_tools.kill_all(procs)
+    # Every worker closed: the scheduler shut the servers down and every process exited 0.
+    assert {n: p.returncode for n, p in job.procs.items()} == {
+        "scheduler": 0, "server0": 0, "server1": 0}, job.logs()
     saved = [dict(np.load(tmp_path / f"worker{r}.npz")) for r in range(2)]
+    comps = {codec: create(codec, backend="numba") for codec in names()}  # kept across rounds
     for round_ in range(2):
         want = saved[0][f"dense/{round_}/in"] + saved[1][f"dense/{round_}/in"]
         for s in saved:
             assert s[f"dense/{round_}/out"].tobytes() == want.tobytes()
         for codec in names():
-            comp = create(codec, backend="numba")
+            comp = comps[codec]
             n_parts = len({k.split("/")[2] for k in saved[0] if k.startswith(f"{codec}/{round_}/")})
             sizes = np.array_split(np.empty(NUMEL), n_parts)
             for i in range(n_parts):
@@ -160,3 +170,37 @@ def test_worker_processes_round_trip_every_codec(tmp_path, ps_tools):
                         assert s[f"{codec}/{round_}/{i}/{j}/out"].tobytes() == ref[j].tobytes(), (
                             f"{codec} round {round_} partition {i} array {j}")
     assert "Traceback" not in job.logs()
+
+
+@pytest.mark.timeout(120)
+def test_server_error_feedback_carries_the_residual_across_rounds(ps_job_factory):
+    """server_error_feedback: the server re-compresses aggregate + residual of its key, like
+    an ErrorFeedback-wrapped reference compressor kept across rounds."""
+    from byteps_espresso.kernels import ErrorFeedback
+
+    job = ps_job_factory(2)
+    clients = job.clients[:2]
+    params = {"ratio": 0.05, "server_error_feedback": True}
+    for client in clients:
+        client.declare("ef", NUMEL, pushers=[0, 1], compressor="topk", params=params)
+    parts, key_names = clients[0].partitions("ef"), clients[0].key_names("ef")
+    ref = ErrorFeedback(create("topk", backend="numba", ratio=0.05))
+    plain = create("topk", backend="numba", ratio=0.05)
+    differs = False
+    for round_ in range(3):
+        inputs = [[to_numpy(plain.compress(_data(r, round_, NUMEL)[o:o + n], name=k,
+                                           step=round_)[0])
+                   for k, (o, n) in zip(key_names, parts, strict=True)] for r in range(2)]
+        handles = [c.push_pull_async("ef", inputs[r], round_) for r, c in enumerate(clients)]
+        for i, (k, (_, n)) in enumerate(zip(key_names, parts, strict=True)):
+            ctx = ref.context((n,), "float32", name=k, step=round_)
+            total = sum_in_order(plain, [inputs[0][i], inputs[1][i]], ctx)
+            want = ref.compress(total, name=k, step=round_)[0]
+            differs |= round_ > 0 and any(
+                a.tobytes() != b.tobytes()
+                for a, b in zip(want, plain.compress(total, name=k, step=round_)[0],
+                                strict=True))
+            for h in handles:
+                got = h.wait()[i]
+                assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want, strict=True))
+    assert differs, "the residual never changed a re-compressed aggregate"
