@@ -61,14 +61,10 @@ OFFLOAD_ROUNDS = 3
 def uniform_best(ctx: PlanContext, candidates: list) -> np.ndarray:  # type: ignore[type-arg]
     """The single candidate option that is fastest when every tensor uses it."""
     idx = ctx.index(candidates)
-    best, best_t = None, np.inf
-    for k in idx:
-        choice = np.full(ctx.n_tensors, k, dtype=np.int64)
-        t = ctx.iteration_us(choice)
-        if t < best_t - 1e-9:
-            best, best_t = choice, t
-    assert best is not None
-    return best
+    everyone = np.arange(ctx.n_tensors)
+    k, _ = ctx.evaluator.best_group(np.zeros(ctx.n_tensors, dtype=np.int64), everyone, idx,
+                                    np.inf)
+    return np.full(ctx.n_tensors, k, dtype=np.int64)
 
 
 def _visit_order(ctx: PlanContext) -> list[int]:
@@ -144,17 +140,10 @@ def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarra
         members.setdefault(ctx.tensor_size_index(i), []).append(i)
     current = ctx.iteration_us(choice)
     for u, group in members.items():
-        keep = choice[group].copy()
-        best_k = -1
-        for k in front_idx[u]:
-            choice[group] = k
-            t = ctx.iteration_us(choice)
-            if t < current - 1e-6:
-                best_k, current = int(k), t
+        best_k, current = ctx.evaluator.best_group(choice, np.array(group), front_idx[u],
+                                                   current)
         if best_k >= 0:
             choice[group] = best_k
-        else:
-            choice[group] = keep
 
 
 def _offload_groups(ctx: PlanContext, choice: np.ndarray) -> list[tuple[list[int], int]]:

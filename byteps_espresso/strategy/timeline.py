@@ -225,6 +225,37 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
 
 
 @numba.njit(cache=True)
+def _best_group(gaps, size_idx, choice, members, cands, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
+                forward, current, tol):  # pragma: no cover - compiled
+    """The candidate that, given to every tensor in ``members`` (others as in choice), gives
+    an iteration time below current - tol, the lowest such; (-1, current) if none does."""
+    n = gaps.shape[0]
+    work = choice.copy()
+    dummy = np.zeros((1, 1))
+    dummy1 = np.zeros(1)
+    best_k = -1
+    best_t = current
+    for c in range(cands.shape[0]):
+        for m in range(members.shape[0]):
+            work[members[m]] = cands[c]
+        cap = _capacity(work, cat_len)
+        starts = np.empty((n_res, cap))
+        ends = np.empty((n_res, cap))
+        count = np.zeros(n_res, dtype=np.int64)
+        acc = np.zeros(3)
+        # stop as soon as the run cannot end below best_t - tol
+        ok = _advance(starts, ends, count, acc, gaps, size_idx, work, 0, n, -1, 0, cat_len,
+                      cat_res, cat_dur, forward, best_t - tol, -np.inf, 0.0, False, dummy,
+                      dummy, dummy1, dummy1)
+        if ok:
+            t = forward + max(acc[0], acc[1])
+            if t < best_t - tol:
+                best_k = cands[c]
+                best_t = t
+    return best_k, best_t
+
+
+@numba.njit(cache=True)
 def _exhaustive(gaps, size_idx, allowed, n_allowed, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
                 forward):  # pragma: no cover - compiled
     """Every combination of allowed[i, :n_allowed[i]]; returns (best time, best choice)."""
@@ -386,8 +417,21 @@ class Evaluator:
                   True, np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), np.zeros(1))
         _best_of(np.ones(1), one, one, 0, one, np.ones(1, dtype=np.int64), res, dur,
                  len(RESOURCES), 0.0, 1e-6)
+        _best_group(np.ones(1), one, one, one, one, np.ones(1, dtype=np.int64), res, dur,
+                    len(RESOURCES), 0.0, np.inf, 1e-6)
         _exhaustive(np.ones(1), one, np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64),
                     np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0)
+
+    def best_group(self, choice: np.ndarray, members: np.ndarray, candidates: np.ndarray,
+                   current: float, tol: float = 1e-6) -> tuple[int, float]:
+        """The candidate option that, given to all ``members`` at once, gives the shortest
+        iteration below ``current - tol``; returns (index, time), or (-1, current)."""
+        cands = np.asarray(candidates, dtype=np.int64)
+        k, t = _best_group(self.gaps, self.size_idx, np.asarray(choice, dtype=np.int64),
+                           np.asarray(members, dtype=np.int64), cands, self._len, self._res,
+                           self._dur, len(RESOURCES), self.forward_us, current, tol)
+        self.calls += len(cands)
+        return int(k), float(t)
 
     def iteration_us(self, choice: np.ndarray) -> float:
         """Iteration time of ``choice`` (option index per tensor), microseconds."""
