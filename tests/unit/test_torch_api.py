@@ -29,15 +29,17 @@ def test_duplicate_and_missing_names_are_refused():
 def test_strategy_file_for_another_world_size_says_how_to_replan(tmp_path):
     import types
 
-    from byteps_espresso.strategy import Cluster, Workload, plan
     from byteps_espresso.worker.profiler import StrategyFileSpec
     from byteps_espresso.worker.topology import Topology
+
+    from byteps_espresso.strategy import Cluster, Workload, plan
 
     path = tmp_path / "s.json"
     plan(Workload.builtin("lstm"), Cluster.preset(2, 4, "pcie", 10), "randomk",
          {"ratio": 0.01}).save(path)
     session = types.SimpleNamespace(runtime=types.SimpleNamespace(topology=Topology(2, 2)))
-    with pytest.raises(ValueError, match=r"2 machines x 4 workers = 8.*2 x 2 = 4.*--gpus-per-machine 2"):
+    expected = r"2 machines x 4 workers = 8.*2 x 2 = 4.*--gpus-per-machine 2"
+    with pytest.raises(ValueError, match=expected):
         StrategyFileSpec(str(path))._load(session)
     strategy = StrategyFileSpec(str(path))._load(
         types.SimpleNamespace(runtime=types.SimpleNamespace(topology=Topology(4, 2))))
