@@ -26,7 +26,6 @@ from numba import njit, prange
 __all__ = [
     "ABS_BINS",
     "SQUARE_BINS",
-    "abs_bins",
     "abs_bins_torch",
     "abs_max_bits",
     "abs_max_bits_torch",
@@ -34,8 +33,8 @@ __all__ = [
     "abs_non_finite",
     "bits_to_float",
     "nchunks",
-    "signed_abs_bins",
     "signed_abs_bins_torch",
+    "signs_and_bins",
     "sqrt_sum",
     "square_bins",
     "square_bins_torch",
@@ -64,44 +63,61 @@ def _split(v):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True)
-def abs_bins(u, nc):  # pragma: no cover - compiled
-    """Per-exponent significand sums of |x| for a uint32 view of float32 data -> int64[256]."""
-    n = u.size
-    part = np.zeros((nc, ABS_BINS), np.int64)
-    for c in prange(nc):
-        lo = c * n // nc
-        hi = (c + 1) * n // nc
-        for i in range(lo, hi):
-            e, m = _split(u[i])
-            part[c, e] += m
-    return part.sum(axis=0)
+def signs_and_bins(u, out, nc):  # pragma: no cover - compiled
+    """One pass for the scaled sign codecs: pack sign bits into ``out`` and bin |x| by sign.
 
+    Args:
+        u: uint32 view of float32 data.
+        out: uint8[ceil(n / 8)] for the packed sign bits (layout of ``_bits``).
+        nc: number of parallel chunks (whole bytes each).
 
-@njit(parallel=True, cache=True)
-def signed_abs_bins(u, nc):  # pragma: no cover - compiled
-    """Like :func:`abs_bins` split by sign bit: (int64[2, 256] bins, count of negatives)."""
+    Returns:
+        (int64[2, 256] significand sums per sign and exponent, count of negatives). Four
+        interleaved bin sets per chunk break the store-to-load chain of equal exponents.
+    """
     n = u.size
-    part = np.zeros((nc, 2, ABS_BINS), np.int64)
+    full = n // 8
+    part = np.zeros((nc, 4, 2 * ABS_BINS), np.int64)
     negs = np.zeros(nc, np.int64)
     for c in prange(nc):
-        lo = c * n // nc
-        hi = (c + 1) * n // nc
+        lo = c * full // nc
+        hi = (c + 1) * full // nc
         neg = 0
-        for i in range(lo, hi):
-            v = u[i]
-            s = np.int64(v >> np.uint32(31))
-            e, m = _split(v)
-            part[c, s, e] += m
-            neg += s
+        for j in range(lo, hi):
+            b = np.uint32(0)
+            for t in range(8):
+                v = u[8 * j + t]
+                s = v >> np.uint32(31)
+                e, m = _split(v)
+                part[c, t & 3, (np.int64(s) << 8) | e] += m
+                b |= s << np.uint32(t)
+                neg += np.int64(s)
+            out[j] = np.uint8(b)
         negs[c] = neg
-    return part.sum(axis=0), negs.sum()
+    b = np.uint32(0)
+    tail = 0
+    for i in range(8 * full, n):
+        v = u[i]
+        s = v >> np.uint32(31)
+        e, m = _split(v)
+        part[0, 0, (np.int64(s) << 8) | e] += m
+        b |= s << np.uint32(i - 8 * full)
+        tail += np.int64(s)
+    if 8 * full < n:
+        out[full] = np.uint8(b)
+    bins = np.zeros((2, ABS_BINS), np.int64)
+    for c in range(nc):
+        for r in range(4):
+            for k in range(2 * ABS_BINS):
+                bins[k >> 8, k & 255] += part[c, r, k]
+    return bins, negs.sum() + tail
 
 
 @njit(parallel=True, cache=True)
 def square_bins(u, nc):  # pragma: no cover - compiled
     """Exact binned sum of x**2 -> int64[SQUARE_BINS] (bin j weighs 2**(j - 300))."""
     n = u.size
-    part = np.zeros((nc, SQUARE_BINS), np.int64)
+    part = np.zeros((nc, 4, SQUARE_BINS), np.int64)
     for c in prange(nc):
         lo = c * n // nc
         hi = (c + 1) * n // nc
@@ -109,9 +125,13 @@ def square_bins(u, nc):  # pragma: no cover - compiled
             e, m = _split(u[i])
             e2 = 2 * max(e, 1)
             m2 = m * m
-            part[c, e2] += m2 & 0xFFFFFF
-            part[c, e2 + 24] += m2 >> 24
-    return part.sum(axis=0)
+            part[c, i & 3, e2] += m2 & 0xFFFFFF
+            part[c, i & 3, e2 + 24] += m2 >> 24
+    bins = np.zeros(SQUARE_BINS, np.int64)
+    for c in range(nc):
+        for r in range(4):
+            bins += part[c, r]
+    return bins
 
 
 def _split_torch(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,14 +142,14 @@ def _split_torch(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def abs_bins_torch(flat: torch.Tensor) -> list[int]:
-    """The torch twin of :func:`abs_bins` (int64 index_add: exact in any order)."""
+    """Per-exponent significand sums of |x| -> 256 ints (int64 index_add: exact in any order)."""
     e, m = _split_torch(flat)
     bins = torch.zeros(ABS_BINS, dtype=torch.int64, device=flat.device)
     return bins.index_add_(0, e, m).tolist()
 
 
 def signed_abs_bins_torch(flat: torch.Tensor) -> tuple[list[list[int]], int]:
-    """The torch twin of :func:`signed_abs_bins`."""
+    """The bins of :func:`signs_and_bins` with torch ops."""
     e, m = _split_torch(flat)
     s = (flat.view(torch.int32) < 0).long()
     bins = torch.zeros(2 * ABS_BINS, dtype=torch.int64, device=flat.device)

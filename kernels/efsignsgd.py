@@ -14,10 +14,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 from byteps_espresso.kernels import _exact
+from byteps_espresso.kernels._bits import packed_len
 from byteps_espresso.kernels._signs import SignCodec, SignCodecNumba, SignCodecTorch
 from byteps_espresso.kernels.base import Ctx, Payload
 from byteps_espresso.kernels.registry import register
-from byteps_espresso.kernels.signsgd import signs_numba, signs_torch
+from byteps_espresso.kernels.signsgd import signs_torch
 
 WIRE_ID = 7
 
@@ -48,9 +49,12 @@ class EfSignSgdTorch(_EfSignSgd, SignCodecTorch):
 @register
 class EfSignSgdNumba(_EfSignSgd, SignCodecNumba):
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
-        bins = _exact.abs_bins(flat.view(np.uint32), _exact.nchunks(flat.size))
-        scale = self.scale(bins, flat.size, ctx)
-        return signs_numba(flat, self, ctx), scale
+        packed = np.empty(packed_len(flat.size, 1), np.uint8)
+        signed, _ = _exact.signs_and_bins(flat.view(np.uint32), packed,
+                                          _exact.nchunks(flat.size))
+        if _exact.abs_non_finite(signed[1]):
+            raise self.non_finite(ctx)
+        return packed, self.scale(signed[0] + signed[1], flat.size, ctx)
 
     def table(self, payload: Payload) -> np.ndarray:
         return np.array([payload[1][0], -payload[1][0]], np.float32)

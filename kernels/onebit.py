@@ -15,10 +15,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 from byteps_espresso.kernels import _exact
+from byteps_espresso.kernels._bits import packed_len
 from byteps_espresso.kernels._signs import SignCodec, SignCodecNumba, SignCodecTorch
 from byteps_espresso.kernels.base import Ctx, Payload
 from byteps_espresso.kernels.registry import register
-from byteps_espresso.kernels.signsgd import signs_numba, signs_torch
+from byteps_espresso.kernels.signsgd import signs_torch
 
 WIRE_ID = 10
 
@@ -52,9 +53,10 @@ class OneBitTorch(_OneBit, SignCodecTorch):
 @register
 class OneBitNumba(_OneBit, SignCodecNumba):
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
-        bins, negatives = _exact.signed_abs_bins(flat.view(np.uint32), _exact.nchunks(flat.size))
-        means = self.means(bins, int(negatives), flat.size, ctx)
-        return signs_numba(flat, self, ctx), means
+        packed = np.empty(packed_len(flat.size, 1), np.uint8)
+        bins, negatives = _exact.signs_and_bins(flat.view(np.uint32), packed,
+                                                _exact.nchunks(flat.size))
+        return packed, self.means(bins, int(negatives), flat.size, ctx)
 
     def table(self, payload: Payload) -> np.ndarray:
         return payload[1]

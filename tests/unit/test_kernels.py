@@ -276,3 +276,18 @@ def test_dgc_takes_the_sampled_path_and_matches_topk():
         want = ref.compress(x, name="w", step=step)[0]
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_espresso_compressors_lists_every_algorithm(capsys):
+    from byteps_espresso.cli import main
+
+    assert main(["compressors"]) == 0
+    out = capsys.readouterr().out
+    for name in ALL:
+        assert f"\n{name} " in out
+    assert main(["compressors", "--json"]) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["name"]: r["wire_id"] for r in rows} == {n: K.wire_id(n) for n in ALL}
+    assert {r["name"] for r in rows if r["unbiased"]} == {"natural", "qsgd", "terngrad"}
