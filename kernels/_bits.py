@@ -24,6 +24,7 @@ __all__ = [
     "decode",
     "decode_lut",
     "decode_lut_torch",
+    "pack_codes",
     "pack_codes_torch",
     "pack_signs",
     "pack_signs_torch",
@@ -39,51 +40,91 @@ def packed_len(numel: int, bits: int) -> int:
 
 
 @njit(parallel=True, cache=True)
-def pack_signs(u, out):  # pragma: no cover - compiled
+def pack_signs(u, out, wout):  # pragma: no cover - compiled
     """Sign bits of a uint32 view of float32 data into ``out`` (uint8[ceil(n/8)]).
+
+    Whole 64-element groups are packed into little-endian uint64 words ``wout`` (a view of
+    the first ``n // 64 * 8`` bytes of ``out``; byte k of a word holds entries 8k..8k+7), an
+    inner loop the compiler vectorizes; the rest byte by byte.
 
     Returns:
         The count of NaN/Inf entries.
     """
     n = u.size
-    full = n // 8
+    words = wout.size
     bad = 0
-    for j in prange(full):
-        base = 8 * j
-        b = np.uint32(0)
+    for w in prange(words):
+        acc = np.uint64(0)
         nf = 0
-        for t in range(8):
+        base = 64 * w
+        for t in range(64):
             v = u[base + t]
-            b |= (v >> np.uint32(31)) << np.uint32(t)
+            acc |= np.uint64(v >> np.uint32(31)) << np.uint64(t)
             nf += (v & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
-        out[j] = np.uint8(b)
+        wout[w] = acc
         bad += nf
-    if full * 8 < n:
+    for j in range(words * 8, out.size):
         b = np.uint32(0)
-        for t in range(n - full * 8):
-            v = u[full * 8 + t]
+        for t in range(min(8, n - 8 * j)):
+            v = u[8 * j + t]
             b |= (v >> np.uint32(31)) << np.uint32(t)
             bad += (v & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
-        out[full] = np.uint8(b)
+        out[j] = np.uint8(b)
     return bad
 
 
 @njit(parallel=True, cache=True)
-def decode_lut(packed, bits, lut, out):  # pragma: no cover - compiled
-    """Unpack ``out.size`` codes of ``bits`` bits, each mapped through ``lut``, into ``out``."""
+def decode_lut(packed, bits, lut, out):  # noqa: PLR0912  # pragma: no cover - compiled
+    """Unpack ``out.size`` codes of ``bits`` bits, each mapped through ``lut``, into ``out``.
+
+    One loop per code width so that each inner loop has a constant trip count.
+    """
     n = out.size
     per = 8 // bits
-    mask = (1 << bits) - 1
     full = n // per
-    for j in prange(full):
-        b = np.int64(packed[j])
-        base = j * per
-        for t in range(per):
-            out[base + t] = lut[(b >> (bits * t)) & mask]
+    if bits == 8:
+        for i in prange(n):
+            out[i] = lut[packed[i]]
+    elif bits == 1:
+        for j in prange(full):
+            b = np.int64(packed[j])
+            for t in range(8):
+                out[8 * j + t] = lut[(b >> t) & 1]
+    elif bits == 2:
+        for j in prange(full):
+            b = np.int64(packed[j])
+            for t in range(4):
+                out[4 * j + t] = lut[(b >> (2 * t)) & 3]
+    else:
+        for j in prange(full):
+            b = np.int64(packed[j])
+            for t in range(2):
+                out[2 * j + t] = lut[(b >> (4 * t)) & 15]
+    mask = (1 << bits) - 1
     if full * per < n:
         b = np.int64(packed[full])
         for t in range(n - full * per):
             out[full * per + t] = lut[(b >> (bits * t)) & mask]
+
+
+@njit(parallel=True, cache=True)
+def pack_codes(codes, bits, out):  # pragma: no cover - compiled
+    """Pack uint8 codes < 2**bits (bits 2 or 4) into ``out`` (layout in the module doc)."""
+    n = codes.size
+    per = 8 // bits
+    full = n // per
+    if bits == 2:
+        for j in prange(full):
+            c = codes[4 * j: 4 * j + 4]
+            out[j] = np.uint8(c[0] | (c[1] << 2) | (c[2] << 4) | (c[3] << 6))
+    else:
+        for j in prange(full):
+            out[j] = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
+    if full * per < n:
+        b = 0
+        for t in range(n - full * per):
+            b |= np.int64(codes[full * per + t]) << (bits * t)
+        out[full] = np.uint8(b)
 
 
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:
@@ -131,7 +172,7 @@ def constant_codes(numel: int, bits: int, code: int) -> np.ndarray:
 def signs(u: np.ndarray) -> tuple[np.ndarray, int]:
     """Packed sign bits of a uint32 view of float32 data, and the count of NaN/Inf."""
     out = np.empty(packed_len(u.size, 1), np.uint8)
-    return out, pack_signs(u, out)
+    return out, pack_signs(u, out, out[: u.size // 64 * 8].view(np.uint64))
 
 
 def decode(packed: np.ndarray, numel: int, bits: int, lut: np.ndarray) -> np.ndarray:
