@@ -199,22 +199,16 @@ def sqrt_sum(bins: Sequence[int]) -> float:
 
 
 @njit(parallel=True, cache=True)
-def abs_max_bits(u, nc):  # pragma: no cover - compiled
+def abs_max_bits(u):  # pragma: no cover - compiled
     """Largest magnitude as float32 bits with the sign cleared (>= 0x7F800000: NaN/Inf seen).
 
     Unsigned bit patterns of non-negative floats order like the floats, and NaN patterns sort
     above Inf, so the integer maximum is exact and flags non-finite input.
     """
-    n = u.size
-    part = np.zeros(nc, np.uint32)
-    for c in prange(nc):
-        lo = c * n // nc
-        hi = (c + 1) * n // nc
-        m = np.uint32(0)
-        for i in range(lo, hi):
-            m = max(m, u[i] & np.uint32(0x7FFFFFFF))
-        part[c] = m
-    return part.max()
+    m = np.uint32(0)
+    for i in prange(u.size):
+        m = max(m, u[i] & np.uint32(0x7FFFFFFF))
+    return m
 
 
 def abs_max_bits_torch(flat: torch.Tensor) -> int:

@@ -82,7 +82,7 @@ class Int8Numba(_Int8):
 
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
         u = flat.view(np.uint32)
-        scale = self._scale(int(_exact.abs_max_bits(u, _exact.nchunks(flat.size))), ctx)
+        scale = self._scale(int(_exact.abs_max_bits(u)), ctx)
         scale_a = np.array([scale], np.float32)
         if scale == 0:
             return np.zeros(flat.size, np.int8), scale_a

@@ -135,8 +135,7 @@ class NaturalNumba(_Natural):
     backend = "numba"
 
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
-        low = self._low(int(_exact.abs_max_bits(flat.view(np.uint32),
-                                                _exact.nchunks(flat.size))), ctx)
+        low = self._low(int(_exact.abs_max_bits(flat.view(np.uint32))), ctx)
         s0, s1 = split_seed(key_seed(self.seed, ctx.name, ctx.step))
         codes = np.empty(flat.size, np.uint8)
         encode_codes(flat, low, np.uint64(s0), np.uint64(s1), codes)

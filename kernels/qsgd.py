@@ -141,7 +141,7 @@ class QsgdNumba(_Qsgd):
         u = flat.view(np.uint32)
         nc = _exact.nchunks(flat.size)
         if self.norm_kind == "max":
-            reduced: Any = int(_exact.abs_max_bits(u, nc))
+            reduced: Any = int(_exact.abs_max_bits(u))
         else:
             reduced = _exact.square_bins(u, nc)
         norm = self._norm_value(reduced, ctx)
