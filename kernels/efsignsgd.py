@@ -26,6 +26,7 @@ WIRE_ID = 7
 class _EfSignSgd(SignCodec):
     name = "efsignsgd"
     wire_id = WIRE_ID
+    scale_signs = (1,)
     n_scales = 1
     payload_dtypes: ClassVar = (np.dtype(np.uint8), np.dtype(np.float32))
 

@@ -46,6 +46,7 @@ def scale_of(amax_bits: int) -> np.float32:
 class _Int8(Compressor):
     name = "int8"
     wire_id = WIRE_ID
+    scale_signs = (1,)
     payload_dtypes: ClassVar = (np.dtype(np.int8), np.dtype(np.float32))
 
     def compressed_nbytes(self, numel: int) -> int:

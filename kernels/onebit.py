@@ -27,6 +27,7 @@ WIRE_ID = 10
 class _OneBit(SignCodec):
     name = "onebit"
     wire_id = WIRE_ID
+    scale_signs = (1, -1)
     n_scales = 2
     payload_dtypes: ClassVar = (np.dtype(np.uint8), np.dtype(np.float32))
 

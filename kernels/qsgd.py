@@ -80,6 +80,7 @@ def level_table(norm: float, levels: int, bits: int) -> np.ndarray:
 class _Qsgd(Compressor):
     name = "qsgd"
     wire_id = WIRE_ID
+    scale_signs = (1,)
     deterministic = False
     unbiased = True
     payload_dtypes: ClassVar = (np.dtype(np.uint8), np.dtype(np.float32))

@@ -291,3 +291,27 @@ def test_espresso_compressors_lists_every_algorithm(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert {r["name"]: r["wire_id"] for r in rows} == {n: K.wire_id(n) for n in ALL}
     assert {r["name"] for r in rows if r["unbiased"]} == {"natural", "qsgd", "terngrad"}
+
+
+@pytest.mark.parametrize("backend", K.BACKENDS)
+@pytest.mark.parametrize("name", ["int8", "efsignsgd", "onebit", "qsgd", "terngrad"])
+def test_payload_scales_must_be_finite_with_the_right_sign(name, backend):
+    c = make(name, backend)
+    payload, ctx = c.compress(as_backend(data(100), backend))
+    for bad in (np.nan, np.inf, -1.0):
+        scales = host(payload[-1]).copy()
+        scales[0] = bad
+        arr = torch.from_numpy(scales) if backend == "torch" else scales
+        with pytest.raises(PayloadError, match="scales"):
+            c.decompress((*payload[:-1], arr), ctx)
+
+
+@pytest.mark.parametrize("backend", K.BACKENDS)
+def test_natural_exponent_out_of_range_is_refused(backend):
+    c = make("natural", backend)
+    codes, low = c.compress(as_backend(data(100), backend))[0]
+    bad = host(low).copy()
+    bad[0] = 500
+    with pytest.raises(PayloadError, match="exponent"):
+        c.decompress((codes, torch.from_numpy(bad) if backend == "torch" else bad),
+                     c.context((100,)))
