@@ -315,3 +315,14 @@ def test_natural_exponent_out_of_range_is_refused(backend):
     with pytest.raises(PayloadError, match="exponent"):
         c.decompress((codes, torch.from_numpy(bad) if backend == "torch" else bad),
                      c.context((100,)))
+
+
+def test_defaults_tell_callers_which_parameters_an_algorithm_takes():
+    assert K.defaults("topk") == {"ratio": 0.01}
+    assert K.defaults("fp16") == {}
+    seeded = {n for n in ALL if "seed" in K.defaults(n)}
+    assert seeded == {"randomk", "dgc", "qsgd", "terngrad", "natural"}
+    for n in ALL:
+        create(n, **K.defaults(n))
+    with pytest.raises(ValueError, match="unknown compressor"):
+        K.defaults("nope")
