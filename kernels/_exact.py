@@ -221,10 +221,10 @@ def bits_to_float(bits: int) -> np.float32:
     return np.array([bits], np.uint32).view(np.float32)[0]
 
 
-# Below this many elements a numba kernel runs on the calling thread only: waking the
-# thread pool costs more than the work (measured tens of microseconds to milliseconds per
-# parallel region on a loaded 2-core host, against ~1 ns per element of work).
-SERIAL_BELOW = 1 << 15
+# Below this many elements (1 MiB of float32) a numba kernel runs on the calling thread only:
+# waking the thread pool costs more than the work (measured tens of microseconds on an idle
+# 2-core host and up to milliseconds on a loaded one, against ~1 ns per element of work).
+SERIAL_BELOW = 1 << 18
 
 
 @contextlib.contextmanager
