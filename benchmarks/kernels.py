@@ -38,6 +38,8 @@ COPY_TARGET = ("fp16", "int8", "signsgd", "efsignsgd", "onebit", "randomk")
 COPY_FRACTION = 0.30
 TARGET_SIZE = 1 << 24
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
+# --quick writes here, so `make main` never overwrites the recorded full run.
+QUICK_RESULTS = RESULTS.with_name("kernels_quick.json")
 BACKENDS = ("numba", "torch")
 
 
@@ -145,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="log2 of the tensor sizes (default: 16 20 24)")
     parser.add_argument("--algorithms", nargs="+", default=None, choices=names(),
                         help="subset of algorithms (default: all)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON output path (default: {RESULTS.name}, "
+                             f"{QUICK_RESULTS.name} with --quick)")
     args = parser.parse_args(argv)
+    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     repeats = args.repeats or (3 if args.quick else 9)
     sizes = [1 << s for s in args.sizes]
     algorithms = args.algorithms or names()
@@ -162,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\ntargets at 2^24:")
         for c in checks:
             print(f"  [{'met ' if c['met'] else 'MISS'}] {c['target']}: {c['measured']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "command": " ".join(["python", "benchmarks/kernels.py", *(argv or sys.argv[1:])]),
         "repeats": repeats, "seconds": round(time.time() - started, 1),
         "machine": {"cpus": os.cpu_count(), "numba_threads": numba.get_num_threads(),
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                     "gpu": "not measured (no GPU available)"},
         "rows": rows, "targets": checks,
     }, indent=1))
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
     return 0
 
 
