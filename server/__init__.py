@@ -1,1 +1,14 @@
-"""server of byteps-espresso."""
+"""The parameter server: scheduler, CPU aggregation servers, wire protocol and PS client.
+
+Run a role with ``python -m byteps_espresso.server`` (``DMLC_ROLE`` = scheduler or server);
+workers use :class:`byteps_espresso.server.client.PSClient`. Modules:
+
+    protocol   the binary wire format and its validation
+    keys       key specifications and partitioning
+    link       a node's registration and heartbeats with the scheduler
+    scheduler  rendezvous, key placement, barrier, liveness, shutdown, torch TCPStore
+    server     per-key, per-round aggregation
+    client     PSClient (declare, push_pull_async, barrier)
+"""
+
+__all__ = ["client", "keys", "link", "protocol", "scheduler", "server"]

@@ -1,0 +1,326 @@
+"""Parameter-server push/pull throughput on loopback, next to a raw pyzmq echo of the same bytes.
+
+For 2 and 4 workers and 1 and 2 servers, each a separate process, this runs push_pull of 1 MB
+and 64 MB float32 tensors (dense, and compressed with onebit and randomk 1% when those are
+registered) and reports, per case, the median round time of the slowest worker, the
+throughput in GB/s of uncompressed-equivalent gradient per worker, and the servers' CPU time
+per round (process CPU, and the part spent aggregating). The raw baseline sends the same
+partitions (BYTEPS_PARTITION_BYTES) from the same number of worker processes to the same
+number of pyzmq echo processes, all in flight at once, and waits for every echo; each worker
+alternates a push/pull round and an echo round, so both see the same machine load.
+
+    python benchmarks/ps.py            # full grid (a few minutes)
+    python benchmarks/ps.py --quick    # 2 workers, 1 server, fewer rounds
+
+Writes benchmarks/results/ps.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results" / "ps.json"
+MB = 1 << 20
+SIZES_MB = (1, 64)
+# Rounds timed per case (after WARMUP untimed rounds), by tensor size in MB.
+ROUNDS = {1: 40, 64: 8}
+QUICK_ROUNDS = {1: 15, 64: 4}
+WARMUP = 2
+CODECS: dict[str, dict[str, Any]] = {"dense": {}, "onebit": {}, "randomk": {"ratio": 0.01}}
+LAYOUTS = ((2, 1), (2, 2), (4, 1), (4, 2))  # (workers, servers)
+PROC_TIMEOUT_S = 600
+
+
+def _free_port_pair() -> int:
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free pair of ports")
+
+
+def _partitions(nbytes: int, partition_bytes: int) -> list[tuple[int, int]]:
+    from byteps_espresso.server.keys import split
+
+    return split(nbytes // 4, 4, partition_bytes)
+
+
+# ---- worker processes ---------------------------------------------------------------------------
+def ps_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One PS worker: declare every case, then time push_pull rounds case by case."""
+    from byteps_espresso.kernels import create
+    from byteps_espresso.server.client import PSClient
+
+    from byteps_espresso.config import Config
+
+    client = PSClient(Config.from_env())
+    echo = _Echo(spec["echo"])
+    ranks = list(range(client.num_workers))
+    out: dict[str, Any] = {}
+    try:
+        for case in spec["cases"]:
+            numel = case["mb"] * MB // 4
+            codec = case["codec"]
+            client.declare(case["name"], numel, pushers=ranks,
+                           compressor=None if codec == "dense" else codec,
+                           params=case["params"])
+        rng = np.random.default_rng(client.rank)
+        for case in spec["cases"]:
+            name, codec = case["name"], case["codec"]
+            numel = case["mb"] * MB // 4
+            x = rng.standard_normal(numel, dtype=np.float32)
+            total = WARMUP + case["rounds"]
+            if codec == "dense":
+                inputs = [x] * total
+            else:
+                comp = create(codec, backend="numba", **case["params"])
+                inputs = [[comp.compress(np.ascontiguousarray(x[o:o + n]), name=k, step=r)[0]
+                           for k, (o, n) in zip(client.key_names(name), client.partitions(name),
+                                                strict=True)]
+                          for r in range(total)]
+            parts = client.partitions(name)
+            # Dense results land in one reused buffer, as an executor reuses gradient buffers.
+            into = {"out": np.empty_like(x)} if codec == "dense" else {}
+            for r in range(WARMUP):  # numba compilation and first-touch allocations
+                client.push_pull(name, inputs[r], r, **into)
+                echo.round(x, parts)
+            client.barrier()
+            stats0 = client.server_stats() if client.rank == 0 else None
+            client.barrier()
+            times, echo_times = [], []
+            for r in range(WARMUP, total):
+                start = time.perf_counter()
+                client.push_pull(name, inputs[r], r, **into)
+                times.append(time.perf_counter() - start)
+                client.barrier()  # the echo round of every worker starts together, too
+                echo_times.append(echo.round(x, parts))
+            client.barrier()
+            result: dict[str, Any] = {"times_s": times, "echo_times_s": echo_times}
+            if stats0 is not None:
+                stats1 = client.server_stats()
+                result["server_cpu_s"] = sum(b["cpu_s"] - a["cpu_s"]
+                                             for a, b in zip(stats0, stats1, strict=True))
+                result["server_aggregate_s"] = sum(b["aggregate_s"] - a["aggregate_s"]
+                                                   for a, b in zip(stats0, stats1, strict=True))
+                result["server_rounds"] = sum(b["rounds"] - a["rounds"]
+                                              for a, b in zip(stats0, stats1, strict=True))
+            out[name] = result
+    finally:
+        echo.close()
+        client.close()
+    return out
+
+
+class _Echo:
+    """The raw baseline: the same partitions, round-robin to echo servers, all in flight."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.socks = []
+        for address in addresses:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.socks.append(sock)
+
+    def round(self, x: np.ndarray, parts: list[tuple[int, int]]) -> float:
+        start = time.perf_counter()
+        for i, (o, n) in enumerate(parts):
+            self.socks[i % len(self.socks)].send(x[o:o + n], copy=False)
+        for i in range(len(parts)):
+            self.socks[i % len(self.socks)].recv(copy=False)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+        self.ctx.term()
+
+
+def echo_server(port_file: str) -> None:
+    """Echo every message back to its sender until killed."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    Path(port_file).write_text(str(port))
+    while True:
+        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, *args], env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _wait(procs: list[subprocess.Popen], what: str, tmp: Path) -> None:
+    for proc in procs:
+        if proc.wait(timeout=PROC_TIMEOUT_S) != 0:
+            logs = "\n".join(p.read_text()[-2000:] for p in tmp.glob("*.log"))
+            raise RuntimeError(f"{what}: a process failed\n{logs}")
+
+
+def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path
+           ) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "ESPRESSO_"))}
+    env.update({"DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers),
+                "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(_free_port_pair()),
+                "ESPRESSO_START_TIMEOUT": "120", "ESPRESSO_TIMEOUT": "120",
+                "ESPRESSO_LOG_LEVEL": "WARNING"})
+    echo = [_spawn(["_echo_server", str(tmp / f"port{i}")], env, tmp / f"echo{i}.log")
+            for i in range(servers)]
+    deadline = time.monotonic() + 60
+    while not all((tmp / f"port{i}").exists() for i in range(servers)):
+        if time.monotonic() > deadline:
+            raise RuntimeError("echo servers did not start")
+        time.sleep(0.05)
+    addresses = [f"tcp://127.0.0.1:{(tmp / f'port{i}').read_text()}" for i in range(servers)]
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps({"cases": cases, "echo": addresses}))
+    roles = [_spawn(["_role"], {**env, "DMLC_ROLE": "scheduler"}, tmp / "scheduler.log")]
+    roles += [_spawn(["_role"], {**env, "DMLC_ROLE": "server"}, tmp / f"server{i}.log")
+              for i in range(servers)]
+    procs = [_spawn(["_ps_worker", str(spec_path), str(tmp / f"ps{r}.json")],
+                    {**env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(r)},
+                    tmp / f"worker{r}.log") for r in range(workers)]
+    try:
+        _wait(procs, "PS workers", tmp)
+        _wait(roles, "scheduler/servers", tmp)
+    finally:
+        for p in echo + roles + procs:
+            if p.poll() is None:
+                p.kill()
+    return _merge([json.loads((tmp / f"ps{r}.json").read_text()) for r in range(workers)])
+
+
+def _merge(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per case: the slowest worker's median round time; server counters from rank 0."""
+    merged = {}
+    for name in per_worker[0]:
+        medians = [float(np.median(w[name]["times_s"])) for w in per_worker]
+        echo = [float(np.median(w[name]["echo_times_s"])) for w in per_worker]
+        merged[name] = {"round_s": max(medians), "worker_medians_s": medians,
+                        "echo_round_s": max(echo),
+                        **{k: v for k, v in per_worker[0][name].items()
+                           if not k.endswith("times_s")}}
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 workers, 1 server, few rounds")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    from byteps_espresso.kernels import names
+
+    from byteps_espresso.config import Config
+
+    partition_bytes = Config().partition_bytes
+    codecs = {c: p for c, p in CODECS.items() if c == "dense" or c in names()}
+    rounds = QUICK_ROUNDS if args.quick else ROUNDS
+    layouts = LAYOUTS[:1] if args.quick else LAYOUTS
+    cases = [{"name": f"{codec}-{mb}MB", "codec": codec, "params": params, "mb": mb,
+              "rounds": rounds[mb]} for mb in SIZES_MB for codec, params in codecs.items()]
+    rows = []
+    started = time.monotonic()
+    for workers, servers in layouts:
+        with tempfile.TemporaryDirectory(prefix="ps-bench-") as tmp:
+            ps = run_ps(workers, servers, cases, Path(tmp))
+        for case in cases:
+            res = ps[case["name"]]
+            nbytes = case["mb"] * MB
+            rounds_done = max(1, res.get("server_rounds", 0))
+            keys = len(_partitions(nbytes, partition_bytes))
+            rows.append({
+                "workers": workers, "servers": servers, "size_mb": case["mb"],
+                "codec": case["codec"], "params": case["params"],
+                "round_ms": res["round_s"] * 1e3,
+                "gbps": nbytes / res["round_s"] / 1e9,
+                "echo_round_ms": res["echo_round_s"] * 1e3,
+                "echo_gbps": nbytes / res["echo_round_s"] / 1e9,
+                "vs_echo": res["echo_round_s"] / res["round_s"],
+                "server_cpu_ms_per_round": res.get("server_cpu_s", 0) * 1e3
+                * keys / rounds_done,
+                "server_aggregate_ms_per_round": res.get("server_aggregate_s", 0) * 1e3
+                * keys / rounds_done,
+            })
+        print(f"# {workers} workers, {servers} servers done "
+              f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    header = (f"{'workers':>7} {'servers':>7} {'size':>6} {'codec':>8} {'round ms':>9} "
+              f"{'GB/s':>7} {'echo ms':>8} {'echo GB/s':>9} {'vs echo':>7} "
+              f"{'srv cpu ms':>10} {'srv agg ms':>10}")
+    print(header)
+    for r in rows:
+        print(f"{r['workers']:>7} {r['servers']:>7} {r['size_mb']:>4}MB {r['codec']:>8} "
+              f"{r['round_ms']:>9.2f} {r['gbps']:>7.3f} {r['echo_round_ms']:>8.2f} "
+              f"{r['echo_gbps']:>9.3f} {r['vs_echo']:>7.2f} "
+              f"{r['server_cpu_ms_per_round']:>10.2f} {r['server_aggregate_ms_per_round']:>10.2f}")
+    dense64 = [r["vs_echo"] for r in rows if r["codec"] == "dense" and r["size_mb"] == 64]
+    summary = {"dense_64MB_vs_echo_min": min(dense64), "dense_64MB_vs_echo_median":
+               float(np.median(dense64)), "target": 0.70,
+               "meets_target": float(np.median(dense64)) >= 0.70}
+    print(f"dense 64 MB push/pull vs raw pyzmq echo: median "
+          f"{summary['dense_64MB_vs_echo_median']:.2f}, min "
+          f"{summary['dense_64MB_vs_echo_min']:.2f} (target >= 0.70)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "ps", "command": "python benchmarks/ps.py" + (" --quick" if args.quick
+                                                                  else ""),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    "load_avg_1m_at_end": os.getloadavg()[0]},
+        "partition_bytes": partition_bytes, "warmup_rounds": WARMUP, "rounds": rounds,
+        "rows": rows, "summary": summary,
+        "notes": "round_ms: median round time of the slowest worker; GB/s: uncompressed "
+                 "float32 bytes per worker per round / round time; server ms per round: "
+                 "CPU seconds of all server processes (and the aggregation part) per "
+                 "push/pull round of the whole tensor.",
+    }, indent=2))
+    return 0
+
+
+def _entry() -> int:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
+        role, *rest = sys.argv[1:]
+        if role == "_role":
+            from byteps_espresso.server.__main__ import main as role_main
+
+            return role_main()
+        if role == "_echo_server":
+            echo_server(rest[0])
+            return 0
+        result = ps_worker(json.loads(Path(rest[0]).read_text()))
+        Path(rest[1]).write_text(json.dumps(result))
+        return 0
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(_entry())

@@ -1,0 +1,694 @@
+"""The worker side of the parameter server: declare keys, push and pull them asynchronously.
+
+Example:
+    >>> client = PSClient(cfg, rank=cfg.rank)                     # doctest: +SKIP
+    >>> client.declare("fc.weight", 1 << 20, pushers=[0, 1])      # dense float32
+    >>> h = client.push_pull_async("fc.weight", grad, round=0)    # grad: float32 ndarray
+    >>> total = h.wait()                                          # sum over the pushers
+    >>> client.declare("conv.weight", 4096, pushers=[0, 1], compressor="onebit")
+    >>> names = client.key_names("conv.weight")   # compress partition i with name=names[i]
+    >>> aggregated = client.push_pull("conv.weight", [payload], round=0)  # list of payloads
+    >>> client.close()
+
+Tensors larger than ``BYTEPS_PARTITION_BYTES`` are split into several keys (see
+:func:`byteps_espresso.server.keys.split`); the scheduler places keys on servers balanced by
+bytes and gives every worker the same answer. For a compressed tensor, partition ``i`` is
+compressed on its slice ``data[offset:offset + numel]`` with ``name=key_names(name)[i]`` and
+``step=round``, because the server rebuilds the same ctx to decode it.
+
+One background thread owns the sockets; any number of keys can be in flight. Every wait is
+bounded by ``ESPRESSO_TIMEOUT`` and its error names the key, round and server. A lost server
+or scheduler (connection dropped, or ABORT from the scheduler) fails every pending and later
+operation with :class:`PSError` at once. The arrays handed to :meth:`PSClient.push_pull_async`
+are sent without copying: do not modify them until the handle is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+from byteps_espresso.server import protocol as P
+from byteps_espresso.server.keys import KeySpec, part_names, split
+from byteps_espresso.server.link import ConnectionWatch, RendezvousError, SchedulerLink, dealer
+
+from byteps_espresso.config import Config
+
+__all__ = ["Handle", "PSClient", "PSError", "PSTimeout"]
+
+log = logging.getLogger(__name__)
+
+# Period of deadline checks in the I/O thread, in seconds.
+_TICK_S = 0.05
+# Control replies matched by request type.
+_REPLY_OF = {
+    P.MsgType.PLACE: P.MsgType.PLACE_OK,
+    P.MsgType.BARRIER: P.MsgType.BARRIER_OK,
+    P.MsgType.DONE: P.MsgType.DONE_OK,
+    P.MsgType.DECLARE: P.MsgType.DECLARE_OK,
+    P.MsgType.STATS: P.MsgType.STATS_REPLY,
+}
+_SCHEDULER = -1  # target index of the scheduler in control calls
+
+
+class PSError(RuntimeError):
+    """A PS operation failed; the message names the key, round and server when it has them."""
+
+
+class PSTimeout(PSError, TimeoutError):
+    """A PS operation did not complete within ``ESPRESSO_TIMEOUT``."""
+
+
+@dataclass(frozen=True)
+class _Part:
+    key: int
+    server: int
+    spec: KeySpec
+    offset: int
+    push_layout: P.Layout
+    reply_layout: P.Layout
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    numel: int
+    dtype: str
+    compressed: bool
+    parts: tuple[_Part, ...]
+
+
+class Handle:
+    """An in-flight push_pull; :meth:`wait` returns its result."""
+
+    def __init__(self, tensor: _Tensor, round_: int, deadline: float, timeout_s: float,
+                 out: np.ndarray | None = None) -> None:
+        self.tensor = tensor
+        self.round = round_
+        self.deadline = deadline
+        self._timeout_s = timeout_s
+        self._event = threading.Event()
+        self._error: PSError | None = None
+        self._missing = set(range(len(tensor.parts)))  # partitions without a PULL_REPLY
+        if tensor.compressed:
+            self._out: Any = [None] * len(tensor.parts)
+        else:
+            self._out = np.empty(tensor.numel, dtype=tensor.dtype) if out is None else out
+
+    def done(self) -> bool:
+        """True once the result (or an error) is there."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the aggregate is back.
+
+        Args:
+            timeout: seconds to wait at most; default: until the operation's own deadline
+                (``ESPRESSO_TIMEOUT`` after it started).
+
+        Returns:
+            Dense key: the float32 (or float16) sum over the pushers, a new array of the
+            tensor's numel. Compressed key: one aggregated payload (tuple of numpy arrays) per
+            partition, or one dense float32 array per partition if the key was declared
+            with ``server_recompress=False``.
+
+        Raises:
+            PSTimeout: no result in time (names key, round and server).
+            PSError: the server rejected the push/pull or a server/scheduler was lost.
+        """
+        limit = self.deadline - time.monotonic() + 1.0 if timeout is None else timeout
+        if not self._event.wait(max(0.0, limit)):
+            raise PSTimeout(self._describe_pending(f"no result after waiting {limit:.1f} s"))
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+    # ---- called by the I/O thread -------------------------------------------------------------
+    def _describe_pending(self, why: str, server: int | None = None) -> str:
+        pending = [self.tensor.parts[i] for i in sorted(self._missing)]
+        on_server = [p for p in pending if p.server == server]
+        part = (on_server or pending or list(self.tensor.parts))[0]
+        return (f"push_pull of {part.spec.name!r} (key {part.key}) round {self.round} on server "
+                f"{part.server}: {why}; {len(pending)} of {len(self.tensor.parts)} "
+                "partition(s) incomplete")
+
+    def _fail(self, error: PSError) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    def _part_done(self, index: int) -> None:
+        self._missing.discard(index)
+        if not self._missing:
+            self._event.set()
+
+
+@dataclass
+class _Call:
+    """A synchronous control request (PLACE, BARRIER, DONE, DECLARE, STATS)."""
+
+    target: int
+    frames: list[Any]
+    reply: P.MsgType
+    key: int
+    deadline: float
+    what: str
+    wait_s: float
+    event: threading.Event = field(default_factory=threading.Event)
+    body: Any = None
+    error: PSError | None = None
+
+    def finish(self, body: Any = None, error: PSError | None = None) -> None:
+        if not self.event.is_set():
+            self.body, self.error = body, error
+            self.event.set()
+
+
+def _describe(layout: P.Layout) -> list[str]:
+    return [f"{d}:{n}B" for d, n in zip(layout.frame_dtypes, layout.frame_nbytes, strict=True)]
+
+
+class PSClient:
+    """A worker's connection to the PS job. Registers with the scheduler on construction.
+
+    Args:
+        cfg: the parsed environment (scheduler address, timeouts, partition size, limits).
+        rank: this worker's global rank; default ``cfg.rank``.
+
+    Raises:
+        PSError: start-up failed (the message lists missing nodes, or says the scheduler
+            could not be reached).
+    """
+
+    def __init__(self, cfg: Config, rank: int | None = None) -> None:
+        self.cfg = cfg
+        self.rank = cfg.rank if rank is None else int(rank)
+        self._ctx = zmq.Context()
+        self._link = SchedulerLink(self._ctx, cfg, "worker",
+                                   {"rank": self.rank, "world_size": cfg.world_size})
+        try:
+            accept = self._link.register()
+        except (RendezvousError, P.ProtocolError) as exc:
+            self._link.close()
+            self._ctx.term()
+            raise PSError(f"worker {self.rank}: {exc}") from None
+        self.servers: list[str] = list(accept["servers"])
+        self.num_workers = int(accept["num_workers"])
+        self._socks = [dealer(self._ctx, addr, cfg) for addr in self.servers]
+        self._watches = [ConnectionWatch(s) for s in self._socks]
+        self._tensors: dict[str, _Tensor] = {}
+        self._dead: dict[int, str] = {}  # target -> why it is unusable
+        self._closed = False
+        self._closing = False
+        # Owned by the I/O thread:
+        self._inflight: dict[tuple[int, int, int], tuple[Handle, int]] = {}
+        self._calls: dict[tuple[int, P.MsgType, int], collections.deque[_Call]] = {}
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(target=self._io_loop, name=f"ps-client-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- public API ---------------------------------------------------------------------------
+    def declare(self, name: str, numel: int, pushers: Sequence[int], *,
+                compressor: str | None = None, params: dict[str, Any] | None = None,
+                dtype: str = "float32") -> list[tuple[int, int]]:
+        """Declare a tensor; every pusher declares it identically before pushing it.
+
+        Args:
+            name: the tensor name (unique in the job).
+            numel: its element count.
+            pushers: global ranks that push it every round.
+            compressor: registry name, or None for a dense key.
+            params: compressor parameters, plus ``server_error_feedback`` /
+                ``server_recompress`` (see :mod:`byteps_espresso.server.keys`).
+            dtype: ``"float32"``, or ``"float16"`` for a dense key.
+
+        Returns:
+            The partitions as (offset, numel).
+
+        Raises:
+            PSError: the scheduler or a server refused the declaration (another worker
+                declared it differently, unknown compressor, bad params, too large).
+            PSTimeout: no answer within ESPRESSO_TIMEOUT.
+        """
+        if name in self._tensors:
+            raise PSError(f"{name!r} is already declared by worker {self.rank}")
+        itemsize = np.dtype(dtype).itemsize if dtype in ("float32", "float16") else 4
+        try:
+            chunks = split(int(numel), itemsize, self.cfg.partition_bytes)
+        except ValueError as exc:
+            raise PSError(f"cannot declare {name!r}: {exc}") from None
+        names = part_names(name, len(chunks))
+        specs = []
+        for part_name, (_, part_numel) in zip(names, chunks, strict=True):
+            body = {"name": part_name, "numel": part_numel, "dtype": dtype,
+                    "compressor": compressor, "params": dict(params or {}),
+                    "pushers": list(pushers)}
+            try:
+                specs.append(KeySpec.from_json(body, self.num_workers))
+            except P.ProtocolError as exc:
+                raise PSError(f"cannot declare {name!r}: {exc.detail}") from None
+        try:
+            codec = specs[0].create_compressor()
+            layouts = [(s.push_layout(codec), s.reply_layout(codec)) for s in specs]
+        except (ValueError, TypeError) as exc:
+            raise PSError(f"cannot declare {name!r}: {exc}") from None
+        whole = {**specs[0].to_json(), "name": name, "numel": int(numel)}
+        parts_desc = [[s.numel, sum(lay[0].frame_nbytes)] for s, lay in
+                      zip(specs, layouts, strict=True)]
+        placed = self._call(_SCHEDULER, P.encode_json(P.MsgType.PLACE,
+                                                      {"spec": whole, "parts": parts_desc},
+                                                      sender=self.rank),
+                            P.MsgType.PLACE, 0, f"declare {name!r}")
+        keys = placed["keys"]
+        parts = []
+        for spec, (offset, _), (push, reply), slot in zip(specs, chunks, layouts, keys,
+                                                          strict=True):
+            key, server = int(slot["key"]), int(slot["server"])
+            parts.append(_Part(key, server, spec, offset, push, reply))
+        calls = [self._start_call(p.server, P.encode_json(P.MsgType.DECLARE, p.spec.to_json(),
+                                                          key=p.key, sender=self.rank),
+                                  P.MsgType.DECLARE, p.key, f"declare {p.spec.name!r}")
+                 for p in parts]
+        for call in calls:
+            self._finish_call(call)
+        self._tensors[name] = _Tensor(name, int(numel), dtype, compressor is not None,
+                                      tuple(parts))
+        return [(p.offset, p.spec.numel) for p in parts]
+
+    def partitions(self, name: str) -> list[tuple[int, int]]:
+        """The (offset, numel) of each key of tensor ``name``."""
+        return [(p.offset, p.spec.numel) for p in self._tensor(name).parts]
+
+    def key_names(self, name: str) -> list[str]:
+        """The ctx name to compress each partition of ``name`` with."""
+        return [p.spec.name for p in self._tensor(name).parts]
+
+    def servers_of(self, name: str) -> list[int]:
+        """The server rank holding each partition of ``name``."""
+        return [p.server for p in self._tensor(name).parts]
+
+    def push_pull_async(self, name: str, data: Any, round: int, *,
+                        out: np.ndarray | None = None) -> Handle:
+        """Push this worker's contribution for ``round`` and pull the aggregate.
+
+        Args:
+            name: a declared tensor.
+            data: dense key: the full tensor as a C-contiguous numpy array of the declared
+                dtype; compressed key: a list with one payload (sequence of numpy arrays)
+                per partition.
+            round: the round (iteration) number; strictly increasing per key.
+            out: dense keys only: a C-contiguous array of the tensor's dtype and numel that
+                receives the sum (may be ``data`` itself: a pull is answered only after the
+                server received every push); default: a new array.
+
+        Returns:
+            A :class:`Handle`; ``wait()`` gives the result.
+
+        Raises:
+            PSError: unknown tensor, data that does not fit the declaration, a round already
+                in flight, or a lost server/scheduler.
+        """
+        tensor = self._tensor(name)
+        if (type(round) is not int and not isinstance(round, np.integer)) or round < 0:
+            raise PSError(f"round of {name!r} must be a non-negative integer, got {round!r}")
+        frames = (self._dense_frames(tensor, data) if not tensor.compressed
+                  else self._payload_frames(tensor, data))
+        if out is not None:
+            if tensor.compressed:
+                raise PSError(f"out= is for dense keys; {name!r} is compressed")
+            self._dense_frames(tensor, out)
+            out = out.reshape(-1)
+        now = time.monotonic()
+        handle = Handle(tensor, int(round), now + self.cfg.op_timeout_s, self.cfg.op_timeout_s,
+                        out)
+        self._command(("op", handle, frames))
+        return handle
+
+    def push_pull(self, name: str, data: Any, round: int, *, out: np.ndarray | None = None
+                  ) -> Any:
+        """``push_pull_async(name, data, round, out=out).wait()``."""
+        return self.push_pull_async(name, data, round, out=out).wait()
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Block until every worker of the job called barrier.
+
+        Raises:
+            PSTimeout: not every worker arrived within ``timeout`` (default ESPRESSO_TIMEOUT).
+            PSError: the scheduler is lost or aborted the job.
+        """
+        self._call(_SCHEDULER, P.encode(P.MsgType.BARRIER, sender=self.rank),
+                   P.MsgType.BARRIER, 0, "barrier", timeout=timeout)
+
+    def server_stats(self) -> list[dict[str, Any]]:
+        """Counters of every server: rounds, rejections by code, CPU seconds."""
+        calls = [self._start_call(s, P.encode(P.MsgType.STATS, sender=self.rank),
+                                  P.MsgType.STATS, 0, "stats") for s in range(len(self.servers))]
+        return [self._finish_call(c) for c in calls]
+
+    def close(self) -> None:
+        """Tell the scheduler this worker is done, then close every socket (idempotent).
+
+        A client that lost a server reports it, and the scheduler aborts the job."""
+        if self._closed:
+            return
+        self._closing = True
+        if _SCHEDULER not in self._dead:
+            failed = next(iter(self._dead.values()), None)
+            try:
+                self._call(_SCHEDULER, P.encode_json(P.MsgType.DONE, {"failed": failed},
+                                                     sender=self.rank),
+                           P.MsgType.DONE, 0, "close")
+            except PSError as exc:
+                log.warning("worker %d: closing without the scheduler's acknowledgement: %s",
+                            self.rank, exc)
+        self._closed = True
+        self._command(("stop",))
+        self._thread.join(timeout=5.0)
+        for watch in self._watches:
+            watch.close()
+        for sock in self._socks:
+            sock.close(linger=0)
+        self._link.close()
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- input checks -------------------------------------------------------------------------
+    def _tensor(self, name: str) -> _Tensor:
+        if self._closed:
+            raise PSError(f"worker {self.rank}: the PS client is closed")
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise PSError(f"{name!r} is not declared; call declare({name!r}, numel, pushers) "
+                          "first")
+        return tensor
+
+    @staticmethod
+    def _dense_frames(tensor: _Tensor, data: Any) -> list[list[np.ndarray]]:
+        if not isinstance(data, np.ndarray):
+            raise PSError(f"{tensor.name!r} is dense: pass a numpy array, got "
+                          f"{type(data).__name__}")
+        if data.dtype != np.dtype(tensor.dtype) or data.size != tensor.numel:
+            raise PSError(f"{tensor.name!r} is declared {tensor.dtype}[{tensor.numel}], got "
+                          f"{data.dtype}[{data.size}]")
+        if not data.flags.c_contiguous:
+            raise PSError(f"{tensor.name!r}: the array is not C-contiguous; use "
+                          "np.ascontiguousarray")
+        flat = data.reshape(-1)
+        return [[flat[p.offset:p.offset + p.spec.numel]] for p in tensor.parts]
+
+    @staticmethod
+    def _payload_frames(tensor: _Tensor, data: Any) -> list[list[np.ndarray]]:
+        if not isinstance(data, (list, tuple)) or len(data) != len(tensor.parts):
+            raise PSError(f"{tensor.name!r} is compressed into {len(tensor.parts)} "
+                          f"partition(s): pass a list of that many payloads")
+        out = []
+        for part, payload in zip(tensor.parts, data, strict=True):
+            from byteps_espresso.kernels.base import to_numpy
+
+            arrays = [np.ascontiguousarray(a) for a in to_numpy(tuple(payload))]
+            got = tuple(a.nbytes for a in arrays)
+            dtypes = tuple(a.dtype for a in arrays)
+            if got != part.push_layout.frame_nbytes or dtypes != part.push_layout.frame_dtypes:
+                raise PSError(f"payload of {part.spec.name!r} has arrays "
+                              f"{[f'{d}:{n}B' for d, n in zip(dtypes, got, strict=True)]}, "
+                              f"{part.spec.compressor} for {part.spec.numel} elements needs "
+                              f"{_describe(part.push_layout)}")
+            out.append(arrays)
+        return out
+
+    # ---- control calls (user thread side) -----------------------------------------------------
+    def _start_call(self, target: int, frames: list[Any], request: P.MsgType, key: int,
+                    what: str, *, timeout: float | None = None) -> _Call:
+        if self._closed:
+            raise PSError(f"worker {self.rank}: the PS client is closed")
+        wait_s = self.cfg.op_timeout_s if timeout is None else timeout
+        call = _Call(target, frames, _REPLY_OF[request], key, time.monotonic() + wait_s, what,
+                     wait_s)
+        self._command(("call", call))
+        return call
+
+    def _finish_call(self, call: _Call) -> Any:
+        if not call.event.wait(max(0.0, call.deadline - time.monotonic()) + 1.0):
+            call.finish(error=PSTimeout(f"{call.what}: no answer from {self._where(call.target)}"))
+        if call.error is not None:
+            raise call.error
+        return call.body
+
+    def _call(self, target: int, frames: list[Any], request: P.MsgType, key: int, what: str,
+              *, timeout: float | None = None) -> Any:
+        return self._finish_call(self._start_call(target, frames, request, key, what,
+                                                  timeout=timeout))
+
+    def _where(self, target: int) -> str:
+        if target == _SCHEDULER:
+            return f"the scheduler at {self._link.endpoint}"
+        return f"server {target} at {self.servers[target]}"
+
+    def _command(self, cmd: tuple) -> None:
+        self._cmds.put(cmd)
+        os.write(self._wake_w, b"x")
+
+    # ---- I/O thread ---------------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self._wake_r, self._link.sock, self._link.watch.socket, *self._socks,
+                     *(w.socket for w in self._watches)):
+            poller.register(sock, zmq.POLLIN)
+        next_check = 0.0
+        try:
+            while True:
+                wait_s = min(self._link.tick() if _SCHEDULER not in self._dead else _TICK_S,
+                             _TICK_S)
+                events = dict(poller.poll(wait_s * 1000))
+                if self._wake_r in events and self._drain_commands():
+                    return
+                self._receive(events)
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check_deadlines(now)
+                    next_check = now + _TICK_S
+        except Exception as exc:  # never leave waiters hanging on a dead thread
+            log.exception("worker %d: PS client I/O thread failed", self.rank)
+            self._lose_all(PSError(f"worker {self.rank}: PS client I/O thread failed: {exc!r}"))
+
+    def _receive(self, events: dict[Any, int]) -> None:
+        for i, sock in enumerate(self._socks):
+            if sock in events:
+                while sock.poll(0):
+                    self._on_server_message(i, sock.recv_multipart(copy=False))
+        if self._link.sock in events:
+            while self._link.sock.poll(0):
+                self._on_scheduler_message(self._link.sock.recv_multipart(copy=False))
+        for i, watch in enumerate(self._watches):
+            if watch.socket in events and watch.lost():
+                self._lose(i, f"lost the connection to server {i} at {self.servers[i]} "
+                              "(process exited or network failed)")
+        if self._link.watch.socket in events and self._link.watch.lost():
+            self._lose(_SCHEDULER, f"lost the connection to the scheduler at "
+                                   f"{self._link.endpoint}")
+
+    def _drain_commands(self) -> bool:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while not self._cmds.empty():
+            cmd = self._cmds.get()
+            if cmd[0] == "stop":
+                self._lose_all(PSError(f"worker {self.rank}: the PS client was closed"))
+                return True
+            if cmd[0] == "op":
+                self._send_op(cmd[1], cmd[2])
+            else:
+                self._send_call(cmd[1])
+        return False
+
+    def _send_op(self, handle: Handle, frames: list[list[np.ndarray]]) -> None:
+        tensor = handle.tensor
+        for i, (part, arrays) in enumerate(zip(tensor.parts, frames, strict=True)):
+            dead = self._dead.get(_SCHEDULER) or self._dead.get(part.server)
+            if dead:  # an ABORT's reason names the root cause; prefer it
+                handle._fail(PSError(handle._describe_pending(dead, part.server)))
+                return
+            slot = (part.server, part.key, handle.round)
+            if slot in self._inflight:
+                handle._fail(PSError(f"round {handle.round} of {part.spec.name!r} is already "
+                                     f"in flight on worker {self.rank}"))
+                return
+            lay = part.push_layout
+            push = P.encode(P.MsgType.PUSH, key=part.key, round=handle.round, sender=self.rank,
+                            codec=lay.codec, dtype=lay.dtype, numel=lay.numel, frames=arrays,
+                            flags=P.FLAG_PULL)
+            self._inflight[slot] = (handle, i)
+            self._socks[part.server].send_multipart(push, copy=False)
+
+    def _send_call(self, call: _Call) -> None:
+        dead = self._dead.get(_SCHEDULER) or self._dead.get(call.target)
+        if dead:
+            call.finish(error=PSError(f"{call.what}: {dead}"))
+            return
+        self._calls.setdefault((call.target, call.reply, call.key),
+                               collections.deque()).append(call)
+        sock = self._link.sock if call.target == _SCHEDULER else self._socks[call.target]
+        sock.send_multipart(call.frames, copy=True)
+
+    def _on_server_message(self, server: int, raw: list[zmq.Frame]) -> None:
+        try:
+            msg = P.decode(raw, self.cfg.max_message_bytes)
+        except P.ProtocolError as exc:
+            log.error("worker %d: malformed message from server %d ignored: %s", self.rank,
+                      server, exc)
+            return
+        h = msg.header
+        if h.type is P.MsgType.PULL_REPLY:
+            entry = self._inflight.get((server, h.key, h.round))
+            if entry is None:
+                return  # the handle already failed or timed out
+            handle, i = entry
+            try:
+                self._store_reply(handle, i, msg)
+            except P.ProtocolError as exc:
+                self._fail_handle(handle, f"server {server} sent a bad reply: {exc}")
+                return
+            handle._part_done(i)
+            if handle.done():
+                self._forget(handle)
+        elif h.type is P.MsgType.ERROR:
+            self._on_error(server, msg)
+        else:
+            self._answer_call(server, msg)
+
+    def _store_reply(self, handle: Handle, i: int, msg: P.Message) -> None:
+        part = handle.tensor.parts[i]
+        arrays = P.decode_payload(msg, part.reply_layout)
+        if not handle.tensor.compressed:
+            handle._out[part.offset:part.offset + part.spec.numel] = arrays[0]
+        elif part.reply_layout.codec == P.DENSE_CODEC:
+            handle._out[i] = np.array(arrays[0])
+        else:
+            handle._out[i] = tuple(np.array(a) for a in arrays)
+
+    def _on_error(self, target: int, msg: P.Message) -> None:
+        try:
+            body = P.decode_json(msg)
+        except P.ProtocolError:
+            body = {}
+        h = msg.header
+        text = f"{body.get('code')}: {body.get('message')}"
+        request = body.get("request")
+        if request in ("PUSH", "PULL") and target != _SCHEDULER:
+            entry = self._inflight.get((target, h.key, h.round))
+            if entry is not None:
+                self._fail_handle(entry[0], f"server {target} ({self.servers[target]}) "
+                                            f"rejected {request}: {text}", target)
+                return
+        try:
+            reply = _REPLY_OF[P.MsgType[request]]
+        except KeyError:
+            log.error("worker %d: unmatched error from %s: %s", self.rank,
+                      self._where(target), text)
+            return
+        waiting = self._calls.get((target, reply, h.key))
+        if waiting:
+            call = waiting.popleft()
+            call.finish(error=PSError(f"{call.what}: {self._where(target)} refused: {text}"))
+        else:
+            log.error("worker %d: unmatched error from %s: %s", self.rank,
+                      self._where(target), text)
+
+    def _answer_call(self, target: int, msg: P.Message) -> None:
+        h = msg.header
+        waiting = self._calls.get((target, h.type, h.key))
+        if not waiting:
+            log.warning("worker %d: unexpected %s from %s", self.rank, h.type.name,
+                        self._where(target))
+            return
+        call = waiting.popleft()
+        try:
+            call.finish(body=P.decode_json(msg) if msg.frames else None)
+        except P.ProtocolError as exc:
+            call.finish(error=PSError(f"{call.what}: bad reply from {self._where(target)}: "
+                                      f"{exc}"))
+
+    def _on_scheduler_message(self, raw: list[zmq.Frame]) -> None:
+        try:
+            msg = P.decode(raw, self.cfg.max_message_bytes)
+        except P.ProtocolError as exc:
+            log.error("worker %d: malformed message from the scheduler: %s", self.rank, exc)
+            return
+        if msg.header.type is P.MsgType.ABORT:
+            reason = P.decode_json(msg).get("reason")
+            self._lose(_SCHEDULER, f"the scheduler aborted the job: {reason}")
+        elif msg.header.type is P.MsgType.ERROR:
+            self._on_error(_SCHEDULER, msg)
+        else:
+            self._answer_call(_SCHEDULER, msg)
+
+    def _fail_handle(self, handle: Handle, why: str, server: int | None = None) -> None:
+        handle._fail(PSError(handle._describe_pending(why, server)))
+        self._forget(handle)
+
+    def _forget(self, handle: Handle) -> None:
+        for part in handle.tensor.parts:
+            slot = (part.server, part.key, handle.round)
+            if self._inflight.get(slot, (None,))[0] is handle:
+                del self._inflight[slot]
+
+    def _check_deadlines(self, now: float) -> None:
+        expired = {id(h): h for h, _ in self._inflight.values() if now > h.deadline}
+        for handle in expired.values():
+            handle._fail(PSTimeout(handle._describe_pending(
+                f"no reply within ESPRESSO_TIMEOUT={self.cfg.op_timeout_s:g} s")))
+            self._forget(handle)
+        for calls in self._calls.values():
+            while calls and now > calls[0].deadline:
+                call = calls.popleft()
+                call.finish(error=PSTimeout(f"{call.what}: no answer from "
+                                            f"{self._where(call.target)} within "
+                                            f"{call.wait_s:g} s"))
+
+    def _lose(self, target: int, why: str) -> None:
+        if target in self._dead:
+            return
+        if self._closing:  # servers and the scheduler exit once every worker is done
+            why = f"{why} after this worker closed"
+        else:
+            log.error("worker %d: %s", self.rank, why)
+        self._dead[target] = why
+        if target == _SCHEDULER:
+            self._lose_all(PSError(f"worker {self.rank}: {why}"))
+            return
+        for handle in {id(h): h for (s, _, _), (h, _) in self._inflight.items()
+                       if s == target}.values():
+            self._fail_handle(handle, why, target)
+        for (t, _, _), calls in self._calls.items():
+            while t == target and calls:
+                calls.popleft().finish(error=PSError(why))
+
+    def _lose_all(self, error: PSError) -> None:
+        for handle, _ in list(self._inflight.values()):
+            handle._fail(PSError(handle._describe_pending(str(error))))
+        self._inflight.clear()
+        for calls in self._calls.values():
+            while calls:
+                calls.popleft().finish(error=error)

@@ -1,0 +1,157 @@
+"""A node's connection to the scheduler: registration, heartbeats and loss detection.
+
+Servers and workers hold one :class:`SchedulerLink`. ``register`` blocks until the scheduler
+has heard from every expected node (it answers ACCEPT with this node's rank and the server
+addresses) or aborts the start-up; afterwards the owner's loop calls :meth:`tick` to send
+heartbeats and polls :attr:`sock` and :attr:`monitor` for control messages and a dropped
+connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+from byteps_espresso.server import protocol as P
+from zmq.utils.monitor import recv_monitor_message
+
+from byteps_espresso.config import Config
+
+__all__ = [
+    "HEARTBEAT_INTERVAL_S",
+    "REGISTER_GRACE_S",
+    "ConnectionWatch",
+    "RendezvousError",
+    "SchedulerLink",
+    "dealer",
+]
+
+log = logging.getLogger(__name__)
+
+# Seconds between heartbeats to the scheduler. Chosen so a lost node is noticed within a few
+# seconds after its TCP connection drops (see scheduler.DISCONNECT_GRACE_S).
+HEARTBEAT_INTERVAL_S = 0.5
+# Seconds a node waits for ACCEPT beyond ESPRESSO_START_TIMEOUT: the scheduler's own deadline
+# fires first and sends ABORT; this only matters when the scheduler is unreachable.
+REGISTER_GRACE_S = 5.0
+
+
+class RendezvousError(RuntimeError):
+    """Start-up failed: the scheduler aborted it or could not be reached."""
+
+
+def dealer(ctx: zmq.Context, endpoint: str, cfg: Config, identity: bytes | None = None
+           ) -> zmq.Socket:
+    """A DEALER connected to ``endpoint`` with the job's limits: frames above
+    ``cfg.max_message_bytes`` are refused by ZeroMQ before allocation, nothing is dropped
+    at a high-water mark, and unsent messages are discarded at close."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+class ConnectionWatch:
+    """Reports when a connected DEALER's only peer goes away (its TCP connection drops)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.socket = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.connected_at: float | None = None
+
+    def lost(self) -> bool:
+        """Drain pending events; True when the peer disconnected after having connected."""
+        lost = False
+        while self.socket.poll(0):
+            event = recv_monitor_message(self.socket)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                if self.connected_at is None:
+                    self.connected_at = time.monotonic()
+            elif event == zmq.EVENT_DISCONNECTED and self.connected_at is not None:
+                lost = True
+        return lost
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class SchedulerLink:
+    """Registration with the scheduler, then heartbeats and control messages."""
+
+    def __init__(self, ctx: zmq.Context, cfg: Config, role: str, body: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.role = role
+        self.endpoint = f"tcp://{cfg.root_uri}:{cfg.root_port}"
+        self.sock = dealer(ctx, self.endpoint, cfg)
+        self.watch = ConnectionWatch(self.sock)
+        self._body = {"role": role, **body}
+        self._sender = int(body.get("rank", -1))
+        self._next_beat = 0.0
+
+    def register(self) -> dict[str, Any]:
+        """Send REGISTER and wait for ACCEPT.
+
+        Returns:
+            The ACCEPT body: ``rank``, ``servers`` (addresses by server rank), ``num_workers``.
+
+        Raises:
+            RendezvousError: ABORT from the scheduler (its reason lists missing nodes), an
+                ERROR reply, or no answer within ESPRESSO_START_TIMEOUT plus a grace period.
+        """
+        self.send(P.encode_json(P.MsgType.REGISTER, self._body, sender=self._sender))
+        # The wait runs from the moment the scheduler's socket accepted the connection (its
+        # own start-up deadline began before it listened), or from now while unreachable.
+        wait_s = self.cfg.start_timeout_s + REGISTER_GRACE_S
+        since = time.monotonic()
+        while True:
+            self.watch.lost()
+            started = self.watch.connected_at or since
+            left = started + wait_s - time.monotonic()
+            if left <= 0:
+                state = ("it accepted the connection but never answered"
+                         if self.watch.connected_at else "it could not be reached")
+                raise RendezvousError(
+                    f"{self.role}: no answer from the scheduler at {self.endpoint} within "
+                    f"{wait_s:.1f} s (ESPRESSO_START_TIMEOUT={self.cfg.start_timeout_s:g} + "
+                    f"{REGISTER_GRACE_S:g}): {state}; is DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT "
+                    "right and the scheduler running?")
+            if not self.sock.poll(min(left, HEARTBEAT_INTERVAL_S) * 1000):
+                continue
+            msg = self.recv()
+            body = P.decode_json(msg)
+            if msg.header.type is P.MsgType.ACCEPT:
+                self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+                return body
+            if msg.header.type is P.MsgType.ABORT:
+                raise RendezvousError(f"{self.role}: start-up aborted by the scheduler: "
+                                      f"{body.get('reason')}")
+            if msg.header.type is P.MsgType.ERROR:
+                raise RendezvousError(f"{self.role}: the scheduler refused the registration: "
+                                      f"{body.get('message')}")
+            log.warning("ignoring %s from the scheduler during registration",
+                        msg.header.type.name)
+
+    def send(self, frames: list[Any]) -> None:
+        self.sock.send_multipart(frames, copy=True)
+
+    def recv(self) -> P.Message:
+        return P.decode(self.sock.recv_multipart(), self.cfg.max_message_bytes)
+
+    def tick(self, now: float | None = None) -> float:
+        """Send a heartbeat when one is due; returns seconds until the next one."""
+        now = time.monotonic() if now is None else now
+        if now >= self._next_beat:
+            self.send(P.encode(P.MsgType.HEARTBEAT, sender=self._sender))
+            self._next_beat = now + HEARTBEAT_INTERVAL_S
+        return max(0.0, self._next_beat - now)
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` lets a last message (BYE) leave first."""
+        self.watch.close()
+        self.sock.close(linger=linger_ms)

@@ -1,0 +1,405 @@
+"""The scheduler: rendezvous, key placement, barriers, liveness and shutdown of a PS job.
+
+Lifecycle:
+    1. Start-up: every server and worker sends REGISTER. Servers get ranks in registration
+       order; workers bring their global rank. When every expected node is in, each gets
+       ACCEPT (its rank and the server addresses). If that does not happen within
+       ``ESPRESSO_START_TIMEOUT``, every registered node gets ABORT listing the missing roles
+       and ranks, and the scheduler exits with status 1.
+    2. Running: PLACE assigns a tensor's partitions to servers, balanced by bytes (first
+       declarer decides; later declarers of the same name must describe it identically and
+       get the same answer); BARRIER releases once every worker arrived; HEARTBEAT keeps nodes
+       alive. A node silent for ``ESPRESSO_TIMEOUT`` (or for ``DISCONNECT_GRACE_S`` after a
+       connection dropped) is lost: everyone gets ABORT naming it, and the scheduler exits 1.
+    3. Shutdown: when every worker sent DONE, servers get SHUTDOWN, and the scheduler exits 0
+       once each acknowledged it (1 if one did not). A worker whose PS client saw a lost
+       server reports it with DONE; the scheduler then aborts the job for everyone.
+
+The scheduler also hosts the job's ``torch.distributed`` TCPStore on ``cfg.store_port``,
+bound to the same interface as everything else.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from byteps_espresso.server import protocol as P
+from byteps_espresso.server.keys import KeySpec
+from byteps_espresso.server.link import HEARTBEAT_INTERVAL_S, REGISTER_GRACE_S
+from zmq.utils.monitor import recv_monitor_message
+
+from byteps_espresso.config import Config
+
+__all__ = ["DISCONNECT_GRACE_S", "Scheduler", "SchedulerError", "run_scheduler"]
+
+log = logging.getLogger(__name__)
+
+# After some node's TCP connection drops, nodes silent for this many seconds since the drop
+# are declared lost (6 heartbeat intervals: tolerates a busy machine, still fails fast).
+DISCONNECT_GRACE_S = 6 * HEARTBEAT_INTERVAL_S
+# Seconds the scheduler waits for servers to acknowledge SHUTDOWN before exiting anyway.
+SHUTDOWN_WAIT_S = 5.0
+# Poll period of the event loop, in seconds.
+_POLL_S = 0.1
+
+
+class SchedulerError(RuntimeError):
+    """The job cannot go on: start-up timed out or a node was lost."""
+
+
+@dataclass
+class _Node:
+    role: str
+    rank: int
+    identity: bytes
+    address: str = ""
+    last_seen: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+    def describe(self) -> str:
+        where = f" at {self.address}" if self.address else ""
+        return f"{self.role} {self.rank}{where}"
+
+
+class Scheduler:
+    """One scheduler process. Build it, then :meth:`run` until the job ends."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        # The start-up deadline runs from here, before the (slow) torch store starts, so
+        # that nodes started at the same time hear ABORT before their own deadline.
+        self.created = time.monotonic()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        endpoint = f"tcp://{cfg.bind_host()}:{cfg.root_port}"
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise SchedulerError(f"cannot listen on {endpoint} ({exc}); is DMLC_PS_ROOT_PORT "
+                                 "free and DMLC_NODE_HOST/DMLC_INTERFACE an address of this "
+                                 "machine?") from None
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.store = None
+        self._store_socket: socket.socket | None = None
+        self.workers: dict[int, _Node] = {}
+        self.servers: list[_Node] = []
+        self.by_identity: dict[bytes, _Node] = {}
+        # Worker processes expected: known when BYTEPS_LOCAL_SIZE is set here, else learned
+        # from the first worker's registration (every worker must then agree).
+        self.expected_workers: int | None = (
+            cfg.world_size if "BYTEPS_LOCAL_SIZE" in cfg.explicit else None)
+        self.started = False
+        self.barrier: set[int] = set()
+        self.placements: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+        self.server_bytes: list[int] = []
+        self.next_key = 1
+        self.dropped_at: float | None = None
+
+    # ---- life cycle ---------------------------------------------------------------------------
+    def start_store(self) -> None:
+        """Host the torch.distributed TCPStore on ``cfg.store_port`` (configured interface)."""
+        import torch.distributed as dist
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.cfg.bind_host(), self.cfg.store_port))
+        except OSError as exc:
+            sock.close()
+            raise SchedulerError(f"cannot listen on {self.cfg.bind_host()}:"
+                                 f"{self.cfg.store_port} for the torch.distributed store "
+                                 f"({exc.strerror}); DMLC_PS_ROOT_PORT + 1 must be free") from None
+        sock.listen(1024)
+        self._store_socket = sock
+        self.store = dist.TCPStore(self.cfg.advertise_host(), self.cfg.store_port, None, True,
+                                   datetime.timedelta(seconds=self.cfg.op_timeout_s),
+                                   wait_for_workers=False, master_listen_fd=sock.fileno())
+
+    def run(self) -> int:
+        """Serve until every worker is done (returns 0).
+
+        Raises:
+            SchedulerError: start-up timed out or a node was lost (everyone got ABORT).
+        """
+        deadline = self.created + self.cfg.start_timeout_s
+        log.info("scheduler listening on %s:%d for %d server(s) and %s worker(s)",
+                 self.cfg.bind_host(), self.cfg.root_port, self.cfg.num_servers,
+                 self.expected_workers or f"DMLC_NUM_WORKER={self.cfg.num_machines} machines of")
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(_POLL_S * 1000))
+            if self.sock in events:
+                while self.sock.poll(0):
+                    self._handle(self.sock.recv_multipart())
+            if self.monitor in events:
+                while self.monitor.poll(0):
+                    recv_monitor_message(self.monitor)
+                    self.dropped_at = time.monotonic()
+            now = time.monotonic()
+            if not self.started and now > deadline:
+                self._abort(f"start-up timed out after ESPRESSO_START_TIMEOUT="
+                            f"{self.cfg.start_timeout_s:g} s; missing: {self._missing()}")
+            if self.started:
+                self._check_liveness(now)
+                if self.workers and all(w.done for w in self.workers.values()):
+                    self._shutdown_servers()
+                    return 0
+
+    def _missing(self) -> str:
+        parts = []
+        missing_servers = self.cfg.num_servers - len(self.servers)
+        if missing_servers > 0:
+            ranks = list(range(len(self.servers), self.cfg.num_servers))
+            parts.append(f"{missing_servers} of {self.cfg.num_servers} server(s) never "
+                         f"registered (server ranks {ranks} unassigned)")
+        if self.expected_workers is None:
+            parts.append(f"no worker registered (DMLC_NUM_WORKER={self.cfg.num_machines})")
+        else:
+            absent = sorted(set(range(self.expected_workers)) - set(self.workers))
+            if absent:
+                parts.append(f"worker ranks {absent} of {self.expected_workers} never "
+                             "registered")
+        return "; ".join(parts) or "nothing"
+
+    def _check_liveness(self, now: float) -> None:
+        for node in self.by_identity.values():
+            if node.done:
+                continue
+            silent = now - node.last_seen
+            if silent > self.cfg.op_timeout_s:
+                self._abort(f"{node.describe()} is lost: no heartbeat for {silent:.1f} s "
+                            f"(ESPRESSO_TIMEOUT={self.cfg.op_timeout_s:g})")
+            if (self.dropped_at is not None and node.last_seen < self.dropped_at
+                    and now - self.dropped_at > DISCONNECT_GRACE_S):
+                self._abort(f"{node.describe()} is lost: its connection dropped and it has "
+                            f"been silent for {silent:.1f} s")
+        if self.dropped_at is not None and now - self.dropped_at > DISCONNECT_GRACE_S:
+            self.dropped_at = None
+
+    def _abort(self, reason: str) -> None:
+        """Send ABORT to every node, answer late comers with ABORT for a while, then raise."""
+        log.error("aborting the job: %s", reason)
+        abort = P.encode_json(P.MsgType.ABORT, {"reason": reason})
+        for identity in self.by_identity:
+            self._send(identity, abort)
+        linger_until = time.monotonic() + REGISTER_GRACE_S
+        while time.monotonic() < linger_until:
+            if self.sock.poll(_POLL_S * 1000):
+                identity = self.sock.recv_multipart()[0]
+                if identity not in self.by_identity:
+                    self._send(identity, abort)
+                    self.by_identity[identity] = _Node("late", -1, identity)
+        raise SchedulerError(reason)
+
+    def _shutdown_servers(self) -> None:
+        for node in self.servers:
+            self._send(node.identity, P.encode(P.MsgType.SHUTDOWN))
+        pending = {n.identity for n in self.servers}
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        while pending and time.monotonic() < deadline:
+            if not self.sock.poll(_POLL_S * 1000):
+                continue
+            identity, *frames = self.sock.recv_multipart()
+            try:
+                if P.decode(frames, self.cfg.max_message_bytes).header.type is P.MsgType.BYE:
+                    pending.discard(identity)
+            except P.ProtocolError:
+                continue
+        if pending:
+            lost = ", ".join(n.describe() for n in self.servers if n.identity in pending)
+            raise SchedulerError(f"every worker is done, but {lost} did not acknowledge "
+                                 f"SHUTDOWN within {SHUTDOWN_WAIT_S:g} s: lost")
+        log.info("every worker is done; job finished")
+
+    def close(self) -> None:
+        for attr in ("monitor", "sock"):
+            sock = getattr(self, attr, None)
+            if sock is not None:
+                sock.close()
+        self.ctx.term()
+        if self._store_socket is not None:
+            self._store_socket.close()
+        self.store = None
+
+    # ---- messages -----------------------------------------------------------------------------
+    def _send(self, identity: bytes, frames: list[Any]) -> None:
+        self.sock.send_multipart([identity, *frames])
+
+    def _handle(self, raw: list[bytes]) -> None:
+        identity, *frames = raw
+        header = None
+        try:
+            msg = P.decode(frames, self.cfg.max_message_bytes)
+            header = msg.header
+            node = self.by_identity.get(identity)
+            if node is not None:
+                node.last_seen = time.monotonic()
+            handler = _HANDLERS.get(header.type)
+            if handler is None:
+                raise P.ProtocolError(P.ErrorCode.UNEXPECTED,
+                                      f"the scheduler does not handle {header.type.name}")
+            handler(self, identity, node, msg)
+        except P.ProtocolError as exc:
+            log.warning("rejected a message: %s", exc)
+            self._send(identity, P.encode_error(exc.code, exc.detail, request=header))
+
+    def _on_register(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
+        body = P.decode_json(msg)
+        if node is not None or self.started:
+            raise P.ProtocolError(P.ErrorCode.UNEXPECTED, "registration is closed or this "
+                                  "connection is already registered")
+        role = body.get("role")
+        if role == "server":
+            node = self._register_server(identity, body)
+        elif role == "worker":
+            node = self._register_worker(identity, body)
+        else:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD, f"unknown role {role!r}")
+        self.by_identity[identity] = node
+        log.info("registered %s", node.describe())
+        if (len(self.servers) == self.cfg.num_servers and self.expected_workers is not None
+                and len(self.workers) == self.expected_workers):
+            self._accept_all()
+
+    def _register_server(self, identity: bytes, body: dict[str, Any]) -> _Node:
+        address = body.get("address")
+        if not isinstance(address, str) or not address.startswith("tcp://"):
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD, f"bad server address {address!r}")
+        if len(self.servers) >= self.cfg.num_servers:
+            raise P.ProtocolError(P.ErrorCode.UNEXPECTED,
+                                  f"DMLC_NUM_SERVER={self.cfg.num_servers} servers are "
+                                  "already registered")
+        node = _Node("server", len(self.servers), identity, address)
+        self.servers.append(node)
+        self.server_bytes.append(0)
+        return node
+
+    def _register_worker(self, identity: bytes, body: dict[str, Any]) -> _Node:
+        rank, world = body.get("rank"), body.get("world_size")
+        if type(world) is not int or world < 1:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD, f"bad world_size {world!r}")
+        if self.expected_workers is None:
+            self.expected_workers = world
+        if world != self.expected_workers:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"worker says world_size={world}, the job has "
+                                  f"{self.expected_workers}; every process needs the same "
+                                  "DMLC_NUM_WORKER and BYTEPS_LOCAL_SIZE")
+        if type(rank) is not int or not 0 <= rank < world:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"worker rank {rank!r} is not in [0, {world})")
+        if rank in self.workers:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"worker rank {rank} is registered twice; check "
+                                  "DMLC_WORKER_ID and BYTEPS_LOCAL_RANK")
+        node = _Node("worker", rank, identity)
+        self.workers[rank] = node
+        return node
+
+    def _accept_all(self) -> None:
+        self.started = True
+        addresses = [s.address for s in self.servers]
+        now = time.monotonic()
+        for node in self.by_identity.values():
+            node.last_seen = now
+            body = {"rank": node.rank, "servers": addresses, "num_workers": len(self.workers)}
+            self._send(node.identity, P.encode_json(P.MsgType.ACCEPT, body))
+        log.info("all %d server(s) and %d worker(s) registered", len(self.servers),
+                 len(self.workers))
+
+    def _require_worker(self, node: _Node | None, what: str) -> _Node:
+        if node is None or node.role != "worker" or not self.started:
+            raise P.ProtocolError(P.ErrorCode.UNEXPECTED,
+                                  f"{what} is only accepted from registered workers after "
+                                  "start-up")
+        return node
+
+    def _on_heartbeat(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
+        """Liveness only: ``last_seen`` was refreshed on receipt."""
+
+    def _on_barrier(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
+        node = self._require_worker(node, "BARRIER")
+        self.barrier.add(node.rank)
+        if len(self.barrier) == len(self.workers):
+            for rank in sorted(self.barrier):
+                self._send(self.workers[rank].identity, P.encode(P.MsgType.BARRIER_OK))
+            self.barrier.clear()
+
+    def _on_place(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
+        self._require_worker(node, "PLACE")
+        body = P.decode_json(msg)
+        spec = KeySpec.from_json(body.get("spec", {}), len(self.workers))
+        parts = body.get("parts")
+        if (not isinstance(parts, list) or not parts
+                or not all(isinstance(p, list) and len(p) == 2 and all(type(v) is int and v >= 0
+                                                                       for v in p)
+                           for p in parts)):
+            raise P.ProtocolError(P.ErrorCode.BAD_DECLARE,
+                                  f"{spec.name}: parts must be a list of [numel, bytes]")
+        described = {"spec": spec.to_json(), "parts": parts}
+        known = self.placements.get(spec.name)
+        if known is not None:
+            if known[0] != described:
+                raise P.ProtocolError(P.ErrorCode.BAD_DECLARE,
+                                      f"{spec.name} was declared as {known[0]} by another "
+                                      f"worker; rank {msg.header.sender} declares {described}")
+            keys = known[1]
+        else:
+            keys = []
+            for _numel, nbytes in parts:
+                server = min(range(len(self.servers)), key=lambda s: (self.server_bytes[s], s))
+                self.server_bytes[server] += nbytes
+                keys.append({"key": self.next_key, "server": server})
+                self.next_key += 1
+            self.placements[spec.name] = (described, keys)
+        self._send(identity, P.encode_json(P.MsgType.PLACE_OK, {"keys": keys}))
+
+    def _on_done(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
+        node = self._require_worker(node, "DONE")
+        node.done = True
+        self._send(identity, P.encode(P.MsgType.DONE_OK))
+        failed = P.decode_json(msg).get("failed") if msg.frames else None
+        if failed:
+            self._abort(f"{node.describe()} failed: {failed}")
+
+
+_HANDLERS = {
+    P.MsgType.REGISTER: Scheduler._on_register,
+    P.MsgType.HEARTBEAT: Scheduler._on_heartbeat,
+    P.MsgType.BARRIER: Scheduler._on_barrier,
+    P.MsgType.PLACE: Scheduler._on_place,
+    P.MsgType.DONE: Scheduler._on_done,
+}
+
+
+def run_scheduler(cfg: Config) -> int:
+    """Run the scheduler role until the job ends.
+
+    Returns:
+        0 when every worker finished.
+
+    Raises:
+        SchedulerError: start-up timed out, a node was lost, or a port is taken.
+    """
+    if cfg.num_servers < 1:
+        raise SchedulerError("DMLC_NUM_SERVER=0: the parameter-server scheduler needs at "
+                             "least one server; set DMLC_NUM_SERVER")
+    scheduler = Scheduler(cfg)
+    try:
+        scheduler.start_store()
+        return scheduler.run()
+    finally:
+        scheduler.close()
