@@ -12,6 +12,8 @@ alternates a push/pull round and an echo round, so both see the same machine loa
     python benchmarks/ps.py            # full grid (a few minutes)
     python benchmarks/ps.py --quick    # 2 workers, 1 server, fewer rounds
 
+BYTEPS_SERVER_ENGINE_THREAD in the environment sets the servers' aggregation threads.
+
 Writes benchmarks/results/ps.json and prints a table.
 """
 
@@ -35,8 +37,8 @@ RESULTS = Path(__file__).parent / "results" / "ps.json"
 MB = 1 << 20
 SIZES_MB = (1, 64)
 # Rounds timed per case (after WARMUP untimed rounds), by tensor size in MB.
-ROUNDS = {1: 40, 64: 8}
-QUICK_ROUNDS = {1: 15, 64: 4}
+ROUNDS = {1: 20, 64: 5}
+QUICK_ROUNDS = {1: 10, 64: 3}
 WARMUP = 2
 CODECS: dict[str, dict[str, Any]] = {"dense": {}, "onebit": {}, "randomk": {"ratio": 0.01}}
 LAYOUTS = ((2, 1), (2, 2), (4, 1), (4, 2))  # (workers, servers)
@@ -297,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version(),
                     "load_avg_1m_at_end": os.getloadavg()[0]},
         "partition_bytes": partition_bytes, "warmup_rounds": WARMUP, "rounds": rounds,
+        "server_engine_threads": os.environ.get("BYTEPS_SERVER_ENGINE_THREAD",
+                                                f"{Config().server_threads} (default)"),
         "rows": rows, "summary": summary,
         "notes": "round_ms: median round time of the slowest worker; GB/s: uncompressed "
                  "float32 bytes per worker per round / round time; server ms per round: "
