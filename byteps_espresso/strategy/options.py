@@ -37,6 +37,9 @@ of the group owns chunk ``i``.
   members hold nothing until the matching ``Broadcast``/``BroadcastC``.
 - ``Broadcast(s)``      the root's dense -> every member.
 - ``AllgatherC(s)``     payload -> every member's payload (a list, in group-rank order).
+  When it closes a ``ReduceScatter(s)``/``AlltoallC(s)`` of the same scope (the second half
+  of a divisible scheme) the payloads are *shards*: the next ``Decomp`` decodes each and
+  concatenates them, as ``Allgather`` does for dense shards; otherwise ``Decomp`` sums them.
 - ``AlltoallC(s)``      per-destination payloads -> the payloads of this member's shard from
   every member (a list).
 - ``GatherC(s)``        payload -> the list of every member's payload, on the root only.
@@ -52,9 +55,10 @@ tensor; averaging, if asked for, is the caller's division by the world size.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["COLLECTIVES", "Device", "Kind", "Option", "OptionError", "Scope", "Step"]
 
@@ -93,7 +97,7 @@ class Kind(str, enum.Enum):
     def is_compute(self) -> bool:
         return self in (Kind.COMP, Kind.DECOMP)
 
-    @property
+    @functools.cached_property
     def is_compressed(self) -> bool:
         """A communication step that moves payloads rather than dense values."""
         return self in _COMPRESSED
@@ -118,14 +122,20 @@ class Step:
     kind: Kind
     device: Device | None = None
     scope: Scope | None = None
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # Steps key the planner's tables thousands of times: hash once.
+        object.__setattr__(self, "_hash", hash((self.kind, self.device, self.scope)))
         if self.kind.is_compute:
             if self.device is None or self.scope is not None:
                 raise OptionError(f"{self.kind.value} needs a device (gpu or cpu) and no scope")
         elif self.scope is None or self.device is not None:
             raise OptionError(f"{self.kind.value} needs a scope (flat, intra or inter) "
                               "and no device")
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def arg(self) -> str:
@@ -168,6 +178,13 @@ class Option:
     """A per-tensor program: a tuple of steps."""
 
     steps: tuple[Step, ...]
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(self.steps))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def of(cls, *steps: Step | str) -> Option:
@@ -195,26 +212,26 @@ class Option:
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self.steps)
 
-    @property
+    @functools.cached_property
     def compressions(self) -> int:
         return sum(1 for s in self.steps if s.kind is Kind.COMP)
 
-    @property
+    @functools.cached_property
     def is_compressed(self) -> bool:
         return self.compressions > 0
 
-    @property
+    @functools.cached_property
     def devices(self) -> frozenset[Device]:
         return frozenset(s.device for s in self.steps if s.device is not None)
 
-    @property
+    @functools.cached_property
     def uses_cpu(self) -> bool:
         return Device.CPU in self.devices
 
-    @property
+    @functools.cached_property
     def uses_servers(self) -> bool:
         return any(s.kind in (Kind.PUSH_PULL, Kind.PUSH_PULL_C) for s in self.steps)
 
-    @property
+    @functools.cached_property
     def is_hierarchical(self) -> bool:
         return any(s.scope is Scope.INTRA for s in self.steps)

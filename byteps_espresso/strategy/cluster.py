@@ -1,0 +1,200 @@
+"""Cluster descriptions: machines x GPUs, links, PS servers and host resources.
+
+Bandwidths are in Gbit/s (10^9 bits per second) and latencies in microseconds, per direction.
+
+Example:
+    >>> c = Cluster.preset(machines=8, gpus_per_machine=8, intra="nvlink", inter_gbps=100)
+    >>> c.world_size
+    64
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["INTRA_PRESETS", "Cluster", "ClusterError", "LinkPreset"]
+
+
+class ClusterError(ValueError):
+    """A cluster description is malformed; the message names the field (and file)."""
+
+
+@dataclass(frozen=True)
+class LinkPreset:
+    """An intra-machine link: effective per-GPU bandwidth (Gbit/s) and per-hop latency (us)."""
+
+    gbps: float
+    latency_us: float
+    source: str
+
+
+INTRA_PRESETS: dict[str, LinkPreset] = {
+    # V100 SXM2: six NVLink 2.0 links of 25 GB/s per direction each (NVIDIA Tesla V100
+    # datasheet; DGX-1 with V100 system architecture white paper, 2017). A ring collective
+    # drives two links per direction on the DGX-1 hybrid cube-mesh: 50 GB/s = 400 Gbit/s.
+    # Latency: NCCL per-hop latency over NVLink of a few microseconds (NCCL tests, DGX-1).
+    "nvlink": LinkPreset(400.0, 3.0, "V100 NVLink 2.0: 2 x 25 GB/s per direction per ring "
+                                     "(NVIDIA V100 datasheet, DGX-1V white paper)"),
+    # PCIe 3.0 x16: 8 GT/s x 16 lanes x 128/130 = 15.75 GB/s theoretical (PCI-SIG PCIe 3.0
+    # base specification); about 12 GB/s = 96 Gbit/s measured by CUDA's bandwidthTest with
+    # pinned memory. GPU peer traffic through the host bridge: ~10 us per hop.
+    "pcie": LinkPreset(96.0, 10.0, "PCIe 3.0 x16: ~12 GB/s effective (PCI-SIG spec 15.75 GB/s; "
+                                   "CUDA bandwidthTest)"),
+}
+
+# Host<->device copies go over the GPU's PCIe 3.0 x16 slot: ~12 GB/s (see "pcie" above).
+DEFAULT_H2D_GBPS = 96.0
+# One-way latency of a datacenter NIC hop (RDMA ~2-5 us, kernel TCP ~10-30 us); we take the
+# middle: 10 us (Guo et al., "RDMA over Commodity Ethernet at Scale", SIGCOMM 2016).
+DEFAULT_INTER_LATENCY_US = 10.0
+# Host threads per machine available for CPU compression; a V100 server (e.g. AWS p3.16xlarge,
+# 64 vCPUs for 8 GPUs) leaves a few cores per GPU after data loading.
+DEFAULT_CPU_THREADS = 16
+# Aggregation threads per PS server process (BYTEPS_SERVER_ENGINE_THREAD default, config.py).
+DEFAULT_SERVER_THREADS = 4
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Everything the cost model needs to know about the machines.
+
+    Attributes:
+        machines: worker machines.
+        gpus_per_machine: training processes (GPUs) per machine.
+        intra_gbps / intra_latency_us: intra-machine link per GPU (NVLink, PCIe).
+        inter_gbps / inter_latency_us: each machine's NIC (shared by its GPUs).
+        servers: PS server processes (0: no PushPull options).
+        server_gbps: NIC bandwidth of each server.
+        cpu_threads: host threads per worker machine for CPU compression.
+        server_threads: aggregation threads per server.
+        h2d_gbps: host<->device copy bandwidth per GPU.
+        intra_link: the preset name the intra link came from, or "custom".
+    """
+
+    machines: int
+    gpus_per_machine: int
+    intra_gbps: float
+    intra_latency_us: float
+    inter_gbps: float
+    inter_latency_us: float = DEFAULT_INTER_LATENCY_US
+    servers: int = 0
+    server_gbps: float = 0.0
+    cpu_threads: int = DEFAULT_CPU_THREADS
+    server_threads: int = DEFAULT_SERVER_THREADS
+    h2d_gbps: float = DEFAULT_H2D_GBPS
+    intra_link: str = "custom"
+
+    def __post_init__(self) -> None:
+        for name in ("machines", "gpus_per_machine", "cpu_threads", "server_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ClusterError(f"field {name!r} must be an integer >= 1, got {value!r}")
+        if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 0:
+            raise ClusterError(f"field 'servers' must be an integer >= 0, got {self.servers!r}")
+        for name in ("intra_gbps", "inter_gbps", "h2d_gbps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ClusterError(f"field {name!r} must be a number > 0, got {value!r}")
+        for name in ("intra_latency_us", "inter_latency_us", "server_gbps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ClusterError(f"field {name!r} must be a number >= 0, got {value!r}")
+        if self.servers and not self.server_gbps > 0:
+            raise ClusterError("field 'server_gbps' must be > 0 when 'servers' > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.machines * self.gpus_per_machine
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether hierarchical paths exist (more than one machine and GPU per machine)."""
+        return self.machines > 1 and self.gpus_per_machine > 1
+
+    def describe(self) -> str:
+        ps = f", {self.servers} servers x {self.server_gbps:g} Gbps" if self.servers else ""
+        return (f"{self.machines} x {self.gpus_per_machine} GPUs, intra {self.intra_link} "
+                f"{self.intra_gbps:g} Gbps, inter {self.inter_gbps:g} Gbps{ps}, "
+                f"{self.cpu_threads} CPU threads/machine")
+
+    @classmethod
+    def preset(cls, machines: int, gpus_per_machine: int, intra: str | float = "nvlink",
+               inter_gbps: float = 100.0, *, servers: int | None = None,
+               cpu_threads: int = DEFAULT_CPU_THREADS, **overrides: Any) -> Cluster:
+        """A cluster with a named intra link (``nvlink``, ``pcie``) or a bandwidth in Gbit/s.
+
+        ``servers`` defaults to one per machine (BytePS' usual co-located layout), each with
+        the machines' NIC bandwidth.
+
+        Raises:
+            ClusterError: unknown preset or bad value.
+        """
+        if isinstance(intra, str) and intra in INTRA_PRESETS:
+            link = INTRA_PRESETS[intra]
+            gbps, latency, label = link.gbps, link.latency_us, intra
+        else:
+            try:
+                gbps = float(intra)
+            except ValueError:
+                raise ClusterError(f"unknown intra link {intra!r}; use "
+                                   f"{', '.join(INTRA_PRESETS)} or a bandwidth in Gbit/s") from None
+            latency, label = INTRA_PRESETS["pcie"].latency_us, "custom"
+        n_servers = machines if servers is None else servers
+        values: dict[str, Any] = {
+            "machines": machines, "gpus_per_machine": gpus_per_machine, "intra_gbps": gbps,
+            "intra_latency_us": latency, "inter_gbps": float(inter_gbps),
+            "servers": n_servers, "server_gbps": float(inter_gbps) if n_servers else 0.0,
+            "cpu_threads": cpu_threads, "intra_link": label,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> Cluster:
+        return replace(self, **changes)
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "cluster") -> Cluster:
+        """Build from a JSON object; unknown or missing fields raise naming ``where``.
+
+        Raises:
+            ClusterError: a missing, unknown or malformed field.
+        """
+        if not isinstance(data, dict):
+            raise ClusterError(f"{where}: expected a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ClusterError(f"{where}: unknown field {unknown[0]!r}; known fields: "
+                               f"{', '.join(sorted(known))}")
+        required = ("machines", "gpus_per_machine", "intra_gbps", "intra_latency_us",
+                    "inter_gbps")
+        for name in required:
+            if name not in data:
+                raise ClusterError(f"{where}: field {name!r} is missing")
+        try:
+            return cls(**data)
+        except (ClusterError, TypeError) as exc:
+            raise ClusterError(f"{where}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Cluster:
+        """Read a cluster JSON file (the fields of this class).
+
+        Raises:
+            ClusterError: unreadable file, bad JSON or malformed field (names the file).
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ClusterError(f"{path}: cannot read cluster file: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ClusterError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, str(path))

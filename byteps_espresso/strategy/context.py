@@ -1,0 +1,197 @@
+"""What every search algorithm and baseline works on: the tree, the prices and the evaluator.
+
+A :class:`PlanContext` binds one workload, cluster, compressor (with parameters and cost
+profile) and constraints. It enumerates the decision tree once, prices options lazily per
+distinct tensor size, and evaluates strategies (an option index per tensor) on the timeline.
+
+Dominated options (documented in docs/strategy.md): for a tensor size, option A dominates B
+when A keeps every resource busy no longer than B and its own end-to-end time (sum of its
+tasks) is no longer either; the search only considers the non-dominated ones (the Pareto
+front). Options identical in every task duration are deduplicated (the first kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numba
+import numpy as np
+
+from byteps_espresso.strategy.cluster import Cluster
+from byteps_espresso.strategy.compressor_costs import CompressorCosts
+from byteps_espresso.strategy.costs import CompressedSizes, Pricer
+from byteps_espresso.strategy.options import Device, Kind, Option, Step
+from byteps_espresso.strategy.timeline import Evaluator
+from byteps_espresso.strategy.tree import Constraints, enumerate_options, option_set
+from byteps_espresso.strategy.workload import Workload
+
+__all__ = ["PlanContext", "pareto_front"]
+
+
+# Dominance tolerance: A dominates B when every entry of A is <= (1 + DOMINANCE_REL) times
+# B's plus DOMINANCE_ABS_US (differences below a microsecond or 1% do not keep an option).
+DOMINANCE_REL = 0.01
+DOMINANCE_ABS_US = 1.0
+# At most this many non-dominated compressed options per size, those with the least total
+# busy time (every non-dominated uncompressed option is kept: there are few).
+FRONT_LIMIT = 8
+FRONT_RANK = "sum"
+
+
+@numba.njit(cache=True)
+def _dominated(vectors, rel, abs_us):  # pragma: no cover - compiled
+    n, u_count, c_count = vectors.shape
+    out = np.zeros((n, u_count), dtype=np.bool_)
+    for u in range(u_count):
+        for b in range(n):
+            tb = vectors[b, u].sum()
+            for a in range(n):
+                if a == b:
+                    continue
+                ta = vectors[a, u].sum()
+                if not (ta < tb or (ta == tb and a < b)):
+                    continue
+                close = True
+                for c in range(c_count):
+                    if vectors[a, u, c] > vectors[b, u, c] * (1 + rel) + abs_us:
+                        close = False
+                        break
+                if close:
+                    out[b, u] = True
+                    break
+    return out
+
+
+def pareto_front(vectors: np.ndarray, rel: float = DOMINANCE_REL,
+                 abs_us: float = DOMINANCE_ABS_US) -> np.ndarray:
+    """Which rows survive, per column block: ``vectors`` is (options, sizes, criteria);
+    returns a (options, sizes) mask of the rows no other row dominates for that size.
+
+    Row a dominates row b when a <= b * (1 + rel) + abs_us in every criterion and a is
+    smaller in the sum of criteria (or equal with a lower index), so exactly one of two
+    near-identical rows survives.
+    """
+    return ~_dominated(np.ascontiguousarray(vectors, dtype=np.float64), float(rel),
+                       float(abs_us))
+
+
+@dataclass
+class PlanContext:
+    """One planning problem.
+
+    Attributes:
+        workload, cluster, compressor, params, costs, constraints: the inputs.
+        options: every valid option under the constraints (the decision tree).
+    """
+
+    workload: Workload
+    cluster: Cluster
+    compressor: str
+    params: dict[str, Any] = field(default_factory=dict)
+    costs: CompressorCosts | None = None
+    constraints: Constraints = field(default_factory=Constraints)
+    sizes: CompressedSizes | None = None
+    free_compression: bool = False
+
+    def __post_init__(self) -> None:
+        if self.costs is None:
+            self.costs = CompressorCosts.default()
+        if self.sizes is None:
+            self.sizes = CompressedSizes(self.compressor, self.params)
+        self.options: list[Option] = enumerate_options(self.cluster, self.constraints)
+        if not self.options:
+            raise ValueError("the constraints leave no valid option; relax them")
+        self.numels = sorted({t.numel for t in self.workload.tensors})
+        self.size_index = {n: i for i, n in enumerate(self.numels)}
+        self.pricer = Pricer(self.cluster, self.compressor, self.sizes, self.costs, self.numels,
+                             free_compression=self.free_compression)
+        self.evaluator = Evaluator(self.workload, self.pricer, [])
+        self._fronts: dict[tuple, list[list[Option]]] = {}
+        self._single: dict[Device, list[Option]] = {}
+
+    def prepare(self) -> None:
+        """Price the search's candidate options for every tensor size now (the cost model of
+        this workload), so that a timed search measures the search alone."""
+        for option in self.single_device(self.primary_device()):
+            priced = self.pricer.tasks(option)
+            _ = priced.busy, priced.total
+        self.evaluator.warm_up()
+        pareto_front(np.zeros((1, 1, 1)))
+
+    def free(self) -> PlanContext:
+        """The same problem with free compression (zero compress/decompress cost)."""
+        return PlanContext(self.workload, self.cluster, self.compressor, self.params,
+                           self.costs, self.constraints, self.sizes, free_compression=True)
+
+    # ---- helpers shared by algorithms ------------------------------------------------------
+    @property
+    def n_tensors(self) -> int:
+        return len(self.workload.tensors)
+
+    def tensor_size_index(self, i: int) -> int:
+        return self.size_index[self.workload.tensors[i].numel]
+
+    def uncompressed(self) -> list[Option]:
+        return [o for o in self.single_device(Device.GPU) if not o.is_compressed]
+
+    def primary_device(self) -> Device:
+        return Device.GPU if self.constraints.allow_gpu else Device.CPU
+
+    def single_device(self, device: Device) -> list[Option]:
+        """Options whose compute steps all run on ``device`` (uncompressed ones included)."""
+        got = self._single.get(device)
+        if got is None:
+            got = self._single[device] = [o for o in self.options if o.devices <= {device}]
+        return got
+
+    def front(self, candidates: Sequence[Option]) -> list[list[Option]]:
+        """Per distinct size, the non-dominated candidates (see the module docstring)."""
+        key = tuple(candidates)
+        got = self._fronts.get(key)
+        if got is not None:
+            return got
+        priced = [self.pricer.tasks(o) for o in candidates]
+        busy = np.stack([p.busy for p in priced], axis=0)  # (O, U, R)
+        total = np.stack([p.total for p in priced], axis=0)  # (O, U)
+        keep = pareto_front(np.concatenate([busy, total[:, :, None]], axis=2))
+        rank = busy.sum(axis=2) if FRONT_RANK == "sum" else busy.max(axis=2)
+        out = []
+        compressed = np.array([o.is_compressed for o in candidates], dtype=bool)
+        for u in range(len(self.numels)):
+            alive = np.flatnonzero(keep[:, u] & compressed)
+            alive = alive[np.argsort(rank[alive, u], kind="stable")][:FRONT_LIMIT]
+            dense = np.flatnonzero(keep[:, u] & ~compressed)
+            out.append([candidates[k] for k in sorted([*dense, *alive])])
+        self._fronts[key] = out
+        return out
+
+    def index(self, options: Sequence[Option]) -> np.ndarray:
+        """Evaluator indices of options (adding them when new)."""
+        return np.asarray(self.evaluator.add(list(options)), dtype=np.int64)
+
+    def iteration_us(self, choice: np.ndarray) -> float:
+        return self.evaluator.iteration_us(choice)
+
+    def allowed(self, option: Option) -> bool:
+        return option in option_set(self.cluster, self.constraints)
+
+    def on_device(self, option: Option, device: Device) -> Option:
+        """The same option with every Comp/Decomp moved to ``device``."""
+        return Option(tuple(Step(s.kind, device=device) if s.device is not None else s
+                            for s in option.steps))
+
+    def device_variants(self, option: Option) -> list[Option]:
+        """The allowed options equal to ``option`` but with its Comp steps on one device and
+        its Decomp steps on one device (four placements at most)."""
+        out = []
+        for comp_dev in (Device.GPU, Device.CPU):
+            for decomp_dev in (Device.GPU, Device.CPU):
+                cand = Option(tuple(
+                    s if s.device is None else
+                    Step(s.kind, device=comp_dev if s.kind is Kind.COMP else decomp_dev)
+                    for s in option.steps))
+                if self.allowed(cand):
+                    out.append(cand)
+        return out

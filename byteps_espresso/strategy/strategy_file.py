@@ -1,0 +1,219 @@
+"""Strategy: one Option per tensor name, the inputs it was planned for, and its predictions.
+
+File format (JSON, DESIGN.md "Strategy file")::
+
+    {"format": "byteps-espresso-strategy", "version": 1,
+     "algorithm": "espresso", "predicted_iteration_ms": 81.2, "search_time_ms": 6.1,
+     "baselines_ms": {"fp32": 120.3, ...},
+     "compressor": {"name": "randomk", "params": {"ratio": 0.01}},
+     "constraints": ["no-cpu"],
+     "cluster": {...Cluster fields...}, "workload": {...Workload JSON...},
+     "options": {"fc.weight": ["Comp(gpu)", "AllgatherC(flat)", "Decomp(gpu)"], ...}}
+
+Loading validates every option against the decision tree and the cluster, and checks that the
+option names match the workload's tensors; errors name the field and the file.
+
+Example:
+    >>> s = Strategy.load("strategy.json"); s.options["fc.weight"]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from byteps_espresso.strategy.cluster import Cluster, ClusterError
+from byteps_espresso.strategy.options import Option, OptionError
+from byteps_espresso.strategy.tree import ConstraintError, Constraints, validate
+from byteps_espresso.strategy.workload import Workload, WorkloadError, atomic_write_text
+
+__all__ = ["FORMAT", "Strategy", "StrategyError"]
+
+FORMAT = "byteps-espresso-strategy"
+VERSION = 1
+
+
+class StrategyError(ValueError):
+    """A strategy file is malformed; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A planned strategy.
+
+    Attributes:
+        options: tensor name -> Option, in backward order.
+        predicted_ms: predicted iteration time of these options.
+        baselines: baseline name -> predicted iteration time (ms) under the same model.
+        algorithm: which algorithm produced the options.
+        search_time_ms: how long the algorithm took.
+        workload, cluster, compressor, params, constraints: the inputs.
+    """
+
+    options: dict[str, Option]
+    predicted_ms: float
+    baselines: dict[str, float]
+    algorithm: str
+    search_time_ms: float
+    workload: Workload
+    cluster: Cluster
+    compressor: str
+    params: dict[str, Any] = field(default_factory=dict)
+    constraints: Constraints = field(default_factory=Constraints)
+
+    @property
+    def compressed_tensors(self) -> list[str]:
+        return [n for n, o in self.options.items() if o.is_compressed]
+
+    @property
+    def cpu_offloaded_tensors(self) -> list[str]:
+        return [n for n, o in self.options.items() if o.uses_cpu]
+
+    def speedups(self) -> dict[str, float]:
+        """Baseline time / predicted time, per baseline (>1: this strategy is faster)."""
+        return {k: v / self.predicted_ms for k, v in self.baselines.items() if self.predicted_ms}
+
+    def summary(self) -> str:
+        """A one-screen report: inputs, predicted times, and the decisions grouped."""
+        lines = [
+            f"{self.workload.model}: {len(self.options)} tensors, "
+            f"{sum(t.numel for t in self.workload.tensors) * 4 / 1e6:.1f} MB of gradients",
+            f"cluster: {self.cluster.describe()}",
+            f"compressor: {self.compressor} {json.dumps(self.params)}"
+            + (f"; constraints: {', '.join(self.constraints.to_strings())}"
+               if self.constraints.to_strings() else ""),
+            f"{self.algorithm}: predicted iteration {self.predicted_ms:.2f} ms "
+            f"(search {self.search_time_ms:.1f} ms); {len(self.compressed_tensors)} compressed, "
+            f"{len(self.cpu_offloaded_tensors)} on CPU",
+            "",
+            f"{'baseline':<12} {'ms':>9} {'speedup':>8}",
+        ]
+        for name, ms in self.baselines.items():
+            lines.append(f"{name:<12} {ms:>9.2f} {ms / self.predicted_ms:>7.2f}x")
+        lines += ["", f"{'tensors':>7} {'elements':>12}  option"]
+        sizes = {t.name: t.numel for t in self.workload.tensors}
+        groups: Counter[tuple[str, str]] = Counter()
+        span: dict[tuple[str, str], list[int]] = {}
+        for name, opt in self.options.items():
+            key = (str(opt), _size_band(sizes[name]))
+            groups[key] += 1
+            span.setdefault(key, []).append(sizes[name])
+        for (text, _), count in sorted(groups.items(), key=lambda kv: -max(span[kv[0]])):
+            lo, hi = min(span[(text, _)]), max(span[(text, _)])
+            rng = f"{hi:,}" if lo == hi else f"{lo:,}-{hi:,}"
+            lines.append(f"{count:>7} {rng:>12}  {text}")
+        return "\n".join(lines)
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "algorithm": self.algorithm,
+            "predicted_iteration_ms": self.predicted_ms,
+            "search_time_ms": self.search_time_ms,
+            "baselines_ms": dict(self.baselines),
+            "compressor": {"name": self.compressor, "params": dict(self.params)},
+            "constraints": self.constraints.to_strings(),
+            "cluster": self.cluster.to_dict(),
+            "workload": self.workload.to_dict(),
+            "options": {name: opt.names() for name, opt in self.options.items()},
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the JSON file atomically (temporary file + rename)."""
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "strategy") -> Strategy:
+        """Parse and validate a strategy object.
+
+        Raises:
+            StrategyError: a missing or malformed field (names ``where`` and the field).
+        """
+        if not isinstance(data, dict):
+            raise StrategyError(f"{where}: expected a JSON object")
+        if data.get("format") != FORMAT:
+            raise StrategyError(f"{where}: field 'format' must be {FORMAT!r}")
+        if data.get("version") != VERSION:
+            raise StrategyError(f"{where}: field 'version' must be {VERSION}")
+        try:
+            workload = Workload.from_dict(data.get("workload"), f"{where}: field 'workload'")
+            cluster = Cluster.from_dict(data.get("cluster"), f"{where}: field 'cluster'")
+            constraints = Constraints.parse(_list(data, "constraints", where),
+                                            f"{where}: field 'constraints'")
+        except (WorkloadError, ClusterError, ConstraintError) as exc:
+            raise StrategyError(str(exc)) from None
+        comp = data.get("compressor")
+        if not isinstance(comp, dict) or not isinstance(comp.get("name"), str) \
+                or not isinstance(comp.get("params", {}), dict):
+            raise StrategyError(f"{where}: field 'compressor' must be "
+                                "{\"name\": str, \"params\": {...}}")
+        options = _parse_options(data.get("options"), workload, cluster, where)
+        baselines = data.get("baselines_ms", {})
+        if not isinstance(baselines, dict) or not all(
+                isinstance(v, int | float) for v in baselines.values()):
+            raise StrategyError(f"{where}: field 'baselines_ms' must map names to numbers")
+        for key in ("predicted_iteration_ms", "search_time_ms"):
+            if not isinstance(data.get(key, 0.0), int | float):
+                raise StrategyError(f"{where}: field {key!r} must be a number")
+        return cls(options, float(data.get("predicted_iteration_ms", 0.0)),
+                   {str(k): float(v) for k, v in baselines.items()},
+                   str(data.get("algorithm", "")), float(data.get("search_time_ms", 0.0)),
+                   workload, cluster, comp["name"], dict(comp.get("params", {})), constraints)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Strategy:
+        """Read and validate a strategy file.
+
+        Raises:
+            StrategyError: unreadable file, bad JSON or a malformed field (names the file).
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise StrategyError(f"{path}: cannot read strategy file: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise StrategyError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, str(path))
+
+
+def _parse_options(raw: Any, workload: Workload, cluster: Cluster, where: str) \
+        -> dict[str, Option]:
+    if not isinstance(raw, dict):
+        raise StrategyError(f"{where}: field 'options' must map tensor names to step lists")
+    names = workload.names
+    if set(raw) != set(names):
+        missing = sorted(set(names) - set(raw))
+        extra = sorted(set(raw) - set(names))
+        detail = (f"missing {missing[:3]}" if missing else "") + \
+                 (f" unknown {extra[:3]}" if extra else "")
+        raise StrategyError(f"{where}: field 'options' does not match the workload's "
+                            f"tensors ({detail.strip()})")
+    options: dict[str, Option] = {}
+    for name in names:
+        steps = raw[name]
+        if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
+            raise StrategyError(f"{where}: field 'options.{name}' must be a list of step names")
+        try:
+            opt = Option.parse(steps)
+            validate(opt, cluster)
+        except OptionError as exc:
+            raise StrategyError(f"{where}: field 'options.{name}': {exc}") from None
+        options[name] = opt
+    return options
+
+
+def _list(data: dict, key: str, where: str) -> list[str]:
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise StrategyError(f"{where}: field {key!r} must be a list of strings")
+    return value
+
+
+def _size_band(numel: int) -> str:
+    return f"{numel.bit_length():02d}"

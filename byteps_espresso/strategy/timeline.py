@@ -1,0 +1,412 @@
+"""The iteration timeline: every tensor's tasks list-scheduled on the resources they occupy.
+
+Model (one representative worker per machine; all workers are symmetric):
+
+- Backward computation runs on the ``gpu`` resource: gradient ``i`` is ready once segment
+  ``i`` (``ready_gap_us``) has run. GPU ``Comp``/``Decomp`` tasks occupy the same resource,
+  so each one pushes every later backward segment back by its duration (segments flow around
+  the tasks already placed) -- GPU compression delays later gradients.
+- Tensors are taken in backward order and their tasks in option order; each task starts at
+  the earliest time >= the end of the task before it (or the gradient's ready time) at which
+  its resource is idle for its whole duration (insertion list scheduling: a later tensor may
+  use an idle gap before an earlier tensor's later task). Resources: ``gpu``, ``cpu`` (the
+  host thread pool, d2h/h2d copies included), ``intra`` link, ``inter`` link (machine NIC;
+  also flat collectives across machines), ``server`` (PS aggregation).
+- Iteration time = forward time + max(end of backward, end of the last task).
+
+The scheduling kernel is compiled with numba (cached on disk); the search evaluates
+thousands of strategies through :meth:`Evaluator.iteration_us`.
+
+Example:
+    >>> ev = Evaluator(workload, pricer, options)
+    >>> ev.iteration_us(np.zeros(len(workload.tensors), dtype=np.int64))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from byteps_espresso.strategy.costs import GPU, RESOURCES, Pricer
+from byteps_espresso.strategy.options import Option
+from byteps_espresso.strategy.workload import Workload
+
+__all__ = ["Evaluator", "Task", "Timeline"]
+
+
+# A task may start in an idle gap before the last BACKFILL_WINDOW busy intervals of its
+# resource at the earliest; older gaps are treated as gone (bounds the scan per task).
+BACKFILL_WINDOW = 16
+
+
+@numba.njit(cache=True)
+def _place(starts, ends, count, r, t, d):  # pragma: no cover - compiled  # noqa: PLR0917
+    """Earliest start >= t of a d-long task on resource r; inserts it; returns the start."""
+    n = count[r]
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ends[r, mid] <= t:
+            lo = mid + 1
+        else:
+            hi = mid
+    idx = lo
+    if idx < n - BACKFILL_WINDOW:  # only the last BACKFILL_WINDOW gaps may be back-filled
+        idx = n - BACKFILL_WINDOW
+        t = max(t, ends[r, idx - 1])
+    while idx < n and starts[r, idx] < t + d:
+        t = max(t, ends[r, idx])
+        idx += 1
+    end = t + d
+    # Keep busy intervals merged where they touch, so a backlogged resource is one interval
+    # and the scan above stays short.
+    joins_prev = idx > 0 and ends[r, idx - 1] == t
+    joins_next = idx < n and starts[r, idx] == end
+    if joins_prev and joins_next:
+        ends[r, idx - 1] = ends[r, idx]
+        for k in range(idx, n - 1):
+            starts[r, k] = starts[r, k + 1]
+            ends[r, k] = ends[r, k + 1]
+        count[r] = n - 1
+    elif joins_prev:
+        ends[r, idx - 1] = end
+    elif joins_next:
+        starts[r, idx] = t
+    else:
+        for k in range(n, idx, -1):
+            starts[r, k] = starts[r, k - 1]
+            ends[r, k] = ends[r, k - 1]
+        starts[r, idx] = t
+        ends[r, idx] = end
+        count[r] = n + 1
+    return t
+
+
+@numba.njit(cache=True)
+def _backward(starts, ends, count, t, work):  # pragma: no cover - compiled
+    """End of a backward segment of ``work`` us starting at t, flowing around GPU tasks."""
+    n = count[0]
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ends[0, mid] <= t:
+            lo = mid + 1
+        else:
+            hi = mid
+    idx = lo
+    remaining = work
+    while remaining > 0.0:
+        if idx < n and starts[0, idx] < t + remaining:
+            if starts[0, idx] > t:
+                remaining -= starts[0, idx] - t
+            t = max(t, ends[0, idx])
+            idx += 1
+        else:
+            t += remaining
+            remaining = 0.0
+    return t
+
+
+@numba.njit(cache=True)
+def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0917
+             cat_res, cat_dur, forward, bound, record, task_start, task_end, ready,
+             done):  # pragma: no cover - compiled
+    """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]).
+
+    acc = [backward end, last task end, sum of tensor done times]; returns False (and stops)
+    as soon as a lower bound of the iteration time, forward + max(backward so far + the
+    backward still to run, last), exceeds ``bound``.
+    """
+    bwd = acc[0]
+    last = acc[1]
+    sdone = acc[2]
+    rest = 0.0  # backward still to run after tensor i: bwd + rest bounds the final backward
+    for i in range(j0, gaps.shape[0]):
+        rest += gaps[i]
+    for i in range(j0, j1):
+        rest -= gaps[i]
+        bwd = _backward(starts, ends, count, bwd, gaps[i])
+        t = bwd
+        o = ok if i == oi else choice[i]
+        u = size_idx[i]
+        if record:
+            ready[i] = bwd
+        for j in range(cat_len[o]):
+            d = cat_dur[o, u, j]
+            if d > 0.0:
+                t = _place(starts, ends, count, cat_res[o, j], t, d)
+            if record:
+                task_start[i, j] = t
+            t += d
+            if record:
+                task_end[i, j] = t
+        if record:
+            done[i] = t
+        sdone += t
+        last = max(last, t)
+        if forward + max(bwd + rest, last) > bound:
+            acc[0] = bwd
+            acc[1] = last
+            acc[2] = sdone
+            return False
+    acc[0] = bwd
+    acc[1] = last
+    acc[2] = sdone
+    return True
+
+
+@numba.njit(cache=True)
+def _capacity(choice, cat_len):  # pragma: no cover - compiled
+    cap = 1
+    for i in range(choice.shape[0]):
+        cap += cat_len[choice[i]]
+    return cap + cat_len.max()
+
+
+@numba.njit(cache=True)
+def _simulate(gaps, size_idx, choice, cat_len, cat_res, cat_dur, n_res, record,  # noqa: PLR0917
+              task_start, task_end, ready, done):  # pragma: no cover - compiled
+    cap = _capacity(choice, cat_len)
+    starts = np.empty((n_res, cap))
+    ends = np.empty((n_res, cap))
+    count = np.zeros(n_res, dtype=np.int64)
+    acc = np.zeros(3)
+    _advance(starts, ends, count, acc, gaps, size_idx, choice, 0, gaps.shape[0], -1, 0,
+             cat_len, cat_res, cat_dur, 0.0, np.inf, record, task_start, task_end, ready, done)
+    return acc[0], acc[1], acc[2]
+
+
+@numba.njit(cache=True)
+def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
+             tol):  # pragma: no cover - compiled
+    """Best candidate option for tensor i, others fixed: lexicographic (iteration time,
+    sum of done times); the prefix before i is simulated once and copied per candidate."""
+    cap = _capacity(choice, cat_len)
+    starts = np.empty((n_res, cap))
+    ends = np.empty((n_res, cap))
+    count = np.zeros(n_res, dtype=np.int64)
+    acc = np.zeros(3)
+    dummy = np.zeros((1, 1))
+    dummy1 = np.zeros(1)
+    n = gaps.shape[0]
+    _advance(starts, ends, count, acc, gaps, size_idx, choice, 0, i, -1, 0, cat_len, cat_res,
+             cat_dur, 0.0, np.inf, False, dummy, dummy, dummy1, dummy1)
+    width = count.max()
+    s2 = np.empty((n_res, cap))
+    e2 = np.empty((n_res, cap))
+    c2 = np.empty(n_res, dtype=np.int64)
+    a2 = np.empty(3)
+    best_k = -1
+    best_t = np.inf
+    best_s = np.inf
+    for c in range(cands.shape[0]):
+        s2[:, :width] = starts[:, :width]
+        e2[:, :width] = ends[:, :width]
+        c2[:] = count
+        a2[:] = acc
+        ok = _advance(s2, e2, c2, a2, gaps, size_idx, choice, i, n, i, cands[c], cat_len,
+                      cat_res, cat_dur, forward, best_t + tol, False, dummy, dummy, dummy1,
+                      dummy1)
+        if not ok:
+            continue
+        t = forward + max(a2[0], a2[1])
+        if t < best_t - tol or (t <= best_t + tol and a2[2] < best_s - tol):
+            best_k = cands[c]
+            best_t = t
+            best_s = a2[2]
+    return best_k, best_t, best_s
+
+
+@numba.njit(cache=True)
+def _exhaustive(gaps, size_idx, allowed, n_allowed, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
+                forward):  # pragma: no cover - compiled
+    """Every combination of allowed[i, :n_allowed[i]]; returns (best time, best choice)."""
+    n = gaps.shape[0]
+    digit = np.zeros(n, dtype=np.int64)
+    choice = np.empty(n, dtype=np.int64)
+    best_choice = np.empty(n, dtype=np.int64)
+    dummy = np.zeros((1, 1))
+    dummy1 = np.zeros(1)
+    best = np.inf
+    while True:
+        for i in range(n):
+            choice[i] = allowed[i, digit[i]]
+        bwd, last, _ = _simulate(gaps, size_idx, choice, cat_len, cat_res, cat_dur, n_res,
+                                 False, dummy, dummy, dummy1, dummy1)
+        t = forward + max(bwd, last)
+        if t < best - 1e-9:
+            best = t
+            best_choice[:] = choice
+        k = n - 1
+        while k >= 0:
+            digit[k] += 1
+            if digit[k] < n_allowed[k]:
+                break
+            digit[k] = 0
+            k -= 1
+        if k < 0:
+            break
+    return best, best_choice
+
+
+@dataclass(frozen=True)
+class Task:
+    """One scheduled task: which tensor and step, where, when (microseconds)."""
+
+    tensor: int
+    step: int
+    resource: str
+    start_us: float
+    end_us: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A simulated iteration.
+
+    Attributes:
+        iteration_us: forward + max(backward end, last task end).
+        forward_us / backward_end_us / comm_end_us: the parts of that maximum.
+        ready_us / done_us: per tensor, gradient ready and fully synchronized.
+        tasks: every task, in tensor then step order.
+        options: the option of each tensor.
+    """
+
+    iteration_us: float
+    forward_us: float
+    backward_end_us: float
+    comm_end_us: float
+    ready_us: np.ndarray
+    done_us: np.ndarray
+    tasks: tuple[Task, ...]
+    options: tuple[Option, ...]
+
+
+class Evaluator:
+    """Fast iteration-time evaluation of per-tensor choices among a fixed option list.
+
+    Args:
+        workload: tensors and ready gaps.
+        pricer: prices options for the workload's distinct sizes.
+        options: the candidate options; a strategy is an index into them per tensor.
+    """
+
+    def __init__(self, workload: Workload, pricer: Pricer, options: Sequence[Option]):
+        self.workload = workload
+        self.pricer = pricer
+        uniq = {int(n): i for i, n in enumerate(pricer.numels)}
+        try:
+            self.size_idx = np.array([uniq[t.numel] for t in workload.tensors], dtype=np.int64)
+        except KeyError as exc:
+            raise ValueError(f"the pricer lacks tensor size {exc.args[0]}") from None
+        self.gaps = np.array([t.ready_gap_us for t in workload.tensors], dtype=np.float64)
+        self.forward_us = workload.forward_time_us
+        self.options: list[Option] = []
+        self.index: dict[Option, int] = {}
+        self._res = np.zeros((0, 1), dtype=np.int64)
+        self._dur = np.zeros((0, len(pricer.numels), 1))
+        self._len = np.zeros(0, dtype=np.int64)
+        self.add(options)
+        self.calls = 0
+
+    def add(self, options: Sequence[Option]) -> list[int]:
+        """Add options (priced now) and return their indices."""
+        new = [o for o in dict.fromkeys(options) if o not in self.index]
+        if new:
+            priced = [self.pricer.tasks(o) for o in new]
+            width = max(self._res.shape[1], *(len(p.resource) for p in priced))
+            n_old = len(self.options)
+            n_sizes = len(self.pricer.numels)
+            res = np.zeros((n_old + len(new), width), dtype=np.int64)
+            dur = np.zeros((n_old + len(new), n_sizes, width))
+            res[:n_old, : self._res.shape[1]] = self._res
+            dur[:n_old, :, : self._dur.shape[2]] = self._dur
+            lens = np.concatenate([self._len, np.zeros(len(new), dtype=np.int64)])
+            for k, (opt, p) in enumerate(zip(new, priced, strict=True)):
+                row = n_old + k
+                res[row, : len(p.resource)] = p.resource
+                dur[row, :, : len(p.resource)] = p.duration
+                lens[row] = len(p.resource)
+                self.index[opt] = row
+                self.options.append(opt)
+            self._res, self._dur, self._len = res, dur, lens
+        return [self.index[o] for o in options]
+
+    def _run(self, choice: np.ndarray, record: bool):  # type: ignore[no-untyped-def]
+        n = len(self.gaps)
+        width = self._res.shape[1]
+        ts = np.zeros((n, width)) if record else np.zeros((1, 1))
+        te = np.zeros((n, width)) if record else np.zeros((1, 1))
+        ready = np.zeros(n)
+        done = np.zeros(n)
+        bwd, last, _ = _simulate(self.gaps, self.size_idx, choice, self._len, self._res,
+                                 self._dur, len(RESOURCES), record, ts, te, ready, done)
+        self.calls += 1
+        return bwd, last, ts, te, ready, done
+
+    def exhaustive(self, allowed: Sequence[Sequence[int]]) -> tuple[float, np.ndarray]:
+        """The fastest combination of per-tensor option indices (every one is simulated)."""
+        width = max(len(a) for a in allowed)
+        table = np.zeros((len(allowed), width), dtype=np.int64)
+        for i, a in enumerate(allowed):
+            table[i, : len(a)] = a
+        counts = np.array([len(a) for a in allowed], dtype=np.int64)
+        best, choice = _exhaustive(self.gaps, self.size_idx, table, counts, self._len,
+                                   self._res, self._dur, len(RESOURCES), self.forward_us)
+        self.calls += int(np.prod(counts.astype(np.float64)))
+        return float(best), choice
+
+    def best_of(self, choice: np.ndarray, i: int, candidates: np.ndarray,
+                tol: float = 1e-6) -> tuple[int, float]:
+        """The candidate option index for tensor ``i`` (others as in ``choice``) with the
+        lowest (iteration time, sum of synchronized times); put the current choice first so
+        that ties keep it. Returns (index, iteration time)."""
+        cands = np.asarray(candidates, dtype=np.int64)
+        k, t, _ = _best_of(self.gaps, self.size_idx, np.asarray(choice, dtype=np.int64), i,
+                           cands, self._len, self._res, self._dur, len(RESOURCES),
+                           self.forward_us, tol)
+        self.calls += len(cands)
+        return int(k), float(t)
+
+    @staticmethod
+    def warm_up() -> None:
+        """Load (or compile) the numba kernels now, so timings measure the search only."""
+        one = np.zeros(1, dtype=np.int64)
+        res = np.zeros((1, 1), dtype=np.int64)
+        dur = np.ones((1, 1, 1))
+        _simulate(np.ones(1), one, one, np.ones(1, dtype=np.int64), res, dur, len(RESOURCES),
+                  True, np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), np.zeros(1))
+        _best_of(np.ones(1), one, one, 0, one, np.ones(1, dtype=np.int64), res, dur,
+                 len(RESOURCES), 0.0, 1e-6)
+        _exhaustive(np.ones(1), one, np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64),
+                    np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0)
+
+    def iteration_us(self, choice: np.ndarray) -> float:
+        """Iteration time of ``choice`` (option index per tensor), microseconds."""
+        bwd, last, *_ = self._run(np.asarray(choice, dtype=np.int64), False)
+        return self.forward_us + max(bwd, last)
+
+    def ready_done(self, choice: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """(iteration time, gradient ready times, synchronized times) per tensor."""
+        bwd, last, _, _, ready, done = self._run(np.asarray(choice, dtype=np.int64), True)
+        return self.forward_us + max(bwd, last), ready, done
+
+    def timeline(self, choice: np.ndarray) -> Timeline:
+        """The full schedule of ``choice`` (for reports and plots)."""
+        choice = np.asarray(choice, dtype=np.int64)
+        bwd, last, ts, te, ready, done = self._run(choice, True)
+        tasks = []
+        for i, o in enumerate(choice):
+            priced = self.pricer.tasks(self.options[o])
+            for j in range(int(self._len[o])):
+                tasks.append(Task(i, int(priced.step[j]), RESOURCES[int(self._res[o, j])],
+                                  float(ts[i, j]), float(te[i, j])))
+        return Timeline(self.forward_us + max(bwd, last), self.forward_us, float(bwd),
+                        float(last), ready, done, tuple(tasks),
+                        tuple(self.options[o] for o in choice))
+
+
+assert RESOURCES[GPU] == "gpu"

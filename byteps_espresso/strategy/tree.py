@@ -1,0 +1,417 @@
+"""The decision tree: every valid Option for one tensor, and the rules that make one valid.
+
+All validity rules of the project live here, as tables plus three small functions
+(:func:`validate`, :func:`enumerate_options`, :class:`Constraints`).
+
+Path grammar (scopes)
+    flat:          SCHEME(flat)
+    hierarchical:  OPEN(intra)  SCHEME(inter)  CLOSE(intra)        (needs >1 machine and >1 GPU)
+  where SCHEME is one indivisible step (``allreduce`` family, ``ps`` family) or a divisible
+  pair OPEN CLOSE of one family pair (``scatter``/``gather``, ``reduce``/``broadcast``), and the
+  intra steps of a hierarchical path are always a divisible pair.
+
+Families (dense kind, compressed kind) -- the form of the tensor picks the kind:
+    allreduce  Allreduce / AllgatherC        ps         PushPull / PushPullC
+    scatter    ReduceScatter / AlltoallC     gather     Allgather / AllgatherC (closes scatter)
+    reduce     Reduce / GatherC              broadcast  Broadcast / BroadcastC
+
+Form rules (compression points)
+    - ``Comp`` may precede any communication step whose input is dense; ``Decomp`` may follow
+      any communication step that produced payloads, and must follow a gathering one
+      (``AllgatherC``, ``AlltoallC``, ``GatherC``: several payloads to decode).
+    - re-compressing (``Decomp`` then ``Comp``) is allowed only after a gathering step (the sum
+      changed the data; otherwise it would decode and re-encode the same values).
+    - the option ends dense; every ``Comp``/``Decomp`` is on ``gpu`` or ``cpu``.
+
+Count (no constraints, hierarchical cluster with servers): see :func:`count_decomposition`
+and docs/strategy.md; 4,341 in the paper's vocabulary, ours adds the ``ps`` family.
+
+Example:
+    >>> opts = enumerate_options(Cluster.preset(8, 8), Constraints(max_compressions=1))
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from byteps_espresso.strategy.cluster import Cluster
+from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
+
+__all__ = ["FAMILIES", "ConstraintError", "Constraints", "count_decomposition",
+           "enumerate_options", "option_set", "path_of", "validate"]
+
+
+class ConstraintError(ValueError):
+    """A user constraint cannot be parsed or is contradictory."""
+
+
+# family -> (dense kind, compressed kind)
+FAMILIES: dict[str, tuple[Kind, Kind]] = {
+    "allreduce": (Kind.ALLREDUCE, Kind.ALLGATHER_C),
+    "ps": (Kind.PUSH_PULL, Kind.PUSH_PULL_C),
+    "scatter": (Kind.REDUCE_SCATTER, Kind.ALLTOALL_C),
+    "gather": (Kind.ALLGATHER, Kind.ALLGATHER_C),
+    "reduce": (Kind.REDUCE, Kind.GATHER_C),
+    "broadcast": (Kind.BROADCAST, Kind.BROADCAST_C),
+}
+# Divisible schemes: opening family -> closing family.
+PAIRS: dict[str, str] = {"scatter": "gather", "reduce": "broadcast"}
+INDIVISIBLE = ("allreduce", "ps")
+# Which families may form a scheme in which scope.
+SCHEME_SCOPES: dict[str, tuple[Scope, ...]] = {
+    "allreduce": (Scope.FLAT, Scope.INTER),
+    "ps": (Scope.FLAT, Scope.INTER),
+    "scatter": (Scope.FLAT, Scope.INTRA, Scope.INTER),
+    "reduce": (Scope.FLAT, Scope.INTRA, Scope.INTER),
+}
+_OPENING_KINDS = {FAMILIES[f][i]: f for f in PAIRS for i in (0, 1)}
+_CLOSING_KINDS = {Kind.ALLGATHER: "gather", Kind.BROADCAST: "broadcast",
+                  Kind.BROADCAST_C: "broadcast"}
+_INDIVISIBLE_KINDS = {FAMILIES[f][i]: f for f in INDIVISIBLE for i in (0, 1)}
+
+
+# ---- constraints --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Constraints:
+    """User constraints that prune the tree.
+
+    Attributes:
+        allow_cpu: whether Comp/Decomp may run on the host CPUs.
+        allow_gpu: whether Comp/Decomp may run on the training device.
+        forbid: step kinds that may not appear (e.g. ``{Kind.ALLTOALL_C}``).
+        max_compressions: at most this many ``Comp`` per option (0: no compression).
+        flat_only / hierarchical_only: restrict the path shape.
+    """
+
+    allow_cpu: bool = True
+    allow_gpu: bool = True
+    forbid: frozenset[Kind] = field(default_factory=frozenset)
+    max_compressions: int | None = None
+    flat_only: bool = False
+    hierarchical_only: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forbid", frozenset(self.forbid))
+        if self.flat_only and self.hierarchical_only:
+            raise ConstraintError("flat-only and hierarchical-only exclude each other")
+        if self.max_compressions is not None and self.max_compressions < 0:
+            raise ConstraintError("max-compressions must be >= 0")
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return tuple(d for d, ok in ((Device.GPU, self.allow_gpu), (Device.CPU, self.allow_cpu))
+                     if ok)
+
+    def allows(self, option: Option) -> bool:
+        """Whether ``option`` survives these constraints (it must also be :func:`validate`-d)."""
+        if any(s.kind in self.forbid for s in option.steps):
+            return False
+        if not self.allow_cpu and option.uses_cpu:
+            return False
+        if not self.allow_gpu and Device.GPU in option.devices:
+            return False
+        if self.max_compressions is not None and option.compressions > self.max_compressions:
+            return False
+        if self.flat_only and option.is_hierarchical:
+            return False
+        return not (self.hierarchical_only and not option.is_hierarchical)
+
+    def to_strings(self) -> list[str]:
+        """The constraint in the CLI's ``--constraint`` syntax (round-trips through parse)."""
+        out = []
+        if not self.allow_cpu:
+            out.append("no-cpu")
+        if not self.allow_gpu:
+            out.append("no-gpu")
+        if self.forbid:
+            out.append("forbid=" + ",".join(sorted(k.value for k in self.forbid)))
+        if self.max_compressions is not None:
+            out.append(f"max-compressions={self.max_compressions}")
+        if self.flat_only:
+            out.append("flat-only")
+        if self.hierarchical_only:
+            out.append("hierarchical-only")
+        return out
+
+    @classmethod
+    def parse(cls, items: Iterable[str], where: str = "--constraint") -> Constraints:
+        """Parse ``no-cpu``, ``no-gpu``, ``no-ps``, ``forbid=AlltoallC,GatherC``,
+        ``max-compressions=N``, ``flat-only``, ``hierarchical-only``.
+
+        Raises:
+            ConstraintError: unknown constraint or bad value (names ``where``).
+        """
+        values: dict = {"forbid": set()}
+        for raw in items:
+            item = raw.strip()
+            name, _, arg = item.partition("=")
+            handler = _CONSTRAINT_PARSERS.get(name)
+            if handler is None:
+                raise ConstraintError(f"{where}: unknown constraint {item!r}; known: "
+                                      f"{', '.join(sorted(_CONSTRAINT_PARSERS))}")
+            try:
+                handler(values, arg)
+            except (ValueError, OptionError) as exc:
+                raise ConstraintError(f"{where}: bad constraint {item!r}: {exc}") from None
+        values["forbid"] = frozenset(values["forbid"])
+        try:
+            return cls(**values)
+        except ConstraintError as exc:
+            raise ConstraintError(f"{where}: {exc}") from None
+
+
+def _flag(key: str, value: bool):  # type: ignore[no-untyped-def]
+    def handler(values: dict, arg: str) -> None:
+        if arg:
+            raise ValueError("takes no value")
+        values[key] = value
+    return handler
+
+
+def _forbid(values: dict, arg: str) -> None:
+    if not arg:
+        raise ValueError("name step kinds, e.g. forbid=AlltoallC,GatherC")
+    for name in arg.split(","):
+        try:
+            values["forbid"].add(Kind(name.strip()))
+        except ValueError:
+            raise ValueError(f"unknown step {name.strip()!r}; known: "
+                             f"{', '.join(k.value for k in Kind if not k.is_compute)}") from None
+
+
+def _no_ps(values: dict, arg: str) -> None:
+    if arg:
+        raise ValueError("takes no value")
+    values["forbid"].update({Kind.PUSH_PULL, Kind.PUSH_PULL_C})
+
+
+def _max_comp(values: dict, arg: str) -> None:
+    if not arg.isdigit():
+        raise ValueError("needs a non-negative integer, e.g. max-compressions=1")
+    values["max_compressions"] = int(arg)
+
+
+_CONSTRAINT_PARSERS = {
+    "no-cpu": _flag("allow_cpu", False),
+    "no-gpu": _flag("allow_gpu", False),
+    "no-ps": _no_ps,
+    "forbid": _forbid,
+    "max-compressions": _max_comp,
+    "flat-only": _flag("flat_only", True),
+    "hierarchical-only": _flag("hierarchical_only", True),
+}
+
+
+# ---- validation ---------------------------------------------------------------------------------
+def _comm_families(option: Option) -> list[tuple[str, Step]]:
+    """Each communication step's family; AllgatherC closes an open scatter of its scope."""
+    out: list[tuple[str, Step]] = []
+    open_stack: list[tuple[str, Scope]] = []
+    for step in option.steps:
+        if step.kind.is_compute:
+            continue
+        if step.kind in _OPENING_KINDS:
+            fam = _OPENING_KINDS[step.kind]
+            open_stack.append((fam, step.scope))  # type: ignore[arg-type]
+        elif step.kind is Kind.ALLGATHER_C and open_stack and open_stack[-1] == ("scatter",
+                                                                                 step.scope):
+            fam = "gather"
+            open_stack.pop()
+        elif step.kind in _CLOSING_KINDS:
+            fam = _CLOSING_KINDS[step.kind]
+            if not open_stack or PAIRS[open_stack[-1][0]] != fam or open_stack[-1][1] != step.scope:
+                raise OptionError(f"{step} does not close the divisible step before it")
+            open_stack.pop()
+        else:
+            fam = _INDIVISIBLE_KINDS[step.kind]
+        out.append((fam, step))
+    if open_stack:
+        raise OptionError(f"divisible step {open_stack[-1][0]}({open_stack[-1][1].value}) is "
+                          "never closed")
+    return out
+
+
+def path_of(option: Option) -> tuple[str, str]:
+    """(path, scheme) of a valid option, e.g. ("hierarchical", "scatter/gather(inter)").
+
+    Raises:
+        OptionError: the communication steps do not follow the path grammar.
+    """
+    comm = _comm_families(option)
+    scopes = [s.scope for _, s in comm]
+    fams = [f for f, _ in comm]
+
+    def scheme(parts: list[tuple[str, Step]], scope: Scope) -> str:
+        if any(s.scope is not scope for _, s in parts):
+            raise OptionError(f"every step of the {scope.value} scheme must be {scope.value}")
+        names = [f for f, _ in parts]
+        if len(names) == 1 and names[0] in INDIVISIBLE:
+            fam = names[0]
+        elif len(names) == 2 and PAIRS.get(names[0]) == names[1]:
+            fam = names[0]
+        else:
+            raise OptionError(f"not a scheme: {' -> '.join(names)}")
+        if scope not in SCHEME_SCOPES[fam]:
+            raise OptionError(f"scheme {fam} is not available in scope {scope.value}")
+        return "/".join(names) + f"({scope.value})"
+
+    if scopes and all(s is Scope.FLAT for s in scopes):
+        return "flat", scheme(comm, Scope.FLAT)
+    if len(comm) >= 3 and scopes[0] is Scope.INTRA and scopes[-1] is Scope.INTRA \
+            and PAIRS.get(fams[0]) == fams[-1]:
+        return "hierarchical", scheme(comm[1:-1], Scope.INTER)
+    raise OptionError("communication must be one flat scheme, or intra-open, one inter "
+                      "scheme, intra-close; got " + " -> ".join(str(s) for _, s in comm))
+
+
+def validate(option: Option, cluster: Cluster | None = None) -> None:
+    """Check ``option`` against every rule (and the cluster's shape, when given).
+
+    Raises:
+        OptionError: the first broken rule, in words.
+    """
+    path, _ = path_of(option)
+    if cluster is not None:
+        if path == "hierarchical" and not cluster.hierarchical:
+            raise OptionError("hierarchical options need more than one machine and GPU")
+        if option.uses_servers and cluster.servers == 0:
+            raise OptionError("PushPull needs PS servers (servers > 0)")
+    compressed = False
+    steps = option.steps
+    for i, step in enumerate(steps):
+        nxt = steps[i + 1] if i + 1 < len(steps) else None
+        if step.kind.is_compute:
+            compressed = _check_compute(steps, i, compressed)
+        else:
+            if step.kind.is_compressed != compressed:
+                form = "a payload" if compressed else "dense values"
+                raise OptionError(f"step {i} {step}: the tensor holds {form} here")
+            if step.kind.gathers and (nxt is None or nxt.kind is not Kind.DECOMP):
+                raise OptionError(f"step {i} {step}: a gathering step must be followed by "
+                                  "Decomp")
+    if compressed:
+        raise OptionError("the option must end with dense values (add Decomp)")
+
+
+def _check_compute(steps: tuple[Step, ...], i: int, compressed: bool) -> bool:
+    """Rules of a Comp/Decomp at position i; returns whether the tensor is compressed after."""
+    step = steps[i]
+    prev = steps[i - 1] if i else None
+    nxt = steps[i + 1] if i + 1 < len(steps) else None
+    if step.kind is Kind.COMP:
+        if compressed:
+            raise OptionError(f"step {i} {step}: the tensor is already compressed")
+        if nxt is None or nxt.kind.is_compute:
+            raise OptionError(f"step {i} {step}: Comp must precede a communication step")
+        if prev is not None and prev.kind is Kind.DECOMP and not steps[i - 2].kind.gathers:
+            raise OptionError(f"step {i} {step}: re-compression only after a gathering step")
+        return True
+    if not compressed or prev is None or prev.kind.is_compute:
+        raise OptionError(f"step {i} {step}: Decomp must follow a compressed communication step")
+    return False
+
+
+# ---- enumeration --------------------------------------------------------------------------------
+def _skeletons(hierarchical: bool, servers: bool) -> Iterator[list[tuple[str, Scope]]]:
+    """Communication skeletons: lists of (family, scope) following the path grammar."""
+
+    def schemes(scope: Scope) -> Iterator[list[tuple[str, Scope]]]:
+        for fam in INDIVISIBLE:
+            if scope in SCHEME_SCOPES[fam] and (fam != "ps" or servers):
+                yield [(fam, scope)]
+        for open_fam, close_fam in PAIRS.items():
+            if scope in SCHEME_SCOPES[open_fam]:
+                yield [(open_fam, scope), (close_fam, scope)]
+
+    yield from schemes(Scope.FLAT)
+    if hierarchical:
+        for open_fam, close_fam in PAIRS.items():
+            for inner in schemes(Scope.INTER):
+                yield [(open_fam, Scope.INTRA), *inner, (close_fam, Scope.INTRA)]
+
+
+def _forms(skeleton: list[tuple[str, Scope]]) -> Iterator[list[Step | str]]:
+    """Every placement of Comp/Decomp along a skeleton; compute steps as "C"/"D" markers."""
+
+    def walk(k: int, compressed: bool, recomp_ok: bool, acc: list) -> Iterator[list]:
+        if k == len(skeleton):
+            yield acc + (["D"] if compressed else [])
+            return
+        fam, scope = skeleton[k]
+        starts = [(compressed, [])]
+        if not compressed and recomp_ok:
+            starts.append((True, ["C"]))
+        for comp, pre in starts:
+            kind = FAMILIES[fam][1 if comp else 0]
+            step = Step(kind, scope=scope)
+            if kind.gathers:
+                yield from walk(k + 1, False, True, [*acc, *pre, step, "D"])
+            elif comp:
+                # keep the payload for the next step, or decode now (the same at the end)
+                yield from walk(k + 1, True, True, [*acc, *pre, step])
+                if k + 1 < len(skeleton):
+                    yield from walk(k + 1, False, False, [*acc, *pre, step, "D"])
+            else:
+                yield from walk(k + 1, False, True, [*acc, *pre, step])
+
+    yield from walk(0, False, True, [])
+
+
+@functools.lru_cache(maxsize=64)
+def _enumerate(hierarchical: bool, servers: bool, constraints: Constraints) -> tuple[Option, ...]:
+    out: list[Option] = []
+    devices = constraints.devices
+    for skeleton in _skeletons(hierarchical, servers):
+        for form in _forms(skeleton):
+            markers = [i for i, s in enumerate(form) if isinstance(s, str)]
+            if markers and not devices:
+                continue
+            for combo in itertools.product(devices, repeat=len(markers)):
+                steps = list(form)
+                for i, dev in zip(markers, combo, strict=True):
+                    steps[i] = Step(Kind.COMP if form[i] == "C" else Kind.DECOMP, device=dev)
+                option = Option(tuple(steps))  # type: ignore[arg-type]
+                if constraints.allows(option):
+                    out.append(option)
+    return tuple(out)
+
+
+def enumerate_options(cluster: Cluster, constraints: Constraints | None = None) -> list[Option]:
+    """Every valid Option for one tensor on ``cluster`` under ``constraints``.
+
+    Args:
+        cluster: decides whether hierarchical paths and PushPull steps exist.
+        constraints: prunes the tree (default: none).
+
+    Returns:
+        The options, uncompressed ones first within each path (a new list).
+    """
+    return list(_enumerate(cluster.hierarchical, cluster.servers > 0,
+                           constraints or Constraints()))
+
+
+@functools.lru_cache(maxsize=64)
+def _option_set(hierarchical: bool, servers: bool, constraints: Constraints) \
+        -> frozenset[Option]:
+    return frozenset(_enumerate(hierarchical, servers, constraints))
+
+
+def option_set(cluster: Cluster, constraints: Constraints | None = None) -> frozenset[Option]:
+    """The options of :func:`enumerate_options` as a set (cached), for membership tests."""
+    return _option_set(cluster.hierarchical, cluster.servers > 0, constraints or Constraints())
+
+
+def count_decomposition(cluster: Cluster, constraints: Constraints | None = None) \
+        -> dict[str, int]:
+    """Number of options per (path, scheme), plus "total" -- for docs and the CLI."""
+    counts: Counter[str] = Counter()
+    for option in enumerate_options(cluster, constraints):
+        path, scheme = path_of(option)
+        counts[f"{path} {scheme}"] += 1
+    out = dict(sorted(counts.items()))
+    out["total"] = sum(counts.values())
+    return out

@@ -1,0 +1,73 @@
+"""Search quality against bruteforce, baselines, and pricing/simulating the whole tree."""
+
+import numpy as np
+import pytest
+
+from byteps_espresso.strategy import Cluster, Constraints, TensorProfile, Workload, baselines
+from byteps_espresso.strategy.context import PlanContext, pareto_front
+from byteps_espresso.strategy.instances import random_instance
+
+COMPRESSOR = "randomk"
+PARAMS = {"ratio": 0.01}
+
+
+def test_every_option_is_priced_and_simulated():
+    wl = Workload((TensorProfile("a", 3_000_000, 500.0), TensorProfile("b", 1000, 10.0)), 100.0)
+    ctx = PlanContext(wl, Cluster.preset(4, 4, "pcie", 25), COMPRESSOR, PARAMS)
+    idx = ctx.index(ctx.options)
+    assert len(idx) == len(ctx.options) == 2340
+    for k in idx:
+        t = ctx.iteration_us(np.full(2, k))
+        assert np.isfinite(t) and t >= wl.forward_time_us + wl.backward_us
+
+
+def test_espresso_matches_bruteforce_on_small_instances():
+    ratios = []
+    for seed in range(12):
+        inst = random_instance(seed)
+        ctx = PlanContext(inst.workload, inst.cluster, COMPRESSOR, PARAMS,
+                          constraints=inst.constraints)
+        found = baselines.get("espresso").run(ctx).iteration_us
+        best = baselines.get("bruteforce").run(ctx).iteration_us
+        assert found >= best - 1e-6
+        ratios.append(found / best)
+    assert max(ratios) <= 1.02
+    assert sum(r <= 1 + 1e-9 for r in ratios) >= 10
+
+
+def test_bruteforce_refuses_large_inputs():
+    wl = Workload(tuple(TensorProfile(f"t{i}", 1 << 20, 100.0) for i in range(6)))
+    ctx = PlanContext(wl, Cluster.preset(2, 2), COMPRESSOR, PARAMS)
+    with pytest.raises(baselines.BruteforceTooLarge, match="--constraint"):
+        baselines.get("bruteforce").run(ctx)
+
+
+def test_baselines_run_and_espresso_is_not_slower():
+    wl = Workload.builtin("lstm")
+    ctx = PlanContext(wl, Cluster.preset(8, 8, "pcie", 25), COMPRESSOR, PARAMS)
+    times = {name: baselines.get(name).run(ctx).iteration_us
+             for name in ("espresso", "fp32", "all-gpu", "hipress", "cpu-only")}
+    assert all(times["espresso"] <= t + 1e-6 for t in times.values())
+    bound = baselines.get("upper-bound").run(ctx).iteration_us
+    assert bound <= times["espresso"] + 1e-6
+    fp32 = baselines.get("fp32").run(ctx).options
+    assert {str(o) for o in fp32} == {"Reduce(intra) -> PushPull(inter) -> Broadcast(intra)"}
+
+
+def test_unavailable_baseline_and_unknown_algorithm():
+    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2, servers=0), COMPRESSOR, PARAMS)
+    with pytest.raises(baselines.BaselineUnavailable):
+        baselines.get("cpu-only").run(ctx)
+    with pytest.raises(ValueError, match="choose one of"):
+        baselines.get("greedy")
+    with pytest.raises(ValueError, match="relax"):
+        PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2), COMPRESSOR, PARAMS,
+                    constraints=Constraints(forbid=frozenset(
+                        k for k in __import__("byteps_espresso.strategy", fromlist=["Kind"]).Kind
+                        if not k.is_compute)))
+
+
+def test_pareto_front_keeps_exactly_the_non_dominated_rows():
+    v = np.array([[[1.0, 5.0]], [[2.0, 2.0]], [[3.0, 3.0]], [[1.0, 5.0]]])
+    keep = pareto_front(v, rel=0.0, abs_us=0.0)
+    assert keep[:, 0].tolist() == [True, True, False, False]

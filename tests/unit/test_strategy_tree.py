@@ -1,0 +1,112 @@
+"""The decision tree: count, uniqueness, validity, hand-derived options, constraints."""
+
+import pytest
+
+from byteps_espresso.strategy import (
+    Cluster,
+    ConstraintError,
+    Constraints,
+    Kind,
+    Option,
+    OptionError,
+    count_decomposition,
+    enumerate_options,
+    validate,
+)
+
+BIG = Cluster.preset(8, 8, "nvlink", 100)  # hierarchical, with servers
+
+HAND_DERIVED = [
+    "Allreduce(flat)",
+    "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
+    "ReduceScatter(flat) -> Allgather(flat)",
+    "Comp(cpu) -> AlltoallC(flat) -> Decomp(cpu) -> Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
+    "Reduce(intra) -> PushPull(inter) -> Broadcast(intra)",  # BytePS
+    "ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)",  # Horovod hierarchical
+    # HiTopKComm
+    "ReduceScatter(intra) -> Comp(gpu) -> AllgatherC(inter) -> Decomp(gpu) -> Allgather(intra)",
+    # BytePS-Compress
+    "Reduce(intra) -> Comp(cpu) -> PushPullC(inter) -> Decomp(cpu) -> Broadcast(intra)",
+    # the DESIGN.md example
+    "Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(cpu) -> PushPullC(inter) "
+    "-> Decomp(cpu) -> Allgather(intra)",
+    # a payload forwarded through two steps without decoding
+    "Reduce(intra) -> Comp(gpu) -> PushPullC(inter) -> BroadcastC(intra) -> Decomp(gpu)",
+    # a compressed second half (concatenating AllgatherC)
+    "ReduceScatter(intra) -> ReduceScatter(inter) -> Comp(gpu) -> AllgatherC(inter) "
+    "-> Decomp(gpu) -> Allgather(intra)",
+]
+
+INVALID = [
+    "Comp(gpu) -> Allreduce(flat) -> Decomp(gpu)",  # Allreduce needs dense values
+    "AllgatherC(flat)",  # nothing compressed
+    "Comp(gpu) -> AllgatherC(flat)",  # ends compressed
+    "Comp(gpu) -> AlltoallC(flat) -> Allgather(flat)",  # gathering step without Decomp
+    "ReduceScatter(intra) -> Allreduce(inter)",  # divisible step never closed
+    "ReduceScatter(intra) -> Broadcast(intra)",  # wrong closing family
+    "Allreduce(intra)",  # intra alone is not a path
+    "Reduce(intra) -> Comp(gpu) -> PushPullC(inter) -> Decomp(gpu) -> Comp(gpu) "
+    "-> BroadcastC(intra) -> Decomp(gpu)",  # re-compression without a gathering step
+    "Comp(gpu) -> Comp(cpu) -> AllgatherC(flat) -> Decomp(gpu)",
+    "Allreduce(flat) -> Allreduce(flat)",
+]
+
+
+def test_count_and_decomposition():
+    options = enumerate_options(BIG)
+    parts = count_decomposition(BIG)
+    assert len(options) == parts["total"] == 2340
+    assert sum(v for k, v in parts.items() if k != "total") == 2340
+    assert parts["flat allreduce(flat)"] == 5  # Allreduce + Comp(d)->AllgatherC->Decomp(d')
+    assert parts["flat ps(flat)"] == 5
+
+
+def test_no_duplicates_and_every_option_validates():
+    options = enumerate_options(BIG)
+    assert len(set(options)) == len(options)
+    for opt in options:
+        validate(opt, BIG)
+        assert Option.parse(opt.names()) == opt
+
+
+@pytest.mark.parametrize("text", HAND_DERIVED)
+def test_hand_derived_options_appear(text):
+    assert Option.parse(text) in set(enumerate_options(BIG))
+
+
+@pytest.mark.parametrize("text", INVALID)
+def test_invalid_options_are_rejected(text):
+    with pytest.raises(OptionError):
+        validate(Option.parse(text), BIG)
+
+
+def test_cluster_shape_prunes_paths():
+    flat_cluster = Cluster.preset(4, 1, "pcie", 25, servers=0)
+    options = enumerate_options(flat_cluster)
+    assert all(not o.is_hierarchical and not o.uses_servers for o in options)
+    with pytest.raises(OptionError):
+        validate(Option.parse("Reduce(intra) -> PushPull(inter) -> Broadcast(intra)"),
+                 flat_cluster)
+
+
+def test_constraints_prune():
+    c = Constraints.parse(["no-cpu", "max-compressions=1", "forbid=AlltoallC", "no-ps"])
+    options = enumerate_options(BIG, c)
+    assert options
+    for o in options:
+        assert not o.uses_cpu and o.compressions <= 1 and not o.uses_servers
+        assert all(s.kind is not Kind.ALLTOALL_C for s in o.steps)
+    assert all(not o.is_hierarchical
+               for o in enumerate_options(BIG, Constraints(flat_only=True)))
+    assert enumerate_options(BIG, Constraints(max_compressions=0)) == [
+        o for o in enumerate_options(BIG) if not o.is_compressed]
+    assert Constraints.parse(c.to_strings()) == c
+
+
+@pytest.mark.parametrize("bad", ["no-gpus", "forbid=Bogus", "max-compressions=x",
+                                 "flat-only=1"])
+def test_bad_constraints_name_the_problem(bad):
+    with pytest.raises(ConstraintError, match="--constraint"):
+        Constraints.parse([bad])
+    with pytest.raises(ConstraintError):
+        Constraints.parse(["flat-only", "hierarchical-only"])
