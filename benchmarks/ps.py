@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,20 +42,6 @@ WARMUP = 2
 CODECS: dict[str, dict[str, Any]] = {"dense": {}, "onebit": {}, "randomk": {"ratio": 0.01}}
 LAYOUTS = ((2, 1), (2, 2), (4, 1), (4, 2))  # (workers, servers)
 PROC_TIMEOUT_S = 600
-
-
-def _free_port_pair() -> int:
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free pair of ports")
 
 
 def _partitions(nbytes: int, partition_bytes: int) -> list[tuple[int, int]]:
@@ -190,9 +175,11 @@ def _wait(procs: list[subprocess.Popen], what: str, tmp: Path) -> None:
 
 def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path
            ) -> dict[str, Any]:
+    from byteps_espresso.server.link import free_port_pair
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "ESPRESSO_"))}
     env.update({"DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers),
-                "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(_free_port_pair()),
+                "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port_pair()),
                 "ESPRESSO_START_TIMEOUT": "120", "ESPRESSO_TIMEOUT": "120",
                 "ESPRESSO_LOG_LEVEL": "WARNING"})
     echo = [_spawn(["_echo_server", str(tmp / f"port{i}")], env, tmp / f"echo{i}.log")
