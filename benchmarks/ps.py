@@ -175,7 +175,7 @@ def _wait(procs: list[subprocess.Popen], what: str, tmp: Path) -> None:
 
 def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path
            ) -> dict[str, Any]:
-    from byteps_espresso.server.link import free_port_pair
+    from byteps_espresso.deploy.launch import free_port_pair
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "ESPRESSO_"))}
     env.update({"DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers),

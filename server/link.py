@@ -26,7 +26,6 @@ __all__ = [
     "RendezvousError",
     "SchedulerLink",
     "dealer",
-    "free_port_pair",
 ]
 
 log = logging.getLogger(__name__)
@@ -37,32 +36,6 @@ HEARTBEAT_INTERVAL_S = 0.5
 # Seconds a node waits for ACCEPT beyond ESPRESSO_START_TIMEOUT: the scheduler's own deadline
 # fires first and sends ABORT; this only matters when the scheduler is unreachable.
 REGISTER_GRACE_S = 5.0
-
-
-def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port ``p`` such that ``p`` and ``p + 1`` (the torch store) are free on ``host`` now.
-
-    For tests, benchmarks and single-machine demos; another process may still take the
-    ports before they are bound.
-
-    Raises:
-        OSError: no such pair found in 100 tries.
-    """
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind((host, 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind((host, port + 1))
-                except OSError:
-                    continue
-            return port
-    raise OSError(f"no free pair of adjacent ports on {host}")
 
 
 class RendezvousError(RuntimeError):

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from byteps_espresso.deploy.launch import free_port_pair
 from byteps_espresso.server.client import PSClient
-from byteps_espresso.server.link import free_port_pair
 
 from byteps_espresso.config import Config
 
