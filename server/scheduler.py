@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,8 +73,8 @@ class Scheduler:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        # The start-up deadline runs from here, before the (slow) torch store starts, so
-        # that nodes started at the same time hear ABORT before their own deadline.
+        # The start-up deadline runs from here, when the socket starts accepting nodes (their
+        # own registration clocks start then, too), so ABORT reaches them before they give up.
         self.created = time.monotonic()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -91,6 +92,7 @@ class Scheduler:
                                  "machine?") from None
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.store = None
+        self.store_error: str | None = None
         self._store_socket: socket.socket | None = None
         self.workers: dict[int, _Node] = {}
         self.servers: list[_Node] = []
@@ -108,9 +110,15 @@ class Scheduler:
 
     # ---- life cycle ---------------------------------------------------------------------------
     def start_store(self) -> None:
-        """Host the torch.distributed TCPStore on ``cfg.store_port`` (configured interface)."""
-        import torch.distributed as dist
+        """Host the torch.distributed TCPStore on ``cfg.store_port`` (configured interface).
 
+        The port is bound here, at once (a taken port fails the start); importing torch and
+        serving the store happen on a background thread, so a slow torch import never
+        delays the rendezvous. Clients that connect earlier wait in the listen backlog.
+
+        Raises:
+            SchedulerError: the store port cannot be bound.
+        """
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -122,9 +130,18 @@ class Scheduler:
                                  f"({exc.strerror}); DMLC_PS_ROOT_PORT + 1 must be free") from None
         sock.listen(1024)
         self._store_socket = sock
-        self.store = dist.TCPStore(self.cfg.advertise_host(), self.cfg.store_port, None, True,
-                                   datetime.timedelta(seconds=self.cfg.op_timeout_s),
-                                   wait_for_workers=False, master_listen_fd=sock.fileno())
+        threading.Thread(target=self._serve_store, name="tcpstore", daemon=True).start()
+
+    def _serve_store(self) -> None:
+        try:
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(self.cfg.advertise_host(), self.cfg.store_port, None,
+                                       True, datetime.timedelta(seconds=self.cfg.op_timeout_s),
+                                       wait_for_workers=False,
+                                       master_listen_fd=self._store_socket.fileno())
+        except Exception as exc:  # reported by the event loop, which aborts the job
+            self.store_error = f"the torch.distributed store did not start: {exc!r}"
 
     def run(self) -> int:
         """Serve until every worker is done (returns 0).
@@ -149,6 +166,8 @@ class Scheduler:
                     recv_monitor_message(self.monitor)
                     self.dropped_at = time.monotonic()
             now = time.monotonic()
+            if self.store_error:
+                self._abort(self.store_error)
             if not self.started and now > deadline:
                 self._abort(f"start-up timed out after ESPRESSO_START_TIMEOUT="
                             f"{self.cfg.start_timeout_s:g} s; missing: {self._missing()}")
