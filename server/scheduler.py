@@ -5,7 +5,8 @@ Lifecycle:
        order; workers bring their global rank. When every expected node is in, each gets
        ACCEPT (its rank and the server addresses). If that does not happen within
        ``ESPRESSO_START_TIMEOUT``, every registered node gets ABORT listing the missing roles
-       and ranks, and the scheduler exits with status 1.
+       and ranks; nodes that register during another ESPRESSO_START_TIMEOUT get the same
+       ABORT; then the scheduler exits with status 1.
     2. Running: PLACE assigns a tensor's partitions to servers, balanced by bytes (first
        declarer decides; later declarers of the same name must describe it identically and
        get the same answer); BARRIER releases once every worker arrived; HEARTBEAT keeps nodes
@@ -170,7 +171,8 @@ class Scheduler:
                 self._abort(self.store_error)
             if not self.started and now > deadline:
                 self._abort(f"start-up timed out after ESPRESSO_START_TIMEOUT="
-                            f"{self.cfg.start_timeout_s:g} s; missing: {self._missing()}")
+                            f"{self.cfg.start_timeout_s:g} s; missing: {self._missing()}",
+                            linger_s=max(REGISTER_GRACE_S, self.cfg.start_timeout_s))
             if self.started:
                 self._check_liveness(now)
                 if self.workers and all(w.done for w in self.workers.values()):
@@ -208,13 +210,13 @@ class Scheduler:
         if self.dropped_at is not None and now - self.dropped_at > DISCONNECT_GRACE_S:
             self.dropped_at = None
 
-    def _abort(self, reason: str) -> None:
-        """Send ABORT to every node, answer late comers with ABORT for a while, then raise."""
+    def _abort(self, reason: str, linger_s: float = REGISTER_GRACE_S) -> None:
+        """Send ABORT to every node, answer late comers with ABORT for ``linger_s``, raise."""
         log.error("aborting the job: %s", reason)
         abort = P.encode_json(P.MsgType.ABORT, {"reason": reason})
         for identity in self.by_identity:
             self._send(identity, abort)
-        linger_until = time.monotonic() + REGISTER_GRACE_S
+        linger_until = time.monotonic() + linger_s
         while time.monotonic() < linger_until:
             if self.sock.poll(_POLL_S * 1000):
                 identity = self.sock.recv_multipart()[0]

@@ -53,7 +53,7 @@ def test_missing_server_fails_every_process_listing_it(tmp_path, ps_tools):
                          r"unassigned\)", text), (name, text)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_server_killed_mid_round_fails_every_worker(tmp_path, ps_tools):
     procs: dict[str, subprocess.Popen] = {}
     with ps_tools.ps_job(tmp_path, 2, 2, ESPRESSO_TIMEOUT=str(OP_TIMEOUT_S)) as job:
@@ -70,15 +70,17 @@ def test_server_killed_mid_round_fails_every_worker(tmp_path, ps_tools):
             job.procs["server1"].kill()
             killed_at = time.monotonic()
             (tmp_path / "go").touch()  # worker 1 now pushes round 1 into the dead server
-            codes = _wait_all(procs, OP_TIMEOUT_S + 10)
+            # Workers notice the dropped connection at once; the margin is for process exit
+            # on a loaded machine.
+            codes = _wait_all(procs, OP_TIMEOUT_S + 30)
             elapsed = time.monotonic() - killed_at
             rest = {n: p for n, p in job.procs.items() if n != "server1"}
-            rest_codes = _wait_all(rest, OP_TIMEOUT_S + 10)
+            rest_codes = _wait_all(rest, OP_TIMEOUT_S + 30)
         finally:
             ps_tools.kill_all(list(procs.values()))
     logs = job.logs()
     assert all(code not in (0, None) for code in codes.values()), (codes, logs)
-    assert elapsed < OP_TIMEOUT_S + 10
+    assert elapsed < OP_TIMEOUT_S + 30
     sched = ps_tools.read_log(tmp_path, "scheduler")
     # The scheduler aborts because a worker reported the loss, or missed heartbeats.
     lost = re.search(r"aborting the job: .*server (\d) at (tcp://[0-9.:]+)", sched)
