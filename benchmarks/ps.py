@@ -12,6 +12,8 @@ alternates a push/pull round and an echo round, so both see the same machine loa
     python benchmarks/ps.py            # full grid (a few minutes)
     python benchmarks/ps.py --quick    # 2 workers, 1 server, fewer rounds
 
+BYTEPS_SERVER_ENGINE_THREAD in the environment sets the servers' aggregation threads.
+
 Writes benchmarks/results/ps.json and prints a table.
 """
 
@@ -21,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,26 +36,12 @@ RESULTS = Path(__file__).parent / "results" / "ps.json"
 MB = 1 << 20
 SIZES_MB = (1, 64)
 # Rounds timed per case (after WARMUP untimed rounds), by tensor size in MB.
-ROUNDS = {1: 40, 64: 8}
-QUICK_ROUNDS = {1: 15, 64: 4}
+ROUNDS = {1: 20, 64: 5}
+QUICK_ROUNDS = {1: 10, 64: 3}
 WARMUP = 2
 CODECS: dict[str, dict[str, Any]] = {"dense": {}, "onebit": {}, "randomk": {"ratio": 0.01}}
 LAYOUTS = ((2, 1), (2, 2), (4, 1), (4, 2))  # (workers, servers)
 PROC_TIMEOUT_S = 600
-
-
-def _free_port_pair() -> int:
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free pair of ports")
 
 
 def _partitions(nbytes: int, partition_bytes: int) -> list[tuple[int, int]]:
@@ -188,9 +175,11 @@ def _wait(procs: list[subprocess.Popen], what: str, tmp: Path) -> None:
 
 def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path
            ) -> dict[str, Any]:
+    from byteps_espresso.deploy.launch import free_port_pair
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "ESPRESSO_"))}
     env.update({"DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers),
-                "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(_free_port_pair()),
+                "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port_pair()),
                 "ESPRESSO_START_TIMEOUT": "120", "ESPRESSO_TIMEOUT": "120",
                 "ESPRESSO_LOG_LEVEL": "WARNING"})
     echo = [_spawn(["_echo_server", str(tmp / f"port{i}")], env, tmp / f"echo{i}.log")
@@ -297,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version(),
                     "load_avg_1m_at_end": os.getloadavg()[0]},
         "partition_bytes": partition_bytes, "warmup_rounds": WARMUP, "rounds": rounds,
+        "server_engine_threads": os.environ.get("BYTEPS_SERVER_ENGINE_THREAD",
+                                                f"{Config().server_threads} (default)"),
         "rows": rows, "summary": summary,
         "notes": "round_ms: median round time of the slowest worker; GB/s: uncompressed "
                  "float32 bytes per worker per round / round time; server ms per round: "

@@ -115,10 +115,9 @@ def draw_predicted_timeline(profile: Path, picture: Path, compressor: str,
     Returns:
         the picture's path.
     """
+    from byteps_espresso.strategy import Cluster, CompressorCosts, Workload
     from byteps_espresso.strategy.planner import plan_with_timelines
     from byteps_espresso.strategy.plot import draw_timelines
-
-    from byteps_espresso.strategy import Cluster, CompressorCosts, Workload
 
     workload = Workload.load(profile / "workload.json")
     cluster = Cluster.load(profile / "cluster.json")

@@ -5,7 +5,8 @@ Lifecycle:
        order; workers bring their global rank. When every expected node is in, each gets
        ACCEPT (its rank and the server addresses). If that does not happen within
        ``ESPRESSO_START_TIMEOUT``, every registered node gets ABORT listing the missing roles
-       and ranks, and the scheduler exits with status 1.
+       and ranks; nodes that register during another ESPRESSO_START_TIMEOUT get the same
+       ABORT; then the scheduler exits with status 1.
     2. Running: PLACE assigns a tensor's partitions to servers, balanced by bytes (first
        declarer decides; later declarers of the same name must describe it identically and
        get the same answer); BARRIER releases once every worker arrived; HEARTBEAT keeps nodes
@@ -24,6 +25,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,8 +74,8 @@ class Scheduler:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        # The start-up deadline runs from here, before the (slow) torch store starts, so
-        # that nodes started at the same time hear ABORT before their own deadline.
+        # The start-up deadline runs from here, when the socket starts accepting nodes (their
+        # own registration clocks start then, too), so ABORT reaches them before they give up.
         self.created = time.monotonic()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -91,6 +93,7 @@ class Scheduler:
                                  "machine?") from None
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.store = None
+        self.store_error: str | None = None
         self._store_socket: socket.socket | None = None
         self.workers: dict[int, _Node] = {}
         self.servers: list[_Node] = []
@@ -108,9 +111,15 @@ class Scheduler:
 
     # ---- life cycle ---------------------------------------------------------------------------
     def start_store(self) -> None:
-        """Host the torch.distributed TCPStore on ``cfg.store_port`` (configured interface)."""
-        import torch.distributed as dist
+        """Host the torch.distributed TCPStore on ``cfg.store_port`` (configured interface).
 
+        The port is bound here, at once (a taken port fails the start); importing torch and
+        serving the store happen on a background thread, so a slow torch import never
+        delays the rendezvous. Clients that connect earlier wait in the listen backlog.
+
+        Raises:
+            SchedulerError: the store port cannot be bound.
+        """
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -122,9 +131,18 @@ class Scheduler:
                                  f"({exc.strerror}); DMLC_PS_ROOT_PORT + 1 must be free") from None
         sock.listen(1024)
         self._store_socket = sock
-        self.store = dist.TCPStore(self.cfg.advertise_host(), self.cfg.store_port, None, True,
-                                   datetime.timedelta(seconds=self.cfg.op_timeout_s),
-                                   wait_for_workers=False, master_listen_fd=sock.fileno())
+        threading.Thread(target=self._serve_store, name="tcpstore", daemon=True).start()
+
+    def _serve_store(self) -> None:
+        try:
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(self.cfg.advertise_host(), self.cfg.store_port, None,
+                                       True, datetime.timedelta(seconds=self.cfg.op_timeout_s),
+                                       wait_for_workers=False,
+                                       master_listen_fd=self._store_socket.fileno())
+        except Exception as exc:  # reported by the event loop, which aborts the job
+            self.store_error = f"the torch.distributed store did not start: {exc!r}"
 
     def run(self) -> int:
         """Serve until every worker is done (returns 0).
@@ -149,9 +167,12 @@ class Scheduler:
                     recv_monitor_message(self.monitor)
                     self.dropped_at = time.monotonic()
             now = time.monotonic()
+            if self.store_error:
+                self._abort(self.store_error)
             if not self.started and now > deadline:
                 self._abort(f"start-up timed out after ESPRESSO_START_TIMEOUT="
-                            f"{self.cfg.start_timeout_s:g} s; missing: {self._missing()}")
+                            f"{self.cfg.start_timeout_s:g} s; missing: {self._missing()}",
+                            linger_s=max(REGISTER_GRACE_S, self.cfg.start_timeout_s))
             if self.started:
                 self._check_liveness(now)
                 if self.workers and all(w.done for w in self.workers.values()):
@@ -189,13 +210,13 @@ class Scheduler:
         if self.dropped_at is not None and now - self.dropped_at > DISCONNECT_GRACE_S:
             self.dropped_at = None
 
-    def _abort(self, reason: str) -> None:
-        """Send ABORT to every node, answer late comers with ABORT for a while, then raise."""
+    def _abort(self, reason: str, linger_s: float = REGISTER_GRACE_S) -> None:
+        """Send ABORT to every node, answer late comers with ABORT for ``linger_s``, raise."""
         log.error("aborting the job: %s", reason)
         abort = P.encode_json(P.MsgType.ABORT, {"reason": reason})
         for identity in self.by_identity:
             self._send(identity, abort)
-        linger_until = time.monotonic() + REGISTER_GRACE_S
+        linger_until = time.monotonic() + linger_s
         while time.monotonic() < linger_until:
             if self.sock.poll(_POLL_S * 1000):
                 identity = self.sock.recv_multipart()[0]

@@ -25,6 +25,7 @@ import collections
 import logging
 import os
 import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ from byteps_espresso.server.link import REGISTER_GRACE_S, SchedulerLink
 from byteps_espresso.config import Config
 
 __all__ = [
-    "RESULT_HISTORY", "Server", "ServerError", "aggregate", "keep_freed_memory", "run_server",
+    "RESULT_HISTORY", "NumbaGuard", "Server", "ServerError", "aggregate", "keep_freed_memory",
+    "run_server",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,40 @@ _LOG_FIRST, _LOG_EVERY = 20, 1000
 
 class ServerError(RuntimeError):
     """The server cannot go on: the scheduler aborted the job or was lost."""
+
+
+class NumbaGuard:
+    """Runs compressor kernels from several engine threads safely and without oversubscribing.
+
+    Each engine thread gives its numba kernels ``cpu_count // BYTEPS_SERVER_ENGINE_THREAD``
+    threads (the server's parallelism is across keys). numba's ``workqueue`` threading layer
+    aborts the process when two threads launch parallel kernels at once, so kernels are
+    serialized until the layer in use is known to be thread-safe (``omp`` or ``tbb``).
+    """
+
+    def __init__(self, engine_threads: int) -> None:
+        self.numba_threads = max(1, (os.cpu_count() or 1) // engine_threads)
+        self._lock = threading.Lock()
+        self._safe = False
+
+    def configure_thread(self) -> None:
+        """Set this thread's numba thread count (engine-thread initializer)."""
+        import numba
+
+        numba.set_num_threads(min(self.numba_threads, numba.config.NUMBA_NUM_THREADS))
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        if self._safe:
+            return fn(*args)
+        with self._lock:
+            result = fn(*args)
+            import numba
+
+            try:
+                self._safe = numba.threading_layer() in ("omp", "tbb")
+            except ValueError:  # no parallel kernel ran yet
+                pass
+            return result
 
 
 def aggregate(spec: KeySpec, compressor: Any, ef: Any, round_: int,
@@ -138,7 +174,9 @@ class Server:
         self.rejected: collections.Counter[str] = collections.Counter()
         self.rounds = 0
         self.agg_seconds = 0.0
-        self.pool = (ThreadPoolExecutor(cfg.server_threads, thread_name_prefix="ps-agg")
+        self.guard = NumbaGuard(cfg.server_threads)
+        self.pool = (ThreadPoolExecutor(cfg.server_threads, thread_name_prefix="ps-agg",
+                                        initializer=self.guard.configure_thread)
                      if cfg.server_threads > 1 else None)
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -154,6 +192,7 @@ class Server:
         """
         accept = self.link.register()
         self.rank, self.num_workers = int(accept["rank"]), int(accept["num_workers"])
+        self.guard.configure_thread()  # for keys aggregated inline on this thread
         log.info("server %d serving on %s", self.rank, self.address)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
@@ -365,11 +404,14 @@ class Server:
         else:
             self.pool.submit(self._run_async, state, round_, payloads)
 
-    @staticmethod
-    def _run(state: _Key, round_: int, payloads: list) -> tuple[Any, float]:
+    def _run(self, state: _Key, round_: int, payloads: list) -> tuple[Any, float]:
         start = time.thread_time()
         try:
-            result: Any = aggregate(state.spec, state.compressor, state.ef, round_, payloads)
+            if state.compressor is None:  # numpy only
+                result: Any = aggregate(state.spec, None, None, round_, payloads)
+            else:
+                result = self.guard.run(aggregate, state.spec, state.compressor, state.ef,
+                                        round_, payloads)
         except Exception as exc:  # reported to every puller of this round
             log.exception("aggregation of key %d round %d failed", state.key, round_)
             result = exc

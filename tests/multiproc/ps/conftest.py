@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from byteps_espresso.deploy.launch import free_port_pair
 from byteps_espresso.server.client import PSClient
 
 from byteps_espresso.config import Config
@@ -30,23 +30,6 @@ WORKER_SCRIPT = HERE / "ps_worker.py"
 PARTITION_BYTES = 64 * 1024
 # Hard limit for any PS process started by a test, in seconds.
 PROC_TIMEOUT_S = 90
-
-
-def free_port_pair() -> int:
-    """A port p such that p and p + 1 (the torch store) are free right now on 127.0.0.1."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free pair of ports on 127.0.0.1")
 
 
 def base_env(num_workers: int, num_servers: int, **extra: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-START_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 10.0  # generous: worker processes import torch on a busy machine
 OP_TIMEOUT_S = 8.0
 
 
@@ -24,7 +24,7 @@ def _wait_all(procs: dict[str, subprocess.Popen], limit_s: float) -> dict[str, i
     return codes
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_missing_server_fails_every_process_listing_it(tmp_path, ps_tools):
     procs: dict[str, subprocess.Popen] = {}
     with ps_tools.ps_job(tmp_path, 2, 2, start_servers=1,
@@ -36,21 +36,24 @@ def test_missing_server_fails_every_process_listing_it(tmp_path, ps_tools):
                 procs[f"worker{r}"] = ps_tools.start_worker(job.env, r, tmp_path, "connect",
                                                             str(tmp_path))
             procs.update(job.procs)
-            # Start-up timeout, plus process start (imports) on a busy machine.
-            codes = _wait_all(procs, START_TIMEOUT_S + 30)
+            # Start-up timeout and ABORT linger, plus process start on a busy machine.
+            codes = _wait_all(procs, START_TIMEOUT_S + 45)
             elapsed = time.monotonic() - started
         finally:
             ps_tools.kill_all(list(procs.values()))
     logs = job.logs()
     assert all(code not in (0, None) for code in codes.values()), (codes, logs)
-    assert elapsed < START_TIMEOUT_S + 30
+    assert elapsed < START_TIMEOUT_S + 45
+    # Server 1 never starts. On a loaded machine server 0 (or a worker) may also miss the
+    # deadline; the list then names it too, and late comers get the same ABORT.
     for name in ("worker0", "worker1", "scheduler", "server0"):
         text = ps_tools.read_log(tmp_path, name)
-        assert "1 of 2 server(s) never registered (server ranks [1] unassigned)" in text, (
-            name, text)
+        assert re.search(r"start-up timed out after ESPRESSO_START_TIMEOUT=\d+ s; missing: "
+                         r"[12] of 2 server\(s\) never registered \(server ranks \[(0, )?1\] "
+                         r"unassigned\)", text), (name, text)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_server_killed_mid_round_fails_every_worker(tmp_path, ps_tools):
     procs: dict[str, subprocess.Popen] = {}
     with ps_tools.ps_job(tmp_path, 2, 2, ESPRESSO_TIMEOUT=str(OP_TIMEOUT_S)) as job:
@@ -67,15 +70,17 @@ def test_server_killed_mid_round_fails_every_worker(tmp_path, ps_tools):
             job.procs["server1"].kill()
             killed_at = time.monotonic()
             (tmp_path / "go").touch()  # worker 1 now pushes round 1 into the dead server
-            codes = _wait_all(procs, OP_TIMEOUT_S + 10)
+            # Workers notice the dropped connection at once; the margin is for process exit
+            # on a loaded machine.
+            codes = _wait_all(procs, OP_TIMEOUT_S + 30)
             elapsed = time.monotonic() - killed_at
             rest = {n: p for n, p in job.procs.items() if n != "server1"}
-            rest_codes = _wait_all(rest, OP_TIMEOUT_S + 10)
+            rest_codes = _wait_all(rest, OP_TIMEOUT_S + 30)
         finally:
             ps_tools.kill_all(list(procs.values()))
     logs = job.logs()
     assert all(code not in (0, None) for code in codes.values()), (codes, logs)
-    assert elapsed < OP_TIMEOUT_S + 10
+    assert elapsed < OP_TIMEOUT_S + 30
     sched = ps_tools.read_log(tmp_path, "scheduler")
     # The scheduler aborts because a worker reported the loss, or missed heartbeats.
     lost = re.search(r"aborting the job: .*server (\d) at (tcp://[0-9.:]+)", sched)
@@ -105,7 +110,7 @@ def test_configuration_errors_exit_2_naming_the_variable(env, needle):
     assert needle in result.stderr
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_scheduler_killed_fails_pending_and_later_operations(tmp_path, ps_tools):
     import numpy as np
     from byteps_espresso.server.client import PSError
@@ -124,5 +129,6 @@ def test_scheduler_killed_fails_pending_and_later_operations(tmp_path, ps_tools)
         with pytest.raises(PSError, match="lost the connection to the scheduler"):
             c1.push_pull("s", x, 0)
         assert time.monotonic() - killed_at < OP_TIMEOUT_S
-        assert job.procs["server0"].wait(timeout=OP_TIMEOUT_S + 10) == 1
+        # Detection is immediate; process exit can take a while on a loaded machine.
+        assert job.procs["server0"].wait(timeout=OP_TIMEOUT_S + 40) == 1
     assert "lost the connection to the scheduler" in ps_tools.read_log(tmp_path, "server0")
