@@ -119,7 +119,7 @@ def test_scheduler_killed_fails_pending_and_later_operations(tmp_path, ps_tools)
         job.procs["scheduler"].kill()
         killed_at = time.monotonic()
         # The server notices too and exits; whichever loss the client sees first names it.
-        with pytest.raises(PSError, match="lost the connection to (the scheduler|server 0)"):
+        with pytest.raises(PSError, match=r"lost the connection to (the scheduler|server 0)"):
             pending.wait()
         with pytest.raises(PSError, match="lost the connection to the scheduler"):
             c1.push_pull("s", x, 0)

@@ -1,0 +1,64 @@
+"""Worker of test_optimizer: trains a small model with the drop-in API, saves parameters.
+
+Usage: optimizer_worker.py OUT_DIR COMPRESSION PASSES STEPS. Each rank's batches are drawn
+from a generator seeded by (rank, step, pass), so the test recomputes them. After every step
+the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle).
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import byteps_espresso.torch as bps
+
+
+def batch(rank: int, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + k)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True).tanh()
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.Tanh(), torch.nn.Linear(33, 1))
+
+
+def main() -> None:
+    out, compression, passes, steps = (Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
+                                       int(sys.argv[4]))
+    bps.init()
+    try:
+        net = model()
+        if bps.rank() != 0:  # different local init: broadcast_parameters must fix it
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(0.5)
+        bps.broadcast_parameters(net.state_dict(), root_rank=0)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        opt = bps.DistributedOptimizer(opt, named_parameters=net.named_parameters(),
+                                       compression=getattr(bps.Compression, compression),
+                                       backward_passes_per_step=passes)
+        bps.broadcast_optimizer_state(opt, root_rank=0)
+        for step in range(steps):
+            opt.zero_grad()
+            for k in range(passes):
+                x, y = batch(bps.rank(), step, k)
+                torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+            np.save(out / f"params_{step}_{bps.rank()}.npy", flat.numpy(), allow_pickle=False)
+        # The raw API as well: push_pull of a named tensor, async + poll + synchronize.
+        h = bps.push_pull_async(torch.full((5,), float(bps.rank())), average=False, name="ranks")
+        while not bps.poll(h):
+            time.sleep(0.001)
+        total = bps.synchronize(h)
+        np.save(out / f"ranks_{bps.rank()}.npy", total.numpy(), allow_pickle=False)
+    finally:
+        bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()

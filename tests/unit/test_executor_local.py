@@ -1,0 +1,86 @@
+"""The executor over the in-memory transport (ranks as threads) against the reference.
+
+This runs the real executor code for many Options in one process; the multi-process tests
+(tests/multiproc/test_executor.py) run it over gloo.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from byteps_espresso.worker.codecs import CodecPair
+from byteps_espresso.worker.executor import Engine, ExecutionError, Executor
+from byteps_espresso.worker.local_transport import LocalHub
+from byteps_espresso.worker.reference import Reference
+
+from byteps_espresso.strategy.options import Option
+
+OPTIONS = [
+    "Allreduce(flat)",
+    "ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)",
+    "Reduce(intra) -> Reduce(inter) -> Broadcast(inter) -> Broadcast(intra)",
+    "Comp(gpu) -> AlltoallC(flat) -> Decomp(gpu) -> Comp(cpu) -> AllgatherC(flat) -> Decomp(cpu)",
+    "Comp(cpu) -> GatherC(intra) -> Decomp(cpu) -> Comp(gpu) -> AlltoallC(inter) -> Decomp(gpu) "
+    "-> Comp(gpu) -> AllgatherC(inter) -> Decomp(gpu) -> Comp(gpu) -> BroadcastC(intra) "
+    "-> Decomp(gpu)",
+    "ReduceScatter(intra) -> Comp(cpu) -> AllgatherC(inter) -> Decomp(cpu) -> Comp(gpu) "
+    "-> AllgatherC(intra) -> Decomp(gpu)",
+    "Reduce(intra) -> Comp(gpu) -> GatherC(inter) -> Decomp(gpu) -> Comp(cpu) "
+    "-> BroadcastC(inter) -> Decomp(cpu) -> Broadcast(intra)",
+]
+
+
+def run_threads(machines, local, option, inputs, codec_factory, *, steps=1):
+    hub = LocalHub(machines, local, timeout_s=10)
+    world = machines * local
+    executors = [Executor(hub.transport(r), codec_factory()) for r in range(world)]
+    outs = []
+    with ThreadPoolExecutor(world) as pool:
+        for step in range(steps):
+            futs = [pool.submit(executors[r].run, option, inputs[step][r], name="w", step=step)
+                    for r in range(world)]
+            outs.append([f.result(timeout=30) for f in futs])
+    return outs
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("layout", [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("numel", [1, 5, 257])
+def test_threads_equal_reference(option, layout, numel):
+    machines, local = layout
+    world = machines * local
+    g = torch.Generator().manual_seed(numel)
+    inputs = [[torch.randn(numel, generator=g) for _ in range(world)] for _ in range(2)]
+    got = run_threads(machines, local, Option.parse(option), inputs, lambda: CodecPair("fp16"),
+                      steps=2)
+    ref = Reference(machines, local, [CodecPair("fp16") for _ in range(world)])
+    for step in range(2):
+        expected = ref.run(Option.parse(option), inputs[step], name="w", step=step)
+        for r in range(world):
+            assert torch.equal(got[step][r], expected[r]), f"rank {r}, step {step}"
+
+
+def test_engine_runs_lanes_concurrently_in_submission_order():
+    hub = LocalHub(2, 2, timeout_s=10)
+    engines = [Engine([Executor(hub.transport(r, 0)), Executor(hub.transport(r, 1))])
+               for r in range(4)]
+    option = Option.parse("ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)")
+    try:
+        handles = [[e.submit(f"t{i}", torch.full((9,), float(r + i)), option)
+                    for i in range(6)] for r, e in enumerate(engines)]
+        for i in range(6):
+            for r in range(4):
+                assert torch.equal(handles[r][i].wait(10), torch.full((9,), 6.0 + 4 * i))
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_errors_name_tensor_and_step():
+    hub = LocalHub(1, 1)
+    ex = Executor(hub.transport(0))
+    with pytest.raises(ExecutionError, match=r"tensor 'w', step 0 Comp\(gpu\).*no compressor"):
+        ex.run(Option.parse("Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)"), torch.ones(3),
+               name="w", step=0)
+    with pytest.raises(ExecutionError, match="servers"):
+        ex.run(Option.parse("PushPull(flat)"), torch.ones(3), name="w", step=0)

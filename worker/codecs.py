@@ -1,0 +1,121 @@
+"""One compressor per device for one job: torch backend on the training device, numba on the host.
+
+``Comp(gpu)``/``Decomp(gpu)`` run the torch backend on the tensor's own device (the GPU on a
+cluster, the CPU in tests); ``Comp(cpu)``/``Decomp(cpu)`` run the numba backend on host
+arrays, copying dense values device -> host before and host -> device after. Payloads cross
+backends with :func:`~byteps_espresso.kernels.base.to_numpy` / ``to_torch``.
+
+Empty extents (a shard of a tensor with fewer elements than group members) are never handed
+to a compressor: their payload is the empty tuple and they decode to an empty tensor.
+
+Error feedback, when asked for, wraps each backend's compressor (``kernels.ErrorFeedback``);
+residuals are kept per compression name (:func:`~byteps_espresso.worker.layout.codec_name`),
+so each worker holds one residual per tensor range and step of its Option.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from byteps_espresso.kernels import base as kbase
+
+from byteps_espresso.strategy.options import Device
+
+__all__ = ["EMPTY", "CodecPair", "payload_spec"]
+
+EMPTY: tuple = ()
+
+_BACKEND = {Device.GPU: "torch", Device.CPU: "numba"}
+
+
+def payload_spec(compressor: kbase.Compressor, numel: int) -> tuple[tuple[np.dtype, int], ...]:
+    """(dtype, element count) of each payload array for ``numel`` elements; () when empty."""
+    if numel == 0:
+        return ()
+    lengths = compressor.payload_lengths(numel)
+    return tuple((np.dtype(d), int(n)) for d, n in zip(compressor.payload_dtypes, lengths,
+                                                       strict=True))
+
+
+class CodecPair:
+    """The job's compressor on both devices, with optional error feedback.
+
+    Args:
+        name: registered compressor name (``byteps_espresso.kernels.names()``).
+        params: its JSON-scalar parameters (ratio, seed, ...).
+        error_feedback: wrap both backends in ``kernels.ErrorFeedback``.
+        device: the training device (where ``gpu`` steps run and results land).
+
+    Raises:
+        ValueError: unknown compressor or bad parameters (the kernels' message).
+    """
+
+    def __init__(self, name: str, params: Mapping[str, Any] | None = None, *,
+                 error_feedback: bool = False, device: torch.device | str = "cpu") -> None:
+        from byteps_espresso import kernels
+
+        self.name = name
+        self.params = dict(params or {})
+        self.error_feedback = error_feedback
+        self.device = torch.device(device)
+        self._by_device: dict[Device, kbase.Compressor] = {}
+        for dev, backend in _BACKEND.items():
+            comp = kernels.create(name, backend=backend, **self.params)
+            if error_feedback:
+                comp = kernels.ErrorFeedback(comp)
+            self._by_device[dev] = comp
+
+    def compressor(self, device: Device) -> kbase.Compressor:
+        return self._by_device[device]
+
+    def spec(self, numel: int) -> tuple[tuple[np.dtype, int], ...]:
+        """Payload layout for ``numel`` elements (identical on both backends)."""
+        return payload_spec(self._by_device[Device.CPU], numel)
+
+    # ---- Comp / Decomp -----------------------------------------------------------------------
+    def compress(self, device: Device, dense: torch.Tensor, cname: str, step: int) -> tuple:
+        """Compress a 1-D float32 tensor on ``device``; returns the payload (arrays)."""
+        if dense.numel() == 0:
+            return EMPTY
+        comp = self._by_device[device]
+        if device is Device.CPU:
+            host = np.ascontiguousarray(dense.detach().cpu().numpy())
+            payload, _ = comp.compress(host, name=cname, step=step)
+        else:
+            payload, _ = comp.compress(dense.detach().contiguous(), name=cname, step=step)
+        return tuple(payload)
+
+    def _ctx(self, device: Device, numel: int, cname: str, step: int) -> kbase.Ctx:
+        return self._by_device[device].context((numel,), "float32", name=cname, step=step)
+
+    def _as_backend(self, device: Device, payload: tuple) -> tuple:
+        if device is Device.CPU:
+            return kbase.to_numpy(payload)
+        return kbase.to_torch(payload, self.device)
+
+    def _to_train(self, value: Any) -> torch.Tensor:
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(value)
+        return value.reshape(-1).to(self.device)
+
+    def decompress(self, device: Device, payload: tuple, numel: int, cname: str,
+                   step: int) -> torch.Tensor:
+        """Decode one payload of ``numel`` elements on ``device``; result on the training device."""
+        if numel == 0:
+            return torch.zeros(0, dtype=torch.float32, device=self.device)
+        comp = self._by_device[device]
+        ctx = self._ctx(device, numel, cname, step)
+        return self._to_train(comp.decompress(self._as_backend(device, payload), ctx))
+
+    def aggregate(self, device: Device, payloads: Sequence[tuple], numel: int, cname: str,
+                  step: int) -> torch.Tensor:
+        """Decode every payload of ``numel`` elements and sum them in list order."""
+        if numel == 0:
+            return torch.zeros(0, dtype=torch.float32, device=self.device)
+        comp = self._by_device[device]
+        ctx = self._ctx(device, numel, cname, step)
+        converted = [self._as_backend(device, p) for p in payloads]
+        return self._to_train(comp.aggregate(converted, ctx))

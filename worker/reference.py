@@ -1,0 +1,404 @@
+"""Single-process reference interpreter of an Option: the oracle of the executor's tests.
+
+It runs one Option over a list of per-worker tensors (index = global rank) and returns each
+worker's result, following the step semantics of :mod:`byteps_espresso.strategy.options`
+literally: every group is visited explicitly, every sum is taken in group-rank order, and the
+servers are modelled by :class:`ServerModel` (sum in pusher-rank order; decompress, sum and
+re-compress for compressed keys). It shares with the executor only the pure layout helpers
+(:mod:`.layout`) and the compressors themselves.
+
+Decisions where the Option docstring leaves room (the executor makes the same ones):
+
+- ``Comp`` before ``PushPullC`` compresses the extent partition by partition, as the PS splits
+  the key (``partitions``); ``Decomp`` after ``PushPullC`` decodes each partition in place.
+- ``AllgatherC(s)`` that follows a divisible step of scope ``s`` (``ReduceScatter`` or
+  ``AlltoallC``) gathers *shards*: the next ``Decomp`` decodes each and concatenates them
+  (undoing the split), exactly as ``Allgather`` does for dense shards. Otherwise every member
+  compressed the same extent and ``Decomp`` sums the payloads in group-rank order.
+- After ``Reduce(s)``/``GatherC(s)`` the non-root members sleep through every step until the
+  ``Broadcast(s)``/``BroadcastC(s)`` that closes it; communication steps in between run only
+  in groups whose members are awake (after an intra reduce: the inter group of local rank 0).
+- Empty shards (fewer elements than members) are not compressed; their payload is ``()``.
+
+Example:
+    >>> ref = Reference(machines=2, local_size=2, codecs=[CodecPair("fp16") for _ in range(4)])
+    >>> outs = ref.run(Option.parse("Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)"),
+    ...                [torch.ones(5)] * 4, name="w", step=0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from byteps_espresso.worker.codecs import CodecPair
+from byteps_espresso.worker.layout import Extent, codec_name, ps_key, split
+from byteps_espresso.worker.topology import Topology
+
+from byteps_espresso.strategy.options import Kind, Option, OptionError, Scope, Step
+
+__all__ = ["Reference", "ServerModel"]
+
+
+# Forms a worker's value can take between steps.
+DENSE, PAYLOAD, CHUNKS, PARTS, SUM, CONCAT, NONE = (
+    "dense", "payload", "chunks", "parts", "sum", "concat", "none")
+
+
+class ServerModel:
+    """What the PS servers compute for one key and round.
+
+    Dense keys: the float32 sum of the pushes in pusher-rank order. Compressed keys: each
+    pushed payload decoded with the numba backend, summed in pusher-rank order, and the sum
+    re-compressed with ``codec`` (the server-side compressor, error feedback included if it
+    has it) under the partition's key name and the round, as ``server.server.aggregate`` does.
+    """
+
+    def __init__(self, codec: CodecPair | None = None) -> None:
+        self.codec = codec
+
+    def dense(self, pushes: Sequence[torch.Tensor]) -> torch.Tensor:
+        total = pushes[0].detach().cpu().clone()
+        for x in pushes[1:]:
+            total += x.detach().cpu()
+        return total
+
+    def compressed(self, payloads: Sequence[tuple], numel: int, cname: str, step: int) -> tuple:
+        if self.codec is None:
+            raise OptionError("PushPullC needs a server codec in the reference interpreter")
+        from byteps_espresso.strategy.options import Device
+
+        total = self.codec.aggregate(Device.CPU, payloads, numel, cname, step)
+        return self.codec.compress(Device.CPU, total, cname, step)
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where the interpreter is: step index, step, tensor name, iteration (and all steps)."""
+
+    i: int
+    st: Step
+    name: str
+    step: int
+    steps: Sequence[Step] = ()
+
+
+@dataclass
+class _Worker:
+    form: str
+    value: Any
+    extent: Extent
+    extents: list[Extent] = field(default_factory=list)  # one per payload (chunks/parts/concat)
+    stack: list[tuple[str, Scope, Extent]] = field(default_factory=list)
+    comp_index: int = -1  # step index of the Comp that made the current payload(s)
+    asleep: Scope | None = None  # the Reduce/GatherC scope, until its Broadcast(C)
+    who: frozenset[int] = frozenset()  # ranks whose values are summed into every element
+    ps_key: str = ""
+    part_names: list[str] = field(default_factory=list)  # ctx names of the PS partitions
+    ps_round: int = 0  # the ctx step of the PS partitions
+
+
+class Reference:
+    """Runs Options over per-worker tensors in one process.
+
+    Args:
+        machines: worker machines; ``local_size``: workers per machine.
+        codecs: one :class:`CodecPair` per worker (each keeps its own error-feedback state),
+            or None for uncompressed Options only.
+        server: the PS model for PushPull/PushPullC steps.
+        partition_bytes: the PS's largest key (``BYTEPS_PARTITION_BYTES``); keys split as
+            ``server.keys.split`` does, partitions named by ``server.keys.part_names``.
+    """
+
+    def __init__(self, machines: int, local_size: int, codecs: Sequence[CodecPair] | None = None,
+                 server: ServerModel | None = None, partition_bytes: int = 4_096_000) -> None:
+        self.topo = Topology(machines, local_size)
+        self.codecs = list(codecs) if codecs is not None else None
+        self.server = server or ServerModel()
+        self.partition_bytes = partition_bytes
+        self._rounds: dict[str, int] = {}  # PS rounds per key, from 0
+
+    def _partitions(self, key: str, numel: int) -> tuple[list[tuple[int, int]], list[str]]:
+        from byteps_espresso.server.keys import part_names
+        from byteps_espresso.server.keys import split as ps_split
+
+        if numel == 0:  # an empty shard: no key
+            return [], []
+        parts = ps_split(numel, 4, self.partition_bytes)
+        return parts, part_names(key, len(parts))
+
+    def _codec(self, rank: int) -> CodecPair:
+        if self.codecs is None:
+            raise OptionError("this Option compresses; give the reference one CodecPair per worker")
+        return self.codecs[rank]
+
+    def run(self, option: Option, inputs: Sequence[torch.Tensor], *, name: str,
+            step: int) -> list[torch.Tensor]:
+        """Run ``option`` on ``inputs`` (one tensor per global rank).
+
+        Returns:
+            Each worker's final dense tensor (the sum over workers), shaped like its input.
+
+        Raises:
+            OptionError: the Option cannot be interpreted (a step finds the wrong form).
+        """
+        n = self.topo.world_size
+        if len(inputs) != n:
+            raise ValueError(f"need {n} inputs (one per worker), got {len(inputs)}")
+        numel = inputs[0].numel()
+        ws = [_Worker(DENSE, x.detach().reshape(-1).float().clone(), Extent(0, numel),
+                      who=frozenset({r})) for r, x in enumerate(inputs)]
+        steps = option.steps
+        for i, st in enumerate(steps):
+            if st.kind.is_compute:
+                for r, w in enumerate(ws):
+                    if w.asleep is None:
+                        self._compute(self._codec(r), w, _At(i, st, name, step, steps))
+            else:
+                for members in self.topo.all_groups(st.scope):  # type: ignore[arg-type]
+                    self._communicate([ws[r] for r in members], _At(i, st, name, step))
+        for r, w in enumerate(ws):
+            if w.form != DENSE or w.extent != Extent(0, numel) or w.stack or w.asleep:
+                raise OptionError(f"{option} does not end with the full dense sum on rank {r}")
+            if w.who != frozenset(range(n)):
+                raise OptionError(f"{option} leaves rank {r} with the sum over ranks "
+                                  f"{sorted(w.who)} only, not over all {n} workers")
+        return [w.value.reshape(inputs[0].shape) for w in ws]
+
+    # ---- compute steps -----------------------------------------------------------------------
+    def _compute(self, codec: CodecPair, w: _Worker, at: _At) -> None:
+        st, i, steps, name, step = at.st, at.i, at.steps, at.name, at.step
+        dev = st.device
+        if st.kind is Kind.COMP:
+            if w.form != DENSE:
+                raise OptionError(f"step {i} {st}: needs dense values, holds {w.form}")
+            nxt = next((s for s in steps[i + 1:] if not s.kind.is_compute), None)
+            if nxt is None:
+                raise OptionError(f"step {i} {st}: no communication step follows")
+            w.comp_index = i
+            if nxt.kind is Kind.ALLTOALL_C:
+                w.extents = split(w.extent, self.topo.size(nxt.scope))  # type: ignore[arg-type]
+                w.form = CHUNKS
+            elif nxt.kind is Kind.PUSH_PULL_C:
+                key = ps_key(name, steps.index(nxt, i + 1), w.extent)
+                parts, w.part_names = self._partitions(key, w.extent.numel)
+                w.ps_key, w.ps_round = key, self._rounds.get(key, 0)
+                w.extents = [Extent(w.extent.offset + o, k) for o, k in parts]
+                base = w.extent.offset
+                w.value = [codec.compress(dev, w.value[e.offset - base:e.end - base], pn,
+                                          w.ps_round)
+                           for e, pn in zip(w.extents, w.part_names, strict=True)]
+                w.form = PARTS
+                return
+            else:
+                w.form = PAYLOAD
+                w.value = codec.compress(dev, w.value, codec_name(name, i, w.extent), step)
+                return
+            base = w.extent.offset
+            w.value = [codec.compress(dev, w.value[e.offset - base:e.end - base],
+                                      codec_name(name, i, e), step) for e in w.extents]
+            return
+        # Decomp
+        ci = w.comp_index
+        if w.form == PAYLOAD:
+            w.value = codec.decompress(dev, w.value, w.extent.numel,
+                                       codec_name(name, ci, w.extent), step)
+        elif w.form == SUM:
+            w.value = codec.aggregate(dev, w.value, w.extent.numel,
+                                      codec_name(name, ci, w.extent), step)
+        elif w.form == CONCAT:
+            w.value = torch.cat([codec.decompress(dev, p, e.numel, codec_name(name, ci, e), step)
+                                 for p, e in zip(w.value, w.extents, strict=True)])
+        elif w.form == PARTS and not w.extents:  # an empty shard
+            w.value = torch.zeros(0, dtype=torch.float32, device=codec.device)
+        elif w.form == PARTS:
+            w.value = torch.cat([codec.decompress(dev, p, e.numel, pn, w.ps_round)
+                                 for p, e, pn in zip(w.value, w.extents, w.part_names,
+                                                     strict=True)])
+        else:
+            raise OptionError(f"step {i} {st}: nothing to decompress (holds {w.form})")
+        w.form = DENSE
+
+    # ---- communication steps -----------------------------------------------------------------
+    def _communicate(self, ws: list[_Worker], at: _At) -> None:
+        st, i = at.st, at.i
+        scope, kind = st.scope, st.kind
+        closes = kind in (Kind.BROADCAST, Kind.BROADCAST_C)
+        awake = [w.asleep is None for w in ws]
+        if closes and awake[0]:
+            for w in ws[1:]:
+                if w.asleep is scope:
+                    w.asleep = None
+            awake = [w.asleep is None for w in ws]
+        if not all(awake):
+            if any(awake):
+                raise OptionError(f"step {i} {st}: some members of a {scope.value} group "
+                                  "hold nothing (after a Reduce/GatherC of another scope)")
+            return
+        union = frozenset().union(*(w.who for w in ws if w.asleep is None))
+        common = frozenset.intersection(*(w.who for w in ws if w.asleep is None))
+        root_who = ws[0].who
+        _COMM[kind](self, ws, at)
+        for w in ws:
+            if kind in (Kind.BROADCAST, Kind.BROADCAST_C):
+                w.who = root_who
+            elif w.form == CONCAT or kind is Kind.ALLGATHER:
+                w.who = common
+            else:
+                w.who = union
+
+    def _same_extent(self, ws: list[_Worker], st: Step, i: int) -> Extent:
+        ext = ws[0].extent
+        if any(w.extent != ext for w in ws):
+            raise OptionError(f"step {i} {st}: members hold different extents")
+        return ext
+
+    def _need(self, ws: list[_Worker], form: str, st: Step, i: int) -> None:
+        for w in ws:
+            if w.form != form:
+                raise OptionError(f"step {i} {st}: needs {form}, a member holds {w.form}")
+
+    def _pop(self, ws: list[_Worker], what: str, st: Step, i: int) -> Extent:
+        for w in ws:
+            if not w.stack or w.stack[-1][:2] != (what, st.scope):
+                raise OptionError(f"step {i} {st}: no open {what} of scope {st.scope.value} "
+                                  "to close")
+        parent = ws[0].stack[-1][2]
+        for w in ws:
+            w.stack.pop()
+        return parent
+
+    def _allreduce(self, ws: list[_Worker], at: _At) -> None:
+        st, i = at.st, at.i
+        self._need(ws, DENSE, st, i)
+        self._same_extent(ws, st, i)
+        total = _rank_sum([w.value for w in ws])
+        for w in ws:
+            w.value = total.clone()
+
+    def _reduce_scatter(self, ws: list[_Worker], at: _At) -> None:
+        st, i, k = at.st, at.i, len(ws)
+        self._need(ws, DENSE, st, i)
+        ext = self._same_extent(ws, st, i)
+        shards = split(ext, k)
+        sums = [_rank_sum([w.value[s.offset - ext.offset:s.end - ext.offset] for w in ws])
+                for s in shards]
+        for j, w in enumerate(ws):
+            w.stack.append(("split", st.scope, ext))
+            w.value, w.extent = sums[j], shards[j]
+
+    def _allgather(self, ws: list[_Worker], at: _At) -> None:
+        st, i = at.st, at.i
+        self._need(ws, DENSE, st, i)
+        parent = self._pop(ws, "split", st, i)
+        full = torch.cat([w.value for w in ws])
+        for w in ws:
+            w.value, w.extent = full.clone(), parent
+
+    def _reduce(self, ws: list[_Worker], at: _At) -> None:
+        st, i = at.st, at.i
+        self._need(ws, DENSE, st, i)
+        ext = self._same_extent(ws, st, i)
+        total = _rank_sum([w.value for w in ws])
+        for j, w in enumerate(ws):
+            w.stack.append(("root", st.scope, ext))
+            if j == 0:
+                w.value = total
+            else:
+                w.value, w.form, w.asleep = None, NONE, st.scope
+
+    def _broadcast(self, ws: list[_Worker], at: _At) -> None:
+        st, i = at.st, at.i
+        root = ws[0]
+        if root.form != (DENSE if st.kind is Kind.BROADCAST else PAYLOAD):
+            raise OptionError(f"step {i} {st}: the root holds {root.form}")
+        parent = self._pop(ws, "root", st, i)
+        if parent != root.extent:
+            raise OptionError(f"step {i} {st}: root extent differs from the reduced one")
+        for w in ws[1:]:
+            w.form, w.extent, w.comp_index = root.form, root.extent, root.comp_index
+            w.value = root.value.clone() if root.form == DENSE else tuple(root.value)
+
+    def _allgather_c(self, ws: list[_Worker], at: _At) -> None:
+        st, i = at.st, at.i
+        self._need(ws, PAYLOAD, st, i)
+        undo = all(w.stack and w.stack[-1][:2] == ("split", st.scope) for w in ws)
+        payloads = [w.value for w in ws]
+        if undo:
+            parent = self._pop(ws, "split", st, i)
+            extents = [w.extent for w in ws]
+            for w in ws:
+                w.form, w.value, w.extents, w.extent = CONCAT, list(payloads), extents, parent
+        else:
+            self._same_extent(ws, st, i)
+            for w in ws:
+                w.form, w.value = SUM, list(payloads)
+
+    def _alltoall_c(self, ws: list[_Worker], at: _At) -> None:
+        st, i, k = at.st, at.i, len(ws)
+        self._need(ws, CHUNKS, st, i)
+        ext = self._same_extent(ws, st, i)
+        chunks = [w.value for w in ws]
+        for j, w in enumerate(ws):
+            w.stack.append(("split", st.scope, ext))
+            w.extent = w.extents[j]
+            w.form, w.value = SUM, [chunks[src][j] for src in range(k)]
+
+    def _gather_c(self, ws: list[_Worker], at: _At) -> None:
+        st, i = at.st, at.i
+        self._need(ws, PAYLOAD, st, i)
+        ext = self._same_extent(ws, st, i)
+        payloads = [w.value for w in ws]
+        for j, w in enumerate(ws):
+            w.stack.append(("root", st.scope, ext))
+            if j == 0:
+                w.form, w.value = SUM, payloads
+            else:
+                w.value, w.form, w.asleep = None, NONE, st.scope
+
+    def _push_pull(self, ws: list[_Worker], at: _At) -> None:
+        st, i = at.st, at.i
+        self._need(ws, DENSE, st, i)
+        self._same_extent(ws, st, i)
+        total = self.server.dense([w.value for w in ws]).to(ws[0].value.device)
+        for w in ws:
+            w.value = total.clone()
+
+    def _push_pull_c(self, ws: list[_Worker], at: _At) -> None:
+        st, i = at.st, at.i
+        self._need(ws, PARTS, st, i)
+        self._same_extent(ws, st, i)
+        lead = ws[0]
+        if not lead.extents:
+            return
+        out = []
+        for p, (e, pn) in enumerate(zip(lead.extents, lead.part_names, strict=True)):
+            out.append(self.server.compressed([w.value[p] for w in ws], e.numel, pn,
+                                              lead.ps_round))
+        self._rounds[lead.ps_key] = lead.ps_round + 1
+        for w in ws:
+            w.value = list(out)
+
+
+def _rank_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = values[0].clone()
+    for v in values[1:]:
+        total += v
+    return total
+
+
+_COMM: dict[Kind, Callable[..., None]] = {
+    Kind.ALLREDUCE: Reference._allreduce,
+    Kind.REDUCE_SCATTER: Reference._reduce_scatter,
+    Kind.ALLGATHER: Reference._allgather,
+    Kind.REDUCE: Reference._reduce,
+    Kind.BROADCAST: Reference._broadcast,
+    Kind.BROADCAST_C: Reference._broadcast,
+    Kind.ALLGATHER_C: Reference._allgather_c,
+    Kind.ALLTOALL_C: Reference._alltoall_c,
+    Kind.GATHER_C: Reference._gather_c,
+    Kind.PUSH_PULL: Reference._push_pull,
+    Kind.PUSH_PULL_C: Reference._push_pull_c,
+}

@@ -1,0 +1,155 @@
+"""One process's worker runtime: topology, process groups, PS client, host threads, engines.
+
+Built once by ``byteps_espresso.torch.init()`` (or directly by tests and tools) from a
+:class:`~byteps_espresso.config.Config`:
+
+1. the topology from the BytePS environment;
+2. ``torch.distributed`` joined through the TCPStore the scheduler hosts on
+   ``cfg.store_port`` (rank 0 hosts it when ``DMLC_NUM_SERVER=0``: no scheduler runs then);
+   gloo on CPU, NCCL when the training device is CUDA;
+3. every scope group for each lane (:func:`~byteps_espresso.worker.transport.create_groups`);
+4. the PS client when ``DMLC_NUM_SERVER`` > 0;
+5. a pool of ``ESPRESSO_CPU_THREADS`` host threads for ``cpu`` compute steps.
+
+Example:
+    >>> rt = Runtime(Config.from_env())           # doctest: +SKIP
+    >>> engine = rt.engine(CodecPair("fp16"))     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from byteps_espresso.worker.codecs import CodecPair
+from byteps_espresso.worker.executor import Engine, Executor
+from byteps_espresso.worker.topology import Topology
+from byteps_espresso.worker.transport import PSPath, create_groups, host_store, init_distributed
+
+from byteps_espresso.config import Config
+from byteps_espresso.strategy.options import Scope
+
+__all__ = ["DEFAULT_LANES", "Runtime"]
+
+log = logging.getLogger(__name__)
+
+# Independent sets of process groups (one communication thread each). Two lets one tensor's
+# host compression overlap another tensor's collective while keeping a fixed order per lane.
+DEFAULT_LANES = 2
+
+
+def default_device(cfg: Config) -> torch.device:
+    """The training device: ``cuda:<local rank mod GPUs>`` when CUDA is available, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", cfg.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Runtime:
+    """Everything one training process needs to run Options.
+
+    Args:
+        cfg: the parsed environment.
+        device: training device (default: :func:`default_device`).
+        lanes: independent communication lanes.
+        backend: torch.distributed backend (default: NCCL for CUDA devices, else gloo).
+
+    Raises:
+        RuntimeError: the store, the other workers or the PS cannot be reached in time.
+    """
+
+    def __init__(self, cfg: Config, *, device: torch.device | str | None = None,
+                 lanes: int = DEFAULT_LANES, backend: str | None = None) -> None:
+        import torch.distributed as dist
+
+        self.cfg = cfg
+        self.topology = Topology.from_config(cfg)
+        self.device = torch.device(device) if device is not None else default_device(cfg)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        comm_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        self._owns_world = not dist.is_initialized()
+        self._store, self._store_socket = None, None
+        if self._owns_world:
+            timeout_s = max(cfg.start_timeout_s, cfg.op_timeout_s)
+            if cfg.num_servers == 0 and self.topology.rank == 0:
+                # No PS scheduler in this job: rank 0 hosts the rendezvous store itself.
+                self._store, self._store_socket = host_store(
+                    cfg.bind_host(), cfg.root_uri, cfg.store_port, timeout_s)
+            init_distributed(self.topology, cfg.root_uri, cfg.store_port, backend=self.backend,
+                             timeout_s=timeout_s, store=self._store)
+        self.transports = create_groups(self.topology, lanes, backend=self.backend,
+                                        comm_device=comm_device)
+        self.ps_client = None
+        self.ps: PSPath | None = None
+        if cfg.num_servers > 0:
+            from byteps_espresso.server.client import PSClient
+
+            self.ps_client = PSClient(cfg, rank=self.topology.rank)
+            self.ps = PSPath(self.ps_client)
+        self.cpu_pool = ThreadPoolExecutor(cfg.cpu_threads, thread_name_prefix="espresso-cpu")
+        self._engines: list[Engine] = []
+        log.info("rank %d/%d (machine %d, local rank %d) on %s, %s, %d lanes, %d servers",
+                 self.topology.rank, self.topology.world_size, self.topology.machine_id,
+                 self.topology.local_rank, self.device, self.backend, lanes, cfg.num_servers)
+
+    def engine(self, codec: CodecPair | None = None) -> Engine:
+        """An asynchronous engine running Options with ``codec`` on every lane."""
+        executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool)
+                     for t in self.transports]
+        engine = Engine(executors, timeout_s=self.cfg.op_timeout_s)
+        self._engines.append(engine)
+        return engine
+
+    def barrier(self) -> None:
+        """Wait for every rank (over the flat group of lane 0)."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self.transports[0].groups[Scope.FLAT])
+
+    def broadcast(self, tensor: torch.Tensor, root_rank: int) -> None:
+        """Overwrite ``tensor`` in place with global rank ``root_rank``'s values."""
+        import torch.distributed as dist
+
+        group = self.transports[0].groups[Scope.FLAT]
+        comm = self.transports[0].comm_device
+        buf = tensor.detach().to(comm).contiguous()
+        if self.topology.world_size > 1:
+            dist.broadcast(buf, src=root_rank, group=group)
+        if buf.data_ptr() != tensor.data_ptr():
+            with torch.no_grad():
+                tensor.copy_(buf)
+
+    def broadcast_bytes(self, data: bytes | None, root_rank: int = 0) -> bytes:
+        """``root_rank``'s bytes on every rank (length first, then a uint8 tensor)."""
+        me = self.topology.rank == root_rank
+        if me and data is None:
+            raise ValueError("the broadcast root must pass the bytes to send")
+        length = torch.tensor([len(data) if me else 0], dtype=torch.int64)  # type: ignore[arg-type]
+        self.broadcast(length, root_rank)
+        if me and data:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(length.item()), dtype=torch.uint8)
+        if buf.numel():
+            self.broadcast(buf, root_rank)
+        return bytes(buf.numpy().tobytes())
+
+    def close(self) -> None:
+        """Stop engines, the host pool, the PS client and (if it created it) the world."""
+        import torch.distributed as dist
+
+        for engine in self._engines:
+            engine.close()
+        self._engines.clear()
+        self.cpu_pool.shutdown(wait=True)
+        if self.ps_client is not None:
+            self.ps_client.close()
+            self.ps_client, self.ps = None, None
+        if self._owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+        if self._store_socket is not None:
+            self._store_socket.close()
+            self._store, self._store_socket = None, None

@@ -1,0 +1,76 @@
+"""The process-wide runtime behind ``byteps_espresso.torch`` (created by ``init()``).
+
+Everything the drop-in API needs hangs off one :class:`~byteps_espresso.worker.runtime.Runtime`
+and one uncompressed engine; :func:`current` raises a helpful error before ``init()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from byteps_espresso.worker.executor import Engine
+from byteps_espresso.worker.runtime import Runtime
+from byteps_espresso.worker.topology import Topology
+
+from byteps_espresso.strategy.options import Option
+
+__all__ = ["NotInitializedError", "Session", "current", "fp32_option", "install", "uninstall"]
+
+
+class NotInitializedError(RuntimeError):
+    """An API call needs ``init()`` first."""
+
+
+def fp32_option(topology: Topology, servers: int) -> Option:
+    """The uncompressed path BytePS takes: hierarchical when machines have several workers.
+
+    Intra-machine reduce-scatter, then the PS (or an inter-machine all-reduce without servers)
+    on each shard, then the intra-machine all-gather; flat when there is one worker per
+    machine or a single machine.
+    """
+    middle = "PushPull(inter)" if servers > 0 else "Allreduce(inter)"
+    if topology.local_size > 1 and topology.machines > 1:
+        return Option.parse(f"ReduceScatter(intra) -> {middle} -> Allgather(intra)")
+    return Option.parse("PushPull(flat)" if servers > 0 else "Allreduce(flat)")
+
+
+class Session:
+    """The runtime plus the uncompressed engine used by ``push_pull`` and profiling."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.plain: Engine = runtime.engine(None)
+        self.fp32 = fp32_option(runtime.topology, runtime.cfg.num_servers)
+        self.lock = threading.Lock()
+        # The Strategy planned at start-up or loaded (set by the optimizer's compression).
+        self.strategy: Any = None
+
+
+_session: Session | None = None
+
+
+def install(session: Session) -> None:
+    global _session  # noqa: PLW0603  (one runtime per process, like byteps.torch)
+    if _session is not None:
+        raise RuntimeError("byteps_espresso.torch.init() was already called; call shutdown() "
+                           "before initialising again")
+    _session = session
+
+
+def uninstall() -> Session | None:
+    global _session
+    session, _session = _session, None
+    return session
+
+
+def current() -> Session:
+    """The session of this process.
+
+    Raises:
+        NotInitializedError: ``init()`` has not been called (or ``shutdown()`` was).
+    """
+    if _session is None:
+        raise NotInitializedError("byteps_espresso.torch is not initialised: call "
+                                  "bps.init() before any other bps function")
+    return _session

@@ -1,0 +1,429 @@
+"""Transports the executor receives: collectives per scope, and the parameter-server path.
+
+:class:`Transport` is the interface (STYLE.md, "Inject the transport"); the executor never
+imports ``torch.distributed`` itself. :class:`DistTransport` implements it over
+``torch.distributed`` process groups created once at start-up by :func:`create_groups`
+(world, one intra group per machine, one inter group per local rank; every rank creates every
+group in the same order, as ``new_group`` requires). :class:`PSPath` wraps the PS client.
+
+Dense collectives:
+  - ``allreduce``: the backend's native all-reduce (every member gets the same bits).
+  - ``reduce_scatter`` and ``reduce``: all-to-all / gather of the shards, then a sum in
+    group-rank order on the receiver, so the result is deterministic and equals the reference
+    interpreter bit for bit; shards are padded to equal length for the exchange.
+  - ``allgather``: padded all-gather of the shards, trimmed and concatenated.
+  - ``broadcast``: native broadcast from group rank 0.
+Payload collectives move payloads packed into one ``uint8`` buffer (each array 8-byte
+aligned), padded to the largest member's size; every size is known locally because payload
+lengths are fixed for a given element count (``payload_spec``).
+
+Tensors are moved to the group's communication device (CPU for gloo, the GPU for NCCL) and the
+results back to the caller's device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from byteps_espresso.worker.topology import Topology
+
+from byteps_espresso.strategy.options import Scope
+
+__all__ = ["DistTransport", "PSPath", "PayloadSpec", "Transport", "create_groups",
+           "host_store", "init_distributed", "pack", "unpack"]
+
+log = logging.getLogger(__name__)
+
+PayloadSpec = tuple[tuple[np.dtype, int], ...]  # (dtype, element count) per payload array
+_ALIGN = 8  # bytes; every payload array starts at a multiple of this in a packed buffer
+
+
+class Transport(Protocol):
+    """Collectives of one rank, per scope. Group members are ordered by group rank."""
+
+    topology: Topology
+
+    def allreduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor: ...
+    def reduce_scatter(self, scope: Scope, x: torch.Tensor,
+                       sizes: Sequence[int]) -> torch.Tensor: ...
+    def allgather(self, scope: Scope, shard: torch.Tensor,
+                  sizes: Sequence[int]) -> torch.Tensor: ...
+    def reduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor | None: ...
+    def broadcast(self, scope: Scope, x: torch.Tensor | None, numel: int) -> torch.Tensor: ...
+    def allgather_payloads(self, scope: Scope, payload: tuple,
+                           specs: Sequence[PayloadSpec]) -> list[tuple]: ...
+    def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
+                          send_specs: Sequence[PayloadSpec],
+                          recv_specs: Sequence[PayloadSpec]) -> list[tuple]: ...
+    def gather_payloads(self, scope: Scope, payload: tuple,
+                        specs: Sequence[PayloadSpec]) -> list[tuple] | None: ...
+    def broadcast_payload(self, scope: Scope, payload: tuple | None,
+                          spec: PayloadSpec) -> tuple: ...
+
+
+# ---- payload packing -------------------------------------------------------------------------
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def packed_nbytes(spec: PayloadSpec) -> int:
+    """Bytes of a packed payload with layout ``spec``."""
+    return sum(_aligned(np.dtype(d).itemsize * n) for d, n in spec)
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _as_bytes(arr: Any) -> torch.Tensor:
+    if isinstance(arr, torch.Tensor):
+        return arr.detach().contiguous().reshape(-1).view(torch.uint8)
+    return torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def pack(payload: tuple, spec: PayloadSpec, nbytes: int, device: torch.device) -> torch.Tensor:
+    """Pack ``payload``'s arrays into a ``uint8`` buffer of ``nbytes`` on ``device``.
+
+    Raises:
+        ValueError: the payload does not match ``spec`` (array count or byte size).
+    """
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    if len(payload) != len(spec):
+        raise ValueError(f"payload has {len(payload)} arrays, its layout says {len(spec)}")
+    offset = 0
+    for arr, (dtype, n) in zip(payload, spec, strict=True):
+        raw = _as_bytes(arr)
+        size = np.dtype(dtype).itemsize * n
+        if raw.numel() != size:
+            raise ValueError(f"payload array has {raw.numel()} bytes, its layout says {size}")
+        buf[offset:offset + size] = raw.to(device)
+        offset += _aligned(size)
+    return buf
+
+
+def unpack(buf: torch.Tensor, spec: PayloadSpec) -> tuple:
+    """Split a packed buffer back into the payload arrays (torch tensors on ``buf``'s device)."""
+    out = []
+    offset = 0
+    for dtype, n in spec:
+        size = np.dtype(dtype).itemsize * n
+        out.append(buf[offset:offset + size].clone().view(_torch_dtype(np.dtype(dtype))))
+        offset += _aligned(size)
+    return tuple(out)
+
+
+# ---- torch.distributed -----------------------------------------------------------------------
+class DistTransport:
+    """:class:`Transport` over ``torch.distributed`` groups of one lane.
+
+    Args:
+        topology: this rank's view of the job.
+        groups: this rank's process group per scope (``None`` for the default world group).
+        comm_device: where tensors must be for these groups (CPU for gloo, CUDA for NCCL).
+    """
+
+    def __init__(self, topology: Topology, groups: dict[Scope, Any],
+                 comm_device: torch.device | str = "cpu") -> None:
+        self.topology = topology
+        self.groups = groups
+        self.comm_device = torch.device(comm_device)
+
+    def _ctx(self, scope: Scope) -> tuple[Any, tuple[int, ...], int]:
+        members = self.topology.group(scope)
+        return self.groups[scope], members, members.index(self.topology.rank)
+
+    def _to_comm(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach().to(self.comm_device).contiguous()
+
+    # dense ----------------------------------------------------------------------------------
+    def allreduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        group, members, _ = self._ctx(scope)
+        buf = self._to_comm(x).clone()
+        if len(members) > 1 and buf.numel() > 0:
+            dist.all_reduce(buf, group=group)
+        return buf.to(x.device)
+
+    def reduce_scatter(self, scope: Scope, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        import torch.distributed as dist
+
+        group, members, me = self._ctx(scope)
+        xc = self._to_comm(x)
+        width = max(sizes)
+        if len(members) == 1 or width == 0:
+            return xc.clone().to(x.device)
+        send = torch.zeros(len(members) * width, dtype=xc.dtype, device=xc.device)
+        for j, piece in enumerate(torch.split(xc, list(sizes))):
+            send[j * width:j * width + piece.numel()] = piece
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        mine = sizes[me]
+        total = recv[:mine].clone()
+        for j in range(1, len(members)):
+            total += recv[j * width:j * width + mine]
+        return total.to(x.device)
+
+    def allgather(self, scope: Scope, shard: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        import torch.distributed as dist
+
+        group, members, _ = self._ctx(scope)
+        width = max(sizes)
+        if len(members) == 1:
+            return shard.clone()
+        mine = torch.zeros(width, dtype=shard.dtype, device=self.comm_device)
+        mine[:shard.numel()] = self._to_comm(shard)
+        outs = [torch.empty_like(mine) for _ in members]
+        if width > 0:
+            dist.all_gather(outs, mine, group=group)
+        return torch.cat([o[:n] for o, n in zip(outs, sizes, strict=True)]).to(shard.device)
+
+    def reduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        group, members, me = self._ctx(scope)
+        xc = self._to_comm(x)
+        if len(members) == 1:
+            return xc.clone().to(x.device)
+        outs = [torch.empty_like(xc) for _ in members] if me == 0 else None
+        if xc.numel() > 0:
+            dist.gather(xc, outs, dst=members[0], group=group)
+        if me != 0:
+            return None
+        if xc.numel() == 0:
+            return xc.clone().to(x.device)
+        total = outs[0].clone()  # type: ignore[index]
+        for o in outs[1:]:  # type: ignore[index]
+            total += o
+        return total.to(x.device)
+
+    def broadcast(self, scope: Scope, x: torch.Tensor | None, numel: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        group, members, me = self._ctx(scope)
+        if me == 0:
+            if x is None:
+                raise ValueError("the broadcast root holds no tensor")
+            buf = self._to_comm(x).clone()
+        else:
+            buf = torch.empty(numel, dtype=torch.float32, device=self.comm_device)
+        if len(members) > 1 and numel > 0:
+            dist.broadcast(buf, src=members[0], group=group)
+        return buf
+
+    # payloads -------------------------------------------------------------------------------
+    def allgather_payloads(self, scope: Scope, payload: tuple,
+                           specs: Sequence[PayloadSpec]) -> list[tuple]:
+        import torch.distributed as dist
+
+        group, members, me = self._ctx(scope)
+        width = max(packed_nbytes(s) for s in specs)
+        mine = pack(payload, specs[me], width, self.comm_device)
+        if len(members) == 1:
+            return [unpack(mine, specs[0])]
+        outs = [torch.empty_like(mine) for _ in members]
+        if width > 0:
+            dist.all_gather(outs, mine, group=group)
+        return [unpack(o, s) for o, s in zip(outs, specs, strict=True)]
+
+    def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
+                          send_specs: Sequence[PayloadSpec],
+                          recv_specs: Sequence[PayloadSpec]) -> list[tuple]:
+        import torch.distributed as dist
+
+        group, members, _ = self._ctx(scope)
+        width = max(packed_nbytes(s) for s in list(send_specs) + list(recv_specs))
+        if len(members) == 1:
+            return [unpack(pack(payloads[0], send_specs[0], width, self.comm_device),
+                           recv_specs[0])]
+        send = torch.cat([pack(p, s, width, self.comm_device)
+                          for p, s in zip(payloads, send_specs, strict=True)])
+        recv = torch.empty_like(send)
+        if width > 0:
+            dist.all_to_all_single(recv, send, group=group)
+        return [unpack(recv[j * width:(j + 1) * width], s) for j, s in enumerate(recv_specs)]
+
+    def gather_payloads(self, scope: Scope, payload: tuple,
+                        specs: Sequence[PayloadSpec]) -> list[tuple] | None:
+        import torch.distributed as dist
+
+        group, members, me = self._ctx(scope)
+        width = max(packed_nbytes(s) for s in specs)
+        mine = pack(payload, specs[me], width, self.comm_device)
+        if len(members) == 1:
+            return [unpack(mine, specs[0])]
+        outs = [torch.empty_like(mine) for _ in members] if me == 0 else None
+        if width > 0:
+            dist.gather(mine, outs, dst=members[0], group=group)
+        if me != 0:
+            return None
+        if width == 0:
+            return [unpack(mine, s) for s in specs]
+        return [unpack(o, s) for o, s in zip(outs, specs, strict=True)]  # type: ignore[arg-type]
+
+    def broadcast_payload(self, scope: Scope, payload: tuple | None,
+                          spec: PayloadSpec) -> tuple:
+        import torch.distributed as dist
+
+        group, members, me = self._ctx(scope)
+        width = packed_nbytes(spec)
+        if me == 0:
+            if payload is None:
+                raise ValueError("the broadcast root holds no payload")
+            buf = pack(payload, spec, width, self.comm_device)
+        else:
+            buf = torch.empty(width, dtype=torch.uint8, device=self.comm_device)
+        if len(members) > 1 and width > 0:
+            dist.broadcast(buf, src=members[0], group=group)
+        return unpack(buf, spec)
+
+
+def host_store(bind_host: str, advertise_host: str, port: int,
+               timeout_s: float) -> tuple[Any, Any]:
+    """Host a TCPStore on ``port``, listening on ``bind_host`` only; returns (store, socket).
+
+    Used by rank 0 when the job has no PS scheduler (``DMLC_NUM_SERVER=0``); with servers the
+    scheduler hosts it the same way.
+
+    Raises:
+        RuntimeError: the port is taken.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((bind_host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot host the torch.distributed store on {bind_host}:{port} "
+                           f"({exc.strerror}); DMLC_PS_ROOT_PORT + 1 must be free on rank 0's "
+                           "host") from None
+    sock.listen(1024)
+    store = dist.TCPStore(advertise_host, port, None, True, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    return store, sock  # the caller keeps the listening socket alive with the store
+
+
+def init_distributed(topology: Topology, host: str, port: int, *, backend: str = "gloo",
+                     timeout_s: float = 60.0, store: Any = None) -> None:
+    """Join the job's ``torch.distributed`` world through the TCPStore at ``host:port``.
+
+    The scheduler hosts the store (INTERFACES.md), or rank 0 when the job has no servers
+    (pass its ``host_store`` as ``store``); every other process is a client.
+
+    Raises:
+        RuntimeError: the store cannot be reached or the world does not assemble in time.
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=topology.rank,
+                            world_size=topology.world_size, timeout=timeout)
+    log.debug("rank %d joined torch.distributed (%s) via %s:%d", topology.rank, backend, host,
+              port)
+
+
+def create_groups(topology: Topology, lanes: int, *, backend: str | None = None,
+                  comm_device: torch.device | str = "cpu") -> list[DistTransport]:
+    """Create every scope group for ``lanes`` independent lanes; one transport per lane.
+
+    Every rank must call this with the same arguments: ``new_group`` is collective and all
+    ranks create all groups (also those they are not in) in the same order.
+
+    Args:
+        topology: this rank's view of the job.
+        lanes: independent sets of groups; tensors on different lanes communicate
+            concurrently while each lane keeps one global order.
+        backend: group backend (default: the world's).
+        comm_device: where the groups' tensors live (CPU for gloo, CUDA for NCCL).
+    """
+    import torch.distributed as dist
+
+    out = []
+    for _ in range(lanes):
+        groups: dict[Scope, Any] = {}
+        for scope in (Scope.FLAT, Scope.INTRA, Scope.INTER):
+            mine = topology.group(scope)
+            for members in topology.all_groups(scope):
+                group = dist.new_group(list(members), backend=backend)
+                if members == mine:
+                    groups[scope] = group
+        out.append(DistTransport(topology, groups, comm_device))
+    return out
+
+
+class PSPath:
+    """The PS half of the transports: push/pull of dense tensors and payloads by key.
+
+    One per process (keys are declared once per client). Declares each key on first use
+    (``pushers`` = the global ranks that push it; compressed keys with the codec's name and
+    parameters, and server-side error feedback when the workers use it) and keeps one round
+    counter per key from 0, so every pusher uses the same round for the same iteration.
+    Compressed partitions are compressed with ``name=key_names(key)[i]`` and ``step=round``,
+    the ctx the servers rebuild.
+
+    Args:
+        client: a connected ``byteps_espresso.server.client.PSClient``.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._declared: dict[str, tuple[Any, ...]] = {}
+        self._rounds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def declare(self, key: str, numel: int, pushers: Sequence[int], codec: Any = None) -> None:
+        """Declare ``key`` on first use; a later call with other arguments is an error.
+
+        Args:
+            codec: a :class:`~byteps_espresso.worker.codecs.CodecPair` for a compressed key,
+                None for a dense float32 key.
+        """
+        want = (numel, tuple(pushers), codec.name if codec else None,
+                tuple(sorted(codec.params.items())) if codec else ())
+        with self._lock:
+            have = self._declared.get(key)
+            if have is not None:
+                if have != want:
+                    raise ValueError(f"PS key {key!r} was declared as {have}, now {want}")
+                return
+            params = None
+            if codec is not None:
+                params = dict(codec.params, server_error_feedback=codec.error_feedback)
+            self.client.declare(key, numel, list(pushers),
+                                compressor=codec.name if codec else None, params=params)
+            self._declared[key] = want
+
+    def partitions(self, key: str) -> list[tuple[int, int]]:
+        """(offset, numel) of each server partition of a declared key."""
+        return list(self.client.partitions(key))
+
+    def key_names(self, key: str) -> list[str]:
+        """The ctx name each partition of a compressed key is compressed with."""
+        return list(self.client.key_names(key))
+
+    def next_round(self, key: str) -> int:
+        """The round the next :meth:`push_pull` of ``key`` will use."""
+        with self._lock:
+            return self._rounds.get(key, 0)
+
+    def push_pull(self, key: str, data: Any) -> Any:
+        """Push ``data`` (dense float32 array, or one payload per partition); wait for the sum."""
+        with self._lock:
+            round_ = self._rounds.get(key, 0)
+            self._rounds[key] = round_ + 1
+        return self.client.push_pull_async(key, data, round_).wait()
+
+    def close(self) -> None:
+        self.client.close()
