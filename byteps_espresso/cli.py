@@ -73,4 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this __main__ copy: sub-commands register into
+    # byteps_espresso.cli.COMMANDS, which is a different dict from this module's.
+    from byteps_espresso.cli import main as _main
+
+    sys.exit(_main())

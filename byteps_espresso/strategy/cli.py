@@ -140,10 +140,9 @@ def run(args: argparse.Namespace) -> int:
         constraints = Constraints.parse(args.constraint)
         costs = CompressorCosts.load(args.costs) if args.costs else None
         params = {"ratio": args.ratio} if args.ratio is not None else {}
-        names = tuple(b for b in REPORTED_BASELINES if b != args.algorithm)
         strategy, timelines = plan_with_timelines(
             workload, cluster, args.compressor, params, algorithm=args.algorithm,
-            constraints=constraints, costs=costs, baseline_names=names)
+            constraints=constraints, costs=costs, baseline_names=REPORTED_BASELINES)
         if args.timeline:
             from byteps_espresso.strategy.plot import draw_timelines
 

@@ -70,8 +70,8 @@ class Cluster:
         servers: PS server processes (0: no PushPull options).
         server_gbps: NIC bandwidth of each server.
         cpu_threads: host threads per worker machine for CPU compression.
-        server_threads: aggregation threads per server.
         h2d_gbps: host<->device copy bandwidth per GPU.
+        server_threads: aggregation threads per server.
         intra_link: the preset name the intra link came from, or "custom".
     """
 
@@ -84,8 +84,8 @@ class Cluster:
     servers: int = 0
     server_gbps: float = 0.0
     cpu_threads: int = DEFAULT_CPU_THREADS
-    server_threads: int = DEFAULT_SERVER_THREADS
     h2d_gbps: float = DEFAULT_H2D_GBPS
+    server_threads: int = DEFAULT_SERVER_THREADS
     intra_link: str = "custom"
 
     def __post_init__(self) -> None:

@@ -120,8 +120,12 @@ class CompressorCosts:
                 ) from None
             raise CostsError(f"cost profile of {compressor!r} lacks {device}/{op}") from None
 
-    def has(self, compressor: str) -> bool:
-        return compressor in self.models
+    def has(self, compressor: str, device: str | None = None) -> bool:
+        """Whether ``compressor`` (on ``device``, when given: both ops) has a profile."""
+        if device is None:
+            return compressor in self.models
+        ops = self.models.get(compressor, {}).get(device, {})
+        return all(op in ops for op in OPS)
 
     def compress_us(self, compressor: str, device: str, numel: Any) -> Any:
         """Time to compress ``numel`` elements on ``device`` (one thread for ``cpu``)."""
@@ -186,9 +190,10 @@ class CompressorCosts:
                 raise CostsError(f"{where}: field 'compressors.{comp}' must be an object")
             if isinstance(entry.get("params"), dict):
                 params[comp] = dict(entry["params"])
-            for dev in DEVICES:
-                if dev not in entry:
-                    raise CostsError(f"{where}: field 'compressors.{comp}.{dev}' is missing")
+            devices = [d for d in DEVICES if d in entry]
+            if not devices:
+                raise CostsError(f"{where}: field 'compressors.{comp}' needs 'gpu' and/or 'cpu'")
+            for dev in devices:
                 for op in OPS:
                     field_name = f"compressors.{comp}.{dev}.{op}"
                     if not isinstance(entry[dev], dict) or op not in entry[dev]:

@@ -12,6 +12,8 @@ front). Options identical in every task duration are deduplicated (the first kep
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,8 @@ from byteps_espresso.strategy.tree import Constraints, enumerate_options, option
 from byteps_espresso.strategy.workload import Workload
 
 __all__ = ["PlanContext", "pareto_front"]
+
+log = logging.getLogger(__name__)
 
 
 # Dominance tolerance: A dominates B when every entry of A is <= (1 + DOMINANCE_REL) times
@@ -100,6 +104,7 @@ class PlanContext:
             self.costs = CompressorCosts.default()
         if self.sizes is None:
             self.sizes = CompressedSizes(self.compressor, self.params)
+        self.constraints = self._restrict_to_profiled_devices(self.constraints)
         self.options: list[Option] = enumerate_options(self.cluster, self.constraints)
         if not self.options:
             raise ValueError("the constraints leave no valid option; relax them")
@@ -108,15 +113,45 @@ class PlanContext:
         self.pricer = Pricer(self.cluster, self.compressor, self.sizes, self.costs, self.numels,
                              free_compression=self.free_compression)
         self.evaluator = Evaluator(self.workload, self.pricer, [])
-        self._fronts: dict[tuple, list[list[Option]]] = {}
+        self._fronts: dict[int, tuple[Sequence[Option], list[list[Option]]]] = {}
         self._single: dict[Device, list[Option]] = {}
+        self._moved: dict[tuple[Option, Device], Option] = {}
+        self._stacked: dict[int, tuple[Sequence[Option], tuple[np.ndarray, np.ndarray]]] = {}
+
+    def _restrict_to_profiled_devices(self, constraints: Constraints) -> Constraints:
+        """A profile measured on one device only (e.g. the worker's GPU) forbids the other."""
+        assert self.costs is not None
+        if self.free_compression:
+            return constraints
+        known = {d for d in ("gpu", "cpu") if self.costs.has(self.compressor, d)}
+        if not known:
+            self.costs.compress_us(self.compressor, "gpu", 1)  # raises naming the compressor
+        changes = {}
+        if "cpu" not in known and constraints.allow_cpu:
+            # the servers' aggregation of PushPullC runs the CPU kernels too
+            changes["allow_cpu"] = False
+            changes["forbid"] = constraints.forbid | {Kind.PUSH_PULL_C}
+        if "gpu" not in known and constraints.allow_gpu:
+            changes["allow_gpu"] = False
+        if changes:
+            log.info("cost profile of %s lacks %s: those options are left out", self.compressor,
+                     "cpu" if "allow_cpu" in changes else "gpu")
+            return dataclasses.replace(constraints, **changes)
+        return constraints
 
     def prepare(self) -> None:
-        """Price the search's candidate options for every tensor size now (the cost model of
-        this workload), so that a timed search measures the search alone."""
-        for option in self.single_device(self.primary_device()):
-            priced = self.pricer.tasks(option)
-            _ = priced.busy, priced.total
+        """Price the options the search uses (single-device ones: Algorithm 1's candidates
+        and Algorithm 2's offloaded versions; and their mixed GPU/CPU placements) for every
+        tensor size now: the cost model of this workload, built once, so that a timed search
+        measures the search alone."""
+        for device in self.constraints.devices:
+            options = self.single_device(device)
+            self._stacks(options)
+            self.evaluator.add(options)
+        if Device.GPU in self.constraints.devices:  # the refinement's mixed placements
+            mixed = [v for o in self.single_device(Device.GPU) if o.is_compressed
+                     for v in self.device_variants(o)]
+            self.evaluator.add(mixed)
         self.evaluator.warm_up()
         pareto_front(np.zeros((1, 1, 1)))
 
@@ -148,13 +183,10 @@ class PlanContext:
 
     def front(self, candidates: Sequence[Option]) -> list[list[Option]]:
         """Per distinct size, the non-dominated candidates (see the module docstring)."""
-        key = tuple(candidates)
-        got = self._fronts.get(key)
-        if got is not None:
-            return got
-        priced = [self.pricer.tasks(o) for o in candidates]
-        busy = np.stack([p.busy for p in priced], axis=0)  # (O, U, R)
-        total = np.stack([p.total for p in priced], axis=0)  # (O, U)
+        hit = self._fronts.get(id(candidates))
+        if hit is not None and hit[0] is candidates:
+            return hit[1]
+        busy, total = self._stacks(candidates)
         keep = pareto_front(np.concatenate([busy, total[:, :, None]], axis=2))
         rank = busy.sum(axis=2) if FRONT_RANK == "sum" else busy.max(axis=2)
         out = []
@@ -164,8 +196,20 @@ class PlanContext:
             alive = alive[np.argsort(rank[alive, u], kind="stable")][:FRONT_LIMIT]
             dense = np.flatnonzero(keep[:, u] & ~compressed)
             out.append([candidates[k] for k in sorted([*dense, *alive])])
-        self._fronts[key] = out
+        self._fronts[id(candidates)] = (candidates, out)  # keyed by identity: lists are long
         return out
+
+    def _stacks(self, candidates: Sequence[Option]) -> tuple[np.ndarray, np.ndarray]:
+        """(busy (O, U, R), total (O, U)) of the candidates, cached per candidate list
+        (by identity: hashing and comparing long lists of options costs milliseconds)."""
+        hit = self._stacked.get(id(candidates))
+        if hit is not None and hit[0] is candidates:
+            return hit[1]
+        priced = [self.pricer.tasks(o) for o in candidates]
+        got = (np.stack([p.busy for p in priced], axis=0),
+               np.stack([p.total for p in priced], axis=0))
+        self._stacked[id(candidates)] = (candidates, got)
+        return got
 
     def index(self, options: Sequence[Option]) -> np.ndarray:
         """Evaluator indices of options (adding them when new)."""
@@ -179,8 +223,13 @@ class PlanContext:
 
     def on_device(self, option: Option, device: Device) -> Option:
         """The same option with every Comp/Decomp moved to ``device``."""
-        return Option(tuple(Step(s.kind, device=device) if s.device is not None else s
-                            for s in option.steps))
+        key = (option, device)
+        got = self._moved.get(key)
+        if got is None:
+            got = self._moved[key] = Option(tuple(
+                Step(s.kind, device=device) if s.device is not None else s
+                for s in option.steps))
+        return got
 
     def device_variants(self, option: Option) -> list[Option]:
         """The allowed options equal to ``option`` but with its Comp steps on one device and

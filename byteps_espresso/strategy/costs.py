@@ -156,8 +156,8 @@ class Pricer:
         self._b_server = bytes_per_us(c.server_gbps) if c.servers else 0.0
         self._b_h2d = bytes_per_us(c.h2d_gbps)
         self._multi = c.machines > 1
-        if not free_compression:
-            costs._model(compressor, "gpu", "compress")  # fail early with a clear message
+        if not free_compression and not costs.has(compressor):
+            costs.compress_us(compressor, "gpu", 1)  # raises, naming the compressor
 
     # ---- public -----------------------------------------------------------------------------
     def tasks(self, option: Option) -> StepTasks:

@@ -51,6 +51,8 @@ def plan_with_timelines(workload: Workload, cluster: Cluster, compressor: str = 
     for name in baseline_names:
         if name == algorithm:
             reported[name] = solution.iteration_us / 1e3
+            if name == "fp32":
+                timelines["fp32"] = timelines["chosen"]
             continue
         try:
             sol = baselines.get(name).run(ctx)

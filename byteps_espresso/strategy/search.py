@@ -15,8 +15,8 @@ Algorithm 1 (``gpu_greedy``)
     5. Otherwise try every non-dominated single-device option for its size (see
        :mod:`context`) with all other tensors fixed and keep the one with the lowest
        (iteration time, sum of synchronized times); ties keep the current choice.
-    6. Repeat (GREEDY_PASSES at most, while something changes) over the tensors at least as
-       large as the smallest compressed one.
+    6. Repeat (GREEDY_PASSES passes at most, while something changes) over the tensors at
+       least as large as the smallest compressed one.
 
 Algorithm 2 (``cpu_offload``)
     1. Group the compressed tensors by (size, option).
@@ -33,8 +33,11 @@ option (mixed GPU/CPU placements of its Comp/Decomp steps) with the others fixed
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -48,23 +51,20 @@ log = logging.getLogger(__name__)
 
 # Algorithm 2 enumerates all per-group counts up to this many evaluations.
 EXHAUSTIVE_LIMIT = 256
-# Algorithm 1 revisits the tensors until no decision changes, at most this many times: a
-# tensor skipped early can become the bottleneck once larger ones are compressed.
-GREEDY_PASSES = 2
+# Per-tensor passes of Algorithm 1. With the group moves one pass found the same or better
+# strategies than two on the 24 workload settings and 100 random instances of
+# benchmarks/plan.py (measured 2026-11-30), in less time.
+GREEDY_PASSES = 1
 OFFLOAD_ROUNDS = 3
 
 
 def uniform_best(ctx: PlanContext, candidates: list) -> np.ndarray:  # type: ignore[type-arg]
     """The single candidate option that is fastest when every tensor uses it."""
     idx = ctx.index(candidates)
-    best, best_t = None, np.inf
-    for k in idx:
-        choice = np.full(ctx.n_tensors, k, dtype=np.int64)
-        t = ctx.iteration_us(choice)
-        if t < best_t - 1e-9:
-            best, best_t = choice, t
-    assert best is not None
-    return best
+    everyone = np.arange(ctx.n_tensors)
+    k, _ = ctx.evaluator.best_group(np.zeros(ctx.n_tensors, dtype=np.int64), everyone, idx,
+                                    np.inf)
+    return np.full(ctx.n_tensors, k, dtype=np.int64)
 
 
 def _visit_order(ctx: PlanContext) -> list[int]:
@@ -76,7 +76,8 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
                use_bubbles: bool = True, passes: int = 1) -> np.ndarray:
     """Algorithm 1 on ``choice`` (modified copy returned)."""
     choice = choice.copy()
-    fronts = ctx.front(ctx.single_device(device))
+    candidates = ctx.single_device(device)
+    fronts = ctx.front(candidates)
     front_idx = [ctx.index(f) for f in fronts]
     uncompressed = {ctx.evaluator.index[o] for o in ctx.uncompressed()
                     if o in ctx.evaluator.index}
@@ -86,7 +87,7 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
     order = [i for i in _visit_order(ctx) if ctx.tensor_size_index(i) in compressible]
     _group_moves(ctx, choice, front_idx)
     # Second start (ours): every tensor on its fastest option in isolation; keep the better.
-    alone = _isolated_best(ctx, fronts)
+    alone = _isolated_best(ctx, candidates, fronts)
     _group_moves(ctx, alone, front_idx)
     if ctx.iteration_us(alone) < ctx.iteration_us(choice) - 1e-6:
         choice = alone
@@ -98,7 +99,8 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
                 continue
             keep = choice[i]
             cands = front_idx[ctx.tensor_size_index(i)]
-            best_k, _ = ctx.evaluator.best_of(choice, i, np.concatenate([[keep], cands]))
+            best_k, _ = ctx.evaluator.best_of(choice, i,
+                                              np.concatenate([[keep], cands[cands != keep]]))
             if best_k != keep:
                 choice[i] = best_k
                 changed = True
@@ -114,15 +116,17 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
     return choice
 
 
-def _isolated_best(ctx: PlanContext, fronts: list[list]) -> np.ndarray:  # type: ignore[type-arg]
+def _isolated_best(ctx: PlanContext, candidates: list, fronts: list[list]) -> np.ndarray:  # type: ignore[type-arg]
     """Per tensor, the front option with the shortest end-to-end time on its own."""
+    _, total = ctx._stacks(candidates)
+    position = {o: k for k, o in enumerate(candidates)}
     best = []
     for u, front in enumerate(fronts):
-        totals = [ctx.pricer.tasks(o).total[u] for o in front]
-        best.append(front[int(np.argmin(totals))])
+        rows = [position[o] for o in front]
+        best.append(front[int(np.argmin(total[rows, u]))])
     idx = ctx.index(best)
-    return np.array([idx[ctx.tensor_size_index(i)] for i in range(ctx.n_tensors)],
-                    dtype=np.int64)
+    sizes = [ctx.tensor_size_index(i) for i in range(ctx.n_tensors)]
+    return idx[sizes]
 
 
 def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarray]) -> None:
@@ -136,17 +140,10 @@ def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarra
         members.setdefault(ctx.tensor_size_index(i), []).append(i)
     current = ctx.iteration_us(choice)
     for u, group in members.items():
-        keep = choice[group].copy()
-        best_k = -1
-        for k in front_idx[u]:
-            choice[group] = k
-            t = ctx.iteration_us(choice)
-            if t < current - 1e-6:
-                best_k, current = int(k), t
+        best_k, current = ctx.evaluator.best_group(choice, np.array(group), front_idx[u],
+                                                   current)
         if best_k >= 0:
             choice[group] = best_k
-        else:
-            choice[group] = keep
 
 
 def _offload_groups(ctx: PlanContext, choice: np.ndarray) -> list[tuple[list[int], int]]:
@@ -212,8 +209,26 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     return choice
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (restored after): the search allocates many
+    small containers, and a collection would traverse the whole decision tree's objects."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def espresso(ctx: PlanContext) -> np.ndarray:
     """Algorithm 1, Algorithm 2, then the device refinement; returns option indices."""
+    with _gc_paused():
+        return _espresso(ctx)
+
+
+def _espresso(ctx: PlanContext) -> np.ndarray:
     start = uniform_best(ctx, ctx.uncompressed())
     device = ctx.primary_device()
     choice = gpu_greedy(ctx, start, device, passes=GREEDY_PASSES)

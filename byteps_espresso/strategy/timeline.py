@@ -112,13 +112,15 @@ def _backward(starts, ends, count, t, work):  # pragma: no cover - compiled
 
 @numba.njit(cache=True)
 def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0917
-             cat_res, cat_dur, forward, bound, record, task_start, task_end, ready,
+             cat_res, cat_dur, forward, best_t, best_s, tol, record, task_start, task_end, ready,
              done):  # pragma: no cover - compiled
     """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]).
 
-    acc = [backward end, last task end, sum of tensor done times]; returns False (and stops)
-    as soon as a lower bound of the iteration time, forward + max(backward so far + the
-    backward still to run, last), exceeds ``bound``.
+    acc = [backward end, last task end, sum of tensor done times]. Returns False (and stops)
+    as soon as the run cannot beat (best_t, best_s) lexicographically: a lower bound of its
+    iteration time, forward + max(backward so far + the backward still to run, last),
+    exceeds best_t + tol, or that bound already rules out a shorter time and the partial sum
+    of done times reached best_s - tol (done times only add up).
     """
     bwd = acc[0]
     last = acc[1]
@@ -147,7 +149,8 @@ def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, c
             done[i] = t
         sdone += t
         last = max(last, t)
-        if forward + max(bwd + rest, last) > bound:
+        low = forward + max(bwd + rest, last)
+        if low > best_t + tol or (low >= best_t - tol and sdone >= best_s - tol):
             acc[0] = bwd
             acc[1] = last
             acc[2] = sdone
@@ -175,7 +178,8 @@ def _simulate(gaps, size_idx, choice, cat_len, cat_res, cat_dur, n_res, record, 
     count = np.zeros(n_res, dtype=np.int64)
     acc = np.zeros(3)
     _advance(starts, ends, count, acc, gaps, size_idx, choice, 0, gaps.shape[0], -1, 0,
-             cat_len, cat_res, cat_dur, 0.0, np.inf, record, task_start, task_end, ready, done)
+             cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, record, task_start, task_end,
+             ready, done)
     return acc[0], acc[1], acc[2]
 
 
@@ -193,7 +197,7 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
     dummy1 = np.zeros(1)
     n = gaps.shape[0]
     _advance(starts, ends, count, acc, gaps, size_idx, choice, 0, i, -1, 0, cat_len, cat_res,
-             cat_dur, 0.0, np.inf, False, dummy, dummy, dummy1, dummy1)
+             cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, dummy1, dummy1)
     width = count.max()
     s2 = np.empty((n_res, cap))
     e2 = np.empty((n_res, cap))
@@ -208,8 +212,8 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
         c2[:] = count
         a2[:] = acc
         ok = _advance(s2, e2, c2, a2, gaps, size_idx, choice, i, n, i, cands[c], cat_len,
-                      cat_res, cat_dur, forward, best_t + tol, False, dummy, dummy, dummy1,
-                      dummy1)
+                      cat_res, cat_dur, forward, best_t, best_s, tol, False, dummy, dummy,
+                      dummy1, dummy1)
         if not ok:
             continue
         t = forward + max(a2[0], a2[1])
@@ -218,6 +222,37 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
             best_t = t
             best_s = a2[2]
     return best_k, best_t, best_s
+
+
+@numba.njit(cache=True)
+def _best_group(gaps, size_idx, choice, members, cands, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
+                forward, current, tol):  # pragma: no cover - compiled
+    """The candidate that, given to every tensor in ``members`` (others as in choice), gives
+    an iteration time below current - tol, the lowest such; (-1, current) if none does."""
+    n = gaps.shape[0]
+    work = choice.copy()
+    dummy = np.zeros((1, 1))
+    dummy1 = np.zeros(1)
+    best_k = -1
+    best_t = current
+    for c in range(cands.shape[0]):
+        for m in range(members.shape[0]):
+            work[members[m]] = cands[c]
+        cap = _capacity(work, cat_len)
+        starts = np.empty((n_res, cap))
+        ends = np.empty((n_res, cap))
+        count = np.zeros(n_res, dtype=np.int64)
+        acc = np.zeros(3)
+        # stop as soon as the run cannot end below best_t - tol
+        ok = _advance(starts, ends, count, acc, gaps, size_idx, work, 0, n, -1, 0, cat_len,
+                      cat_res, cat_dur, forward, best_t - tol, -np.inf, 0.0, False, dummy,
+                      dummy, dummy1, dummy1)
+        if ok:
+            t = forward + max(acc[0], acc[1])
+            if t < best_t - tol:
+                best_k = cands[c]
+                best_t = t
+    return best_k, best_t
 
 
 @numba.njit(cache=True)
@@ -311,6 +346,7 @@ class Evaluator:
         self._len = np.zeros(0, dtype=np.int64)
         self.add(options)
         self.calls = 0
+        self._dummy = (np.zeros((1, 1)), np.zeros(1))  # unused outputs of unrecorded runs
 
     def add(self, options: Sequence[Option]) -> list[int]:
         """Add options (priced now) and return their indices."""
@@ -381,12 +417,29 @@ class Evaluator:
                   True, np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), np.zeros(1))
         _best_of(np.ones(1), one, one, 0, one, np.ones(1, dtype=np.int64), res, dur,
                  len(RESOURCES), 0.0, 1e-6)
+        _best_group(np.ones(1), one, one, one, one, np.ones(1, dtype=np.int64), res, dur,
+                    len(RESOURCES), 0.0, np.inf, 1e-6)
         _exhaustive(np.ones(1), one, np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64),
                     np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0)
 
+    def best_group(self, choice: np.ndarray, members: np.ndarray, candidates: np.ndarray,
+                   current: float, tol: float = 1e-6) -> tuple[int, float]:
+        """The candidate option that, given to all ``members`` at once, gives the shortest
+        iteration below ``current - tol``; returns (index, time), or (-1, current)."""
+        cands = np.asarray(candidates, dtype=np.int64)
+        k, t = _best_group(self.gaps, self.size_idx, np.asarray(choice, dtype=np.int64),
+                           np.asarray(members, dtype=np.int64), cands, self._len, self._res,
+                           self._dur, len(RESOURCES), self.forward_us, current, tol)
+        self.calls += len(cands)
+        return int(k), float(t)
+
     def iteration_us(self, choice: np.ndarray) -> float:
         """Iteration time of ``choice`` (option index per tensor), microseconds."""
-        bwd, last, *_ = self._run(np.asarray(choice, dtype=np.int64), False)
+        d2, d1 = self._dummy
+        bwd, last, _ = _simulate(self.gaps, self.size_idx, np.asarray(choice, dtype=np.int64),
+                                 self._len, self._res, self._dur, len(RESOURCES), False, d2, d2,
+                                 d1, d1)
+        self.calls += 1
         return self.forward_us + max(bwd, last)
 
     def ready_done(self, choice: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:

@@ -71,3 +71,16 @@ def test_pareto_front_keeps_exactly_the_non_dominated_rows():
     v = np.array([[[1.0, 5.0]], [[2.0, 2.0]], [[3.0, 3.0]], [[1.0, 5.0]]])
     keep = pareto_front(v, rel=0.0, abs_us=0.0)
     assert keep[:, 0].tolist() == [True, True, False, False]
+
+
+def test_profile_of_one_device_restricts_the_tree():
+    from byteps_espresso.strategy import CompressorCosts, CostsError, Kind, plan
+    from byteps_espresso.strategy.compressor_costs import Linear
+
+    gpu_only = CompressorCosts({"randomk": {"gpu": {"compress": Linear(20.0, 1e-6),
+                                                    "decompress": Linear(20.0, 1e-6)}}})
+    s = plan(Workload.builtin("lstm"), Cluster.preset(2, 2), COMPRESSOR, PARAMS, costs=gpu_only)
+    assert not s.constraints.allow_cpu and Kind.PUSH_PULL_C in s.constraints.forbid
+    assert not any(o.uses_cpu for o in s.options.values())
+    with pytest.raises(CostsError, match="no cost profile for compressor 'topk'"):
+        plan(Workload.builtin("lstm"), Cluster.preset(2, 2), "topk", costs=gpu_only)
