@@ -3,7 +3,9 @@
 For each size (float32 elements) and algorithm, times compress and decompress on both
 backends, interleaved with a numpy copy of the same array (``np.copyto``), and reports
 medians in GB/s of float32 input (numel * 4 bytes / seconds). Compilation is excluded: every
-kernel runs once before timing. Prints a table, checks the targets, writes JSON.
+kernel runs once before timing. Each repeat times copy, numba and torch back to back, so the
+ratios compare figures taken under the same (shared, noisy) machine load. Prints a table,
+checks the targets, writes JSON.
 
 Targets (at 2**24 elements):
   * numba compress of fp16, int8, signsgd, efsignsgd, onebit, randomk >= 30% of copy bandwidth
@@ -36,6 +38,9 @@ COPY_TARGET = ("fp16", "int8", "signsgd", "efsignsgd", "onebit", "randomk")
 COPY_FRACTION = 0.30
 TARGET_SIZE = 1 << 24
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
+# --quick writes here, so `make main` never overwrites the recorded full run.
+QUICK_RESULTS = RESULTS.with_name("kernels_quick.json")
+BACKENDS = ("numba", "torch")
 
 
 def _time(fn, *args) -> float:
@@ -44,23 +49,33 @@ def _time(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def measure(name: str, backend: str, x: np.ndarray, repeats: int) -> dict[str, float]:
-    """Median seconds of copy, compress and decompress, interleaved, after a warm-up."""
-    c = create(name, backend=backend, **PARAMS.get(name, {}))
-    arg = torch.from_numpy(x) if backend == "torch" else x
+def measure(name: str, x: np.ndarray, repeats: int) -> dict[str, dict[str, float]]:
+    """Median seconds of copy and of both backends' compress and decompress.
+
+    Every repeat times copy, numba and torch back to back, so that all three see the same
+    machine load (the host is shared); each compressor is warmed up first (numba compiles).
+    """
+    params = PARAMS.get(name, {})
+    comps = {b: create(name, backend=b, **params) for b in BACKENDS}
+    args = {"numba": x, "torch": torch.from_numpy(x)}
     dst = np.empty_like(x)
-    payload, ctx = c.compress(arg, name="bench", step=0)  # warm-up: compiles numba kernels
-    c.decompress(payload, ctx)
-    copy, comp, decomp = [], [], []
+    for b, c in comps.items():
+        c.decompress(*c.compress(args[b], name="bench", step=0))
+    times: dict[str, list[float]] = {"copy": []}
+    for b in BACKENDS:
+        times[f"{b}_compress"], times[f"{b}_decompress"] = [], []
     for step in range(1, repeats + 1):
-        copy.append(_time(np.copyto, dst, x))
-        t0 = time.perf_counter()
-        payload, ctx = c.compress(arg, name="bench", step=step)
-        comp.append(time.perf_counter() - t0)
-        decomp.append(_time(c.decompress, payload, ctx))
-    return {"copy_s": statistics.median(copy), "compress_s": statistics.median(comp),
-            "decompress_s": statistics.median(decomp),
-            "compressed_bytes": c.compressed_nbytes(x.size)}
+        times["copy"].append(_time(np.copyto, dst, x))
+        for b, c in comps.items():
+            t0 = time.perf_counter()
+            payload, ctx = c.compress(args[b], name="bench", step=step)
+            times[f"{b}_compress"].append(time.perf_counter() - t0)
+            times[f"{b}_decompress"].append(_time(c.decompress, payload, ctx))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    nbytes = comps["numba"].compressed_nbytes(x.size)
+    return {b: {"copy_s": med["copy"], "compress_s": med[f"{b}_compress"],
+                "decompress_s": med[f"{b}_decompress"], "compressed_bytes": nbytes}
+            for b in BACKENDS}
 
 
 def gbps(numel: int, seconds: float) -> float:
@@ -72,8 +87,7 @@ def run(sizes: list[int], algorithms: list[str], repeats: int) -> list[dict]:
     for numel in sizes:
         x = np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
         for name in algorithms:
-            for backend in ("numba", "torch"):
-                m = measure(name, backend, x, repeats)
+            for backend, m in measure(name, x, repeats).items():
                 rows.append({
                     "algorithm": name, "backend": backend, "numel": numel,
                     "copy_gbps": gbps(numel, m["copy_s"]),
@@ -133,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="log2 of the tensor sizes (default: 16 20 24)")
     parser.add_argument("--algorithms", nargs="+", default=None, choices=names(),
                         help="subset of algorithms (default: all)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON output path (default: {RESULTS.name}, "
+                             f"{QUICK_RESULTS.name} with --quick)")
     args = parser.parse_args(argv)
+    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     repeats = args.repeats or (3 if args.quick else 9)
     sizes = [1 << s for s in args.sizes]
     algorithms = args.algorithms or names()
@@ -150,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\ntargets at 2^24:")
         for c in checks:
             print(f"  [{'met ' if c['met'] else 'MISS'}] {c['target']}: {c['measured']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "command": " ".join(["python", "benchmarks/kernels.py", *(argv or sys.argv[1:])]),
         "repeats": repeats, "seconds": round(time.time() - started, 1),
         "machine": {"cpus": os.cpu_count(), "numba_threads": numba.get_num_threads(),
@@ -160,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                     "gpu": "not measured (no GPU available)"},
         "rows": rows, "targets": checks,
     }, indent=1))
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
     return 0
 
 

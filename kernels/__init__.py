@@ -41,7 +41,7 @@ from byteps_espresso.kernels.base import (
 )
 from byteps_espresso.kernels.error_feedback import ErrorFeedback
 from byteps_espresso.kernels.momentum import MomentumCorrection
-from byteps_espresso.kernels.registry import by_wire_id, create, names, wire_id
+from byteps_espresso.kernels.registry import by_wire_id, create, defaults, names, wire_id
 
 __all__ = [
     "BACKENDS",
@@ -54,6 +54,7 @@ __all__ = [
     "PayloadError",
     "by_wire_id",
     "create",
+    "defaults",
     "key_seed",
     "names",
     "to_numpy",

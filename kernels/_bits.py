@@ -24,8 +24,8 @@ __all__ = [
     "decode",
     "decode_lut",
     "decode_lut_torch",
+    "pack_codes",
     "pack_codes_torch",
-    "pack_signs",
     "pack_signs_torch",
     "packed_len",
     "signs",
@@ -38,52 +38,86 @@ def packed_len(numel: int, bits: int) -> int:
     return (numel + per - 1) // per
 
 
-@njit(parallel=True, cache=True)
-def pack_signs(u, out):  # pragma: no cover - compiled
-    """Sign bits of a uint32 view of float32 data into ``out`` (uint8[ceil(n/8)]).
+# Multiplying a little-endian word of eight 0/1 bytes by this constant moves byte k's bit to
+# bit 56 + k with no carries below (the classic "bit gather" multiply).
+_GATHER8 = np.uint64(0x0102040810204080)
+_U56 = np.uint64(56)
 
-    Returns:
-        The count of NaN/Inf entries.
+
+@njit(parallel=True, cache=True)
+def sign_bytes(u, tmp):  # pragma: no cover - compiled
+    """tmp[i] = sign bit of entry i (0/1); returns the count of NaN/Inf entries.
+
+    A plain element-wise loop that vectorizes; :func:`gather_bits` then packs 8 bytes per
+    output byte with one multiply, which is 4x faster per core than shifting bits into place.
     """
-    n = u.size
-    full = n // 8
     bad = 0
-    for j in prange(full):
-        base = 8 * j
-        b = np.uint32(0)
-        nf = 0
-        for t in range(8):
-            v = u[base + t]
-            b |= (v >> np.uint32(31)) << np.uint32(t)
-            nf += (v & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
-        out[j] = np.uint8(b)
-        bad += nf
-    if full * 8 < n:
-        b = np.uint32(0)
-        for t in range(n - full * 8):
-            v = u[full * 8 + t]
-            b |= (v >> np.uint32(31)) << np.uint32(t)
-            bad += (v & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
-        out[full] = np.uint8(b)
+    for i in prange(u.size):
+        v = u[i]
+        tmp[i] = np.uint8(v >> np.uint32(31))
+        bad += np.int64(((v & np.uint32(0x7F800000)) + np.uint32(0x800000)) >> np.uint32(31))
     return bad
 
 
 @njit(parallel=True, cache=True)
-def decode_lut(packed, bits, lut, out):  # pragma: no cover - compiled
-    """Unpack ``out.size`` codes of ``bits`` bits, each mapped through ``lut``, into ``out``."""
+def gather_bits(t64, out):  # pragma: no cover - compiled
+    """out[j] = the low bits of the 8 bytes of t64[j] (0/1 each), byte k -> bit k."""
+    for j in prange(t64.size):
+        out[j] = np.uint8((t64[j] * _GATHER8) >> _U56)
+
+
+@njit(parallel=True, cache=True)
+def decode_lut(packed, bits, lut, out):  # noqa: PLR0912  # pragma: no cover - compiled
+    """Unpack ``out.size`` codes of ``bits`` bits, each mapped through ``lut``, into ``out``.
+
+    One loop per code width so that each inner loop has a constant trip count.
+    """
     n = out.size
     per = 8 // bits
-    mask = (1 << bits) - 1
     full = n // per
-    for j in prange(full):
-        b = np.int64(packed[j])
-        base = j * per
-        for t in range(per):
-            out[base + t] = lut[(b >> (bits * t)) & mask]
+    if bits == 8:
+        for i in prange(n):
+            out[i] = lut[packed[i]]
+    elif bits == 1:
+        for j in prange(full):
+            b = np.int64(packed[j])
+            for t in range(8):
+                out[8 * j + t] = lut[(b >> t) & 1]
+    elif bits == 2:
+        for j in prange(full):
+            b = np.int64(packed[j])
+            for t in range(4):
+                out[4 * j + t] = lut[(b >> (2 * t)) & 3]
+    else:
+        for j in prange(full):
+            b = np.int64(packed[j])
+            for t in range(2):
+                out[2 * j + t] = lut[(b >> (4 * t)) & 15]
+    mask = (1 << bits) - 1
     if full * per < n:
         b = np.int64(packed[full])
         for t in range(n - full * per):
             out[full * per + t] = lut[(b >> (bits * t)) & mask]
+
+
+@njit(parallel=True, cache=True)
+def pack_codes(codes, bits, out):  # pragma: no cover - compiled
+    """Pack uint8 codes < 2**bits (bits 2 or 4) into ``out`` (layout in the module doc)."""
+    n = codes.size
+    per = 8 // bits
+    full = n // per
+    if bits == 2:
+        for j in prange(full):
+            c = codes[4 * j: 4 * j + 4]
+            out[j] = np.uint8(c[0] | (c[1] << 2) | (c[2] << 4) | (c[3] << 6))
+    else:
+        for j in prange(full):
+            out[j] = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
+    if full * per < n:
+        b = 0
+        for t in range(n - full * per):
+            b |= np.int64(codes[full * per + t]) << (bits * t)
+        out[full] = np.uint8(b)
 
 
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:
@@ -104,7 +138,7 @@ def pack_codes_torch(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_signs_torch(flat: torch.Tensor) -> torch.Tensor:
-    """Sign bits of a float32 tensor packed 8 per byte (the torch twin of :func:`pack_signs`)."""
+    """Sign bits of a float32 tensor packed 8 per byte (the torch twin of :func:`signs`)."""
     return pack_codes_torch((flat.view(torch.int32) < 0).to(torch.int32), 1)
 
 
@@ -130,8 +164,13 @@ def constant_codes(numel: int, bits: int, code: int) -> np.ndarray:
 
 def signs(u: np.ndarray) -> tuple[np.ndarray, int]:
     """Packed sign bits of a uint32 view of float32 data, and the count of NaN/Inf."""
-    out = np.empty(packed_len(u.size, 1), np.uint8)
-    return out, pack_signs(u, out)
+    nbytes = packed_len(u.size, 1)
+    tmp = np.empty(nbytes * 8, np.uint8)
+    tmp[u.size:] = 0  # padding bits of the last byte
+    bad = sign_bytes(u, tmp)
+    out = np.empty(nbytes, np.uint8)
+    gather_bits(tmp.view(np.uint64), out)
+    return out, bad
 
 
 def decode(packed: np.ndarray, numel: int, bits: int, lut: np.ndarray) -> np.ndarray:

@@ -74,31 +74,45 @@ def uniform(i, s0, s1):  # pragma: no cover - compiled
     return np.float32(hash32(i, s0, s1) >> _U_8) * np.float32(UNIT24)
 
 
-def _mul32_torch(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2**32 for 0 <= x, c < 2**32 without exceeding 2**48 in int64.
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
+def _mul32_torch_(x: torch.Tensor, c: int, tmp: torch.Tensor) -> None:
+    # In place: x = (x * c) mod 2**32 for 0 <= x, c < 2**32, no intermediate above 2**48.
+    torch.mul(x, c >> 16, out=tmp)
+    tmp.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    x.mul_(c & 0xFFFF).add_(tmp).bitwise_and_(_M32)
 
 
-def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32_torch(x, _C1)
-    x = x ^ (x >> 15)
-    x = _mul32_torch(x, _C2)
-    return x ^ (x >> 15)
+def _xorshift_torch_(x: torch.Tensor, shift: int, tmp: torch.Tensor) -> None:
+    torch.bitwise_right_shift(x, shift, out=tmp)
+    x.bitwise_xor_(tmp)
+
+
+def _mix32_torch_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+    _xorshift_torch_(x, 16, tmp)
+    _mul32_torch_(x, _C1, tmp)
+    _xorshift_torch_(x, 15, tmp)
+    _mul32_torch_(x, _C2, tmp)
+    _xorshift_torch_(x, 15, tmp)
 
 
 def hash32_torch(counters: torch.Tensor, seed: int) -> torch.Tensor:
-    """The torch twin of :func:`hash32`: int64 tensor of counters -> int64 hashes < 2**32."""
+    """The torch twin of :func:`hash32`: int64 tensor of counters -> int64 hashes < 2**32.
+
+    Works in place on one copy of the counters and one scratch tensor (every step of the
+    hash is an in-place op, so no tensor is allocated per step).
+    """
     s0, s1 = split_seed(seed)
-    return _mix32_torch(_mix32_torch((counters & _M32) ^ s0) ^ s1)
+    x = counters.bitwise_and(_M32).bitwise_xor_(s0)
+    tmp = torch.empty_like(x)
+    _mix32_torch_(x, tmp)
+    x.bitwise_xor_(s1)
+    _mix32_torch_(x, tmp)
+    return x
 
 
 def uniform_torch(n: int, seed: int, device: torch.device) -> torch.Tensor:
     """float32 uniforms for counters 0..n-1, equal to numba's :func:`uniform` draws."""
     h = hash32_torch(torch.arange(n, dtype=torch.int64, device=device), seed)
-    return (h >> 8).to(torch.float32) * UNIT24
+    return h.bitwise_right_shift_(8).to(torch.float32).mul_(UNIT24)
 
 
 @njit(cache=True)

@@ -31,10 +31,10 @@ def _hist_high(u, nc):  # pragma: no cover - compiled
     n = u.size
     hist = np.zeros((nc, _BINS), np.int64)
     for c in prange(nc):
-        lo = c * n // nc
-        hi = (c + 1) * n // nc
-        for i in range(lo, hi):
-            hist[c, (u[i] & _MAG) >> np.uint32(16)] += 1
+        uc = u[c * n // nc: (c + 1) * n // nc]  # a slice: no negative-index checks
+        row = hist[c]
+        for i in range(uc.size):
+            row[(uc[i] & _MAG) >> np.uint32(16)] += 1
     return hist.sum(axis=0)
 
 
@@ -44,16 +44,15 @@ def _hist_low(u, high, nc):  # pragma: no cover - compiled
     hist = np.zeros((nc, _BINS), np.int64)
     above = np.zeros(nc, np.int64)
     for c in prange(nc):
-        lo = c * n // nc
-        hi = (c + 1) * n // nc
+        uc = u[c * n // nc: (c + 1) * n // nc]
+        row = hist[c]
         cnt = 0
-        for i in range(lo, hi):
-            a = u[i] & _MAG
+        for i in range(uc.size):
+            a = uc[i] & _MAG
             h = np.int64(a >> np.uint32(16))
-            if h > high:
-                cnt += 1
-            elif h == high:
-                hist[c, a & np.uint32(0xFFFF)] += 1
+            cnt += h > high
+            if h == high:
+                row[a & np.uint32(0xFFFF)] += 1
         above[c] = cnt
     return hist, above
 
@@ -63,16 +62,16 @@ def _write(u, thr, eq_take, offsets, nc, out):  # noqa: PLR0917  # pragma: no co
     n = u.size
     for c in prange(nc):
         lo = c * n // nc
-        hi = (c + 1) * n // nc
+        uc = u[lo: (c + 1) * n // nc]
         p = offsets[c]
         take = eq_take[c]
-        for i in range(lo, hi):
-            a = np.int64(u[i] & _MAG)
+        for i in range(uc.size):
+            a = np.int64(uc[i] & _MAG)
             if a > thr:
-                out[p] = i
+                out[p] = lo + i
                 p += 1
             elif a == thr and take > 0:
-                out[p] = i
+                out[p] = lo + i
                 p += 1
                 take -= 1
 

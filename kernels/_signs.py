@@ -11,11 +11,23 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from byteps_espresso.kernels import _bits
+from byteps_espresso.kernels import _bits, _exact
 from byteps_espresso.kernels._bits import decode_lut_torch, packed_len
 from byteps_espresso.kernels.base import Compressor, Ctx, Payload
 
-__all__ = ["SignCodec", "SignCodecNumba", "SignCodecTorch"]
+__all__ = [
+    "ScaledSignCodec",
+    "SignCodec",
+    "SignCodecNumba",
+    "SignCodecTorch",
+    "SignSums",
+    "sign_sums_numba",
+    "sign_sums_torch",
+]
+
+# Per-block (largest exponent, sum of non-negative magnitudes, sum of negative magnitudes)
+# as int64 arrays, and the count of negative entries (see _exact.sign_block_sums).
+SignSums = tuple[np.ndarray, np.ndarray, np.ndarray, int]
 
 
 class SignCodec(Compressor):
@@ -46,3 +58,37 @@ class SignCodecNumba(SignCodec):
 
     def decode(self, payload: Payload, ctx: Ctx) -> np.ndarray:
         return _bits.decode(payload[0], ctx.numel, 1, self.table(payload))
+
+
+class ScaledSignCodec(SignCodec):
+    """A sign codec whose scales are formed from the exact per-sign sums of |x|."""
+
+    def scales(self, sums: SignSums, numel: int) -> np.ndarray:
+        """float32[n_scales] from checked sums (subclasses)."""
+        raise NotImplementedError
+
+    def checked_scales(self, sums: SignSums, numel: int, ctx: Ctx) -> np.ndarray:
+        """:meth:`scales`, refusing NaN/Inf input."""
+        if _exact.blocks_non_finite(sums[0]):
+            raise self.non_finite(ctx)
+        return self.scales(sums, numel)
+
+
+def sign_sums_numba(flat: np.ndarray) -> tuple[np.ndarray, SignSums]:
+    """Packed sign bits and the per-sign block sums of |x| in one pass (numba)."""
+    u = flat.view(np.uint32)
+    nblocks = -(-u.size // _exact.BLOCK)
+    nbytes = packed_len(u.size, 1)
+    tmp = np.empty(nbytes * 8, np.uint8)
+    tmp[u.size:] = 0  # padding bits of the last byte
+    emax, pos, neg, negs = (np.empty(nblocks, np.int64) for _ in range(4))
+    _exact.sign_block_sums(u, tmp, emax, pos, neg, negs)
+    packed = np.empty(nbytes, np.uint8)
+    _bits.gather_bits(tmp.view(np.uint64), packed)
+    return packed, (emax, pos, neg, int(negs.sum()))
+
+
+def sign_sums_torch(flat: torch.Tensor) -> SignSums:
+    """The per-sign block sums of |x| with torch ops, as host arrays."""
+    emax, pos, neg, negs = _exact.sign_block_sums_torch(flat)
+    return emax.cpu().numpy(), pos.cpu().numpy(), neg.cpu().numpy(), int(negs)

@@ -103,6 +103,9 @@ class Compressor(abc.ABC):
     deterministic: ClassVar[bool] = True
     # Whether E[decompress(compress(x))] == x over the random draws.
     unbiased: ClassVar[bool] = False
+    # Signs required of the float32 scales in the payload's last array (+1: >= 0, -1: <= 0);
+    # empty when the payload carries no scales. Checked on decode (finite, right sign).
+    scale_signs: ClassVar[tuple[int, ...]] = ()
 
     def __init__(self, **params: Any) -> None:
         unknown = sorted(set(params) - set(self.defaults))
@@ -229,8 +232,19 @@ class Compressor(abc.ABC):
                 )
         self.check_payload_content(payload, ctx)
 
-    def check_payload_content(self, payload: Payload, ctx: Ctx) -> None:  # noqa: B027
-        """Raise :class:`PayloadError` for well-shaped payloads with impossible content."""
+    def check_payload_content(self, payload: Payload, ctx: Ctx) -> None:
+        """Raise :class:`PayloadError` for well-shaped payloads with impossible content.
+
+        The base class checks the scales declared by ``scale_signs``; subclasses extend.
+        """
+        if not self.scale_signs:
+            return
+        scales = payload[-1]
+        values = scales.tolist()
+        for value, sign in zip(values, self.scale_signs, strict=True):
+            if not np.isfinite(value) or value * sign < 0:
+                raise PayloadError(f"{self.name}: payload scales {values} must be finite with "
+                                   f"signs {self.scale_signs}")
 
     def _check_array_type(self, arr: Any, what: str, exc: type[Exception] = TypeError) -> None:
         want = torch.Tensor if self.backend == "torch" else np.ndarray

@@ -55,12 +55,11 @@ def _count_at_least(u, thr, nc):  # pragma: no cover - compiled
     counts = np.zeros(nc, np.int64)
     bad = 0
     for c in prange(nc):
-        lo = c * n // nc
-        hi = (c + 1) * n // nc
+        uc = u[c * n // nc: (c + 1) * n // nc]  # a slice: no negative-index checks
         cnt = 0
         nf = 0
-        for i in range(lo, hi):
-            a = u[i] & _MAG
+        for i in range(uc.size):
+            a = uc[i] & _MAG
             cnt += a >= thr
             nf += a >= _INF_BITS
         counts[c] = cnt
@@ -73,12 +72,12 @@ def _gather_at_least(u, thr, offsets, nc, out_pos, out_mag):  # noqa: PLR0917  #
     n = u.size
     for c in prange(nc):
         lo = c * n // nc
-        hi = (c + 1) * n // nc
+        uc = u[lo: (c + 1) * n // nc]
         p = offsets[c]
-        for i in range(lo, hi):
-            a = u[i] & _MAG
+        for i in range(uc.size):
+            a = uc[i] & _MAG
             if a >= thr:
-                out_pos[p] = i
+                out_pos[p] = lo + i
                 out_mag[p] = a
                 p += 1
 

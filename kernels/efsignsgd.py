@@ -14,32 +14,40 @@ from typing import ClassVar
 import numpy as np
 import torch
 from byteps_espresso.kernels import _exact
-from byteps_espresso.kernels._signs import SignCodec, SignCodecNumba, SignCodecTorch
+from byteps_espresso.kernels._signs import (
+    ScaledSignCodec,
+    SignCodecNumba,
+    SignCodecTorch,
+    SignSums,
+    sign_sums_numba,
+    sign_sums_torch,
+)
 from byteps_espresso.kernels.base import Ctx, Payload
 from byteps_espresso.kernels.registry import register
-from byteps_espresso.kernels.signsgd import signs_numba, signs_torch
+from byteps_espresso.kernels.signsgd import signs_torch
 
 WIRE_ID = 7
 
 
-class _EfSignSgd(SignCodec):
+class _EfSignSgd(ScaledSignCodec):
     name = "efsignsgd"
     wire_id = WIRE_ID
+    scale_signs = (1,)
     n_scales = 1
     payload_dtypes: ClassVar = (np.dtype(np.uint8), np.dtype(np.float32))
 
-    def scale(self, bins: list[int] | np.ndarray, numel: int, ctx: Ctx) -> np.ndarray:
-        """float32[1] mean |x| from exact bins (raises on NaN/Inf)."""
-        if _exact.abs_non_finite(bins):
-            raise self.non_finite(ctx)
-        return np.array([_exact.abs_mean(bins, numel)], np.float32)
+    def scales(self, sums: SignSums, numel: int) -> np.ndarray:
+        emax, pos, neg, _ = sums
+        total = _exact.block_total(emax, pos) + _exact.block_total(emax, neg)
+        return np.array([_exact.block_mean(total, numel)], np.float32)
 
 
 @register
 class EfSignSgdTorch(_EfSignSgd, SignCodecTorch):
     def encode(self, flat: torch.Tensor, ctx: Ctx) -> Payload:
-        scale = self.scale(_exact.abs_bins_torch(flat), flat.numel(), ctx)
-        return signs_torch(flat, self, ctx), torch.from_numpy(scale).to(flat.device)
+        packed = signs_torch(flat, self, ctx)
+        scale = self.checked_scales(sign_sums_torch(flat), flat.numel(), ctx)
+        return packed, torch.from_numpy(scale).to(flat.device)
 
     def table(self, payload: Payload) -> torch.Tensor:
         return torch.cat((payload[1], -payload[1]))
@@ -48,9 +56,8 @@ class EfSignSgdTorch(_EfSignSgd, SignCodecTorch):
 @register
 class EfSignSgdNumba(_EfSignSgd, SignCodecNumba):
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
-        bins = _exact.abs_bins(flat.view(np.uint32), _exact.nchunks(flat.size))
-        scale = self.scale(bins, flat.size, ctx)
-        return signs_numba(flat, self, ctx), scale
+        packed, sums = sign_sums_numba(flat)
+        return packed, self.checked_scales(sums, flat.size, ctx)
 
     def table(self, payload: Payload) -> np.ndarray:
         return np.array([payload[1][0], -payload[1][0]], np.float32)

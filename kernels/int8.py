@@ -46,6 +46,7 @@ def scale_of(amax_bits: int) -> np.float32:
 class _Int8(Compressor):
     name = "int8"
     wire_id = WIRE_ID
+    scale_signs = (1,)
     payload_dtypes: ClassVar = (np.dtype(np.int8), np.dtype(np.float32))
 
     def compressed_nbytes(self, numel: int) -> int:
@@ -82,7 +83,7 @@ class Int8Numba(_Int8):
 
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
         u = flat.view(np.uint32)
-        scale = self._scale(int(_exact.abs_max_bits(u, _exact.nchunks(flat.size))), ctx)
+        scale = self._scale(int(_exact.abs_max_bits(u)), ctx)
         scale_a = np.array([scale], np.float32)
         if scale == 0:
             return np.zeros(flat.size, np.int8), scale_a

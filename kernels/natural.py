@@ -55,16 +55,14 @@ def encode_codes(x, low, s0, s1, out):  # pragma: no cover - compiled
     u = x.view(np.uint32)
     emin = max(low, 1)
     tiny_scale = 2.0 ** (127 - low)
-    for i in prange(n):
+    for i in prange(n):  # branch-free: both roundings are computed, one is selected
         v = u[i]
         e = np.int64((v >> np.uint32(23)) & np.uint32(255))
         h = hash32(np.uint64(i), s0, s1)
-        if e >= emin:
-            up = np.int64((h >> np.uint64(9)) < np.uint64(v & np.uint32(0x7FFFFF)))
-            m = e + up - low + 1
-        else:
-            p = abs(np.float64(x[i])) * tiny_scale
-            m = np.int64(np.float64(h >> np.uint64(8)) * UNIT24 < p)
+        up = np.int64((h >> np.uint64(9)) < np.uint64(v & np.uint32(0x7FFFFF)))
+        p = abs(np.float64(x[i])) * tiny_scale
+        tiny = np.int64(np.float64(h >> np.uint64(8)) * UNIT24 < p)
+        m = e + up - low + 1 if e >= emin else tiny
         out[i] = np.uint8((np.int64(v >> np.uint32(31)) << 7) | m)
 
 
@@ -137,8 +135,7 @@ class NaturalNumba(_Natural):
     backend = "numba"
 
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
-        low = self._low(int(_exact.abs_max_bits(flat.view(np.uint32),
-                                                _exact.nchunks(flat.size))), ctx)
+        low = self._low(int(_exact.abs_max_bits(flat.view(np.uint32))), ctx)
         s0, s1 = split_seed(key_seed(self.seed, ctx.name, ctx.step))
         codes = np.empty(flat.size, np.uint8)
         encode_codes(flat, low, np.uint64(s0), np.uint64(s1), codes)

@@ -39,30 +39,26 @@ def code_bits(levels: int) -> int:
 
 
 @njit(parallel=True, cache=True)
-def quantize_packed(x, norm, levels, bits, s0, s1, out):  # noqa: PLR0917  # pragma: no cover
-    """Stochastically rounded level codes of ``x`` (norm > 0), packed ``bits`` per code."""
-    n = x.size
-    per = 8 // bits
+def level_codes(x, norm, levels, s0, s1, out):  # noqa: PLR0917  # pragma: no cover
+    """Stochastically rounded codes ``levels + sign * level`` of ``x`` (norm > 0) into uint8.
+
+    Branch-free per entry so the loop vectorizes: r = |x| / norm * levels, level =
+    floor(r) + (u < r - floor(r)) clipped to ``levels``, u the entry's counter-hash uniform.
+    """
     u = x.view(np.uint32)
     sf = np.float32(levels)
-    for j in prange(out.size):
-        b = 0
-        for t in range(per):
-            i = j * per + t
-            if i < n:
-                r = (abs(x[i]) / norm) * sf
-                fl = np.floor(r)
-                level = min(np.int64(fl) + (uniform(np.uint64(i), s0, s1) < r - fl), levels)
-                if u[i] >> np.uint32(31):
-                    b |= (levels - level) << (bits * t)
-                else:
-                    b |= (levels + level) << (bits * t)
-        out[j] = np.uint8(b)
+    for i in prange(x.size):
+        r = (abs(x[i]) / norm) * sf
+        fl = np.floor(r)
+        up = np.int64(uniform(np.uint64(i), s0, s1) < r - fl)
+        level = min(np.int64(fl) + up, levels)
+        neg = np.int64(u[i] >> np.uint32(31))
+        out[i] = np.uint8(levels + level - 2 * neg * level)
 
 
 def quantize_torch(flat: torch.Tensor, norm: np.float32, levels: int, bits: int,
                    seed: int) -> torch.Tensor:
-    """The torch twin of :func:`quantize_packed`."""
+    """The torch twin of :func:`level_codes` followed by packing."""
     norm_t = torch.tensor(norm, device=flat.device)
     r = (flat.abs() / norm_t) * torch.tensor(np.float32(levels), device=flat.device)
     fl = torch.floor(r)
@@ -84,6 +80,7 @@ def level_table(norm: float, levels: int, bits: int) -> np.ndarray:
 class _Qsgd(Compressor):
     name = "qsgd"
     wire_id = WIRE_ID
+    scale_signs = (1,)
     deterministic = False
     unbiased = True
     payload_dtypes: ClassVar = (np.dtype(np.uint8), np.dtype(np.float32))
@@ -145,7 +142,7 @@ class QsgdNumba(_Qsgd):
         u = flat.view(np.uint32)
         nc = _exact.nchunks(flat.size)
         if self.norm_kind == "max":
-            reduced: Any = int(_exact.abs_max_bits(u, nc))
+            reduced: Any = int(_exact.abs_max_bits(u))
         else:
             reduced = _exact.square_bins(u, nc)
         norm = self._norm_value(reduced, ctx)
@@ -153,8 +150,12 @@ class QsgdNumba(_Qsgd):
         if norm == 0:
             return constant_codes(flat.size, self.bits, self.levels), norm_a
         s0, s1 = split_seed(key_seed(self.seed, ctx.name, ctx.step))
+        codes = np.empty(flat.size, np.uint8)
+        level_codes(flat, norm, self.levels, np.uint64(s0), np.uint64(s1), codes)
+        if self.bits == 8:
+            return codes, norm_a
         packed = np.empty(packed_len(flat.size, self.bits), np.uint8)
-        quantize_packed(flat, norm, self.levels, self.bits, np.uint64(s0), np.uint64(s1), packed)
+        _bits.pack_codes(codes, self.bits, packed)
         return packed, norm_a
 
     def decode(self, payload: Payload, ctx: Ctx) -> np.ndarray:

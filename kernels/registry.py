@@ -11,7 +11,7 @@ from typing import Any
 
 from byteps_espresso.kernels.base import BACKENDS, Compressor
 
-__all__ = ["by_wire_id", "create", "names", "register", "wire_id"]
+__all__ = ["by_wire_id", "create", "defaults", "names", "register", "wire_id"]
 
 _CLASSES: dict[tuple[str, str], type[Compressor]] = {}
 _WIRE_IDS: dict[int, str] = {}
@@ -54,6 +54,18 @@ def create(name: str, backend: str = "torch", **params: Any) -> Compressor:
     if cls is None:
         raise ValueError(f"unknown compressor {name!r}; choose one of {', '.join(names())}")
     return cls(**params)
+
+
+def defaults(name: str) -> dict[str, Any]:
+    """The parameters algorithm ``name`` accepts, with their default values.
+
+    Callers holding job-wide settings (such as ``ESPRESSO_SEED``) pass only the ones the
+    algorithm accepts: ``create`` refuses unknown parameters.
+    """
+    for (algo, _), cls in _CLASSES.items():
+        if algo == name:
+            return dict(cls.defaults)
+    raise ValueError(f"unknown compressor {name!r}; choose one of {', '.join(names())}")
 
 
 def wire_id(name: str) -> int:

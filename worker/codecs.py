@@ -21,10 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 from byteps_espresso.kernels import base as kbase
+from byteps_espresso.worker.layout import Extent, Piece
 
 from byteps_espresso.strategy.options import Device
 
 __all__ = ["EMPTY", "CodecPair", "payload_spec"]
+
+Pieces = Sequence[Piece]
 
 EMPTY: tuple = ()
 
@@ -119,3 +122,43 @@ class CodecPair:
         ctx = self._ctx(device, numel, cname, step)
         converted = [self._as_backend(device, p) for p in payloads]
         return self._to_train(comp.aggregate(converted, ctx))
+
+    # ---- payloads made of pieces (see layout.pieces) ---------------------------------------
+    def compress_pieces(self, device: Device, dense: torch.Tensor, extent: Extent,
+                        parts: Pieces) -> list[tuple]:
+        """Compress ``dense`` (the values of ``extent``) piece by piece."""
+        base = extent.offset
+        return [self.compress(device, dense[p.extent.offset - base:p.extent.end - base], p.name,
+                              p.step) for p in parts]
+
+    def decode_pieces(self, device: Device, payloads: Sequence[tuple],
+                      parts: Pieces) -> torch.Tensor:
+        """Decode every piece and concatenate them (the dense values of their extent)."""
+        out = [self.decompress(device, pl, p.extent.numel, p.name, p.step)
+               for pl, p in zip(payloads, parts, strict=True)]
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32, device=self.device)
+
+    def aggregate_pieces(self, device: Device, members: Sequence[Sequence[tuple]],
+                         parts: Pieces) -> torch.Tensor:
+        """Sum the members' payloads of the same pieces (in list order), piece by piece."""
+        out = [self.aggregate(device, [m[j] for m in members], p.extent.numel, p.name, p.step)
+               for j, p in enumerate(parts)]
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32, device=self.device)
+
+    def flat_spec(self, parts: Pieces) -> tuple[tuple[np.dtype, int], ...]:
+        """The array layout of a payload of ``parts``, all pieces' arrays in order."""
+        return tuple(a for p in parts for a in self.spec(p.extent.numel))
+
+    @staticmethod
+    def flatten(payloads: Sequence[tuple]) -> tuple:
+        """The arrays of every piece, in order (what a payload collective moves)."""
+        return tuple(a for pl in payloads for a in pl)
+
+    def unflatten(self, arrays: Sequence[Any], parts: Pieces) -> list[tuple]:
+        """Split a flat array tuple back into one payload per piece."""
+        out, i = [], 0
+        for p in parts:
+            n = len(self.spec(p.extent.numel))
+            out.append(tuple(arrays[i:i + n]))
+            i += n
+        return out

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 from byteps_espresso.worker.codecs import CodecPair
-from byteps_espresso.worker.layout import Extent, codec_name, ps_key, split
+from byteps_espresso.worker.layout import Extent, Origin, pieces, ps_key, split
 from byteps_espresso.worker.topology import Topology
 from byteps_espresso.worker.transport import PSPath, Transport
 
@@ -62,8 +63,10 @@ __all__ = ["Engine", "ExecutionError", "Executor", "Handle"]
 
 log = logging.getLogger(__name__)
 
-DENSE, PAYLOAD, CHUNKS, PARTS, SUM, CONCAT, NONE = (
-    "dense", "payload", "chunks", "parts", "sum", "concat", "none")
+DENSE, PAYLOAD, CHUNKS, SUM, CONCAT, NONE = (
+    "dense", "payload", "chunks", "sum", "concat", "none")
+# BYTEPS_PARTITION_BYTES default (config.py); only used to name pieces when no PS exists.
+_DEFAULT_PARTITION_BYTES = 4_096_000
 
 
 class ExecutionError(RuntimeError):
@@ -86,13 +89,11 @@ class _State:
     form: str
     value: Any
     extent: Extent
-    extents: list[Extent] = field(default_factory=list)
+    extents: list[Extent] = field(default_factory=list)  # chunk / member extents
     stack: list[tuple[str, Scope, Extent]] = field(default_factory=list)
-    comp_index: int = -1
+    origin: Origin | None = None  # the step that made the current payload pieces
     asleep: Scope | None = None
-    ps_key: str = ""
-    part_names: list[str] = field(default_factory=list)  # ctx names of PS partitions
-    ps_round: int = 0  # the ctx step of PS partitions
+    tensor: str = ""
 
 
 class Executor:
@@ -131,16 +132,23 @@ class Executor:
                 transport call failed; the message names the tensor and the step.
         """
         flat = tensor.detach().reshape(-1).to(self.device, torch.float32)
-        st = _State(DENSE, flat, Extent(0, flat.numel()))
+        st = _State(DENSE, flat, Extent(0, flat.numel()), tensor=name)
+        timed = log.isEnabledFor(logging.DEBUG)
+        times: list[str] = []
         for i, s in enumerate(option.steps):
+            t0 = time.perf_counter() if timed else 0.0
             try:
                 self._step(st, _At(i, s, name, step, option.steps))
+                if timed:
+                    times.append(f"{s} {(time.perf_counter() - t0) * 1e3:.2f}")
             except (OptionError, ExecutionError) as exc:
                 raise ExecutionError(f"tensor {name!r}, step {i} {s} of [{option}]: {exc}") \
                     from None
             except Exception as exc:
                 raise ExecutionError(f"tensor {name!r}, step {i} {s} of [{option}] failed: "
                                      f"{type(exc).__name__}: {exc}") from exc
+        if timed:
+            log.debug("%s step %d ms: %s", name, step, ", ".join(times))
         if st.form != DENSE or st.extent.numel != flat.numel() or st.stack:
             raise ExecutionError(f"tensor {name!r}: [{option}] does not end with the full dense "
                                  f"sum (holds {st.form} over {st.extent})")
@@ -173,66 +181,61 @@ class Executor:
         return self.ps
 
     # ---- compute -----------------------------------------------------------------------------
+    def _pieces(self, st: _State, extent: Extent) -> list:
+        assert st.origin is not None
+        return pieces(st.tensor, st.origin, extent, self._partition_bytes())
+
+    def _partition_bytes(self) -> int:
+        return self.ps.partition_bytes if self.ps is not None else _DEFAULT_PARTITION_BYTES
+
     def _compute(self, st: _State, at: _At) -> None:
         s, i, steps, name, step = at.st, at.i, at.steps, at.name, at.step
         codec = self._need_codec()
         dev = s.device
         assert dev is not None
-        if s.kind is Kind.COMP:
-            if st.form != DENSE:
-                raise ExecutionError(f"needs dense values, holds {st.form}")
-            nxt = next((x for x in steps[i + 1:] if not x.kind.is_compute), None)
-            if nxt is None:
-                raise ExecutionError("no communication step follows this Comp")
-            st.comp_index = i
-            if nxt.kind is Kind.ALLTOALL_C:
-                st.extents = split(st.extent, self.topo.size(nxt.scope))  # type: ignore[arg-type]
-                st.form = CHUNKS
-            elif nxt.kind is Kind.PUSH_PULL_C:
-                ps = self._need_ps()
-                key = ps_key(name, steps.index(nxt, i + 1), st.extent)
-                if st.extent.numel == 0:  # an empty shard: no key, nothing to push
-                    st.value, st.extents, st.part_names, st.form = [], [], [], PARTS
-                    return
-                ps.declare(key, st.extent.numel, self.topo.group(nxt.scope), codec)
-                st.ps_key, st.ps_round = key, ps.next_round(key)
-                st.part_names = ps.key_names(key)
-                st.extents = [Extent(st.extent.offset + o, n) for o, n in ps.partitions(key)]
-                base = st.extent.offset
-                st.value = [codec.compress(dev, st.value[e.offset - base:e.end - base], pn,
-                                           st.ps_round)
-                            for e, pn in zip(st.extents, st.part_names, strict=True)]
-                st.form = PARTS
-                return
-            else:
-                st.form = PAYLOAD
-                st.value = codec.compress(dev, st.value, codec_name(name, i, st.extent), step)
-                return
-            base = st.extent.offset
-            st.value = [codec.compress(dev, st.value[e.offset - base:e.end - base],
-                                       codec_name(name, i, e), step) for e in st.extents]
+        if s.kind is not Kind.COMP:
+            self._decomp(st, at, codec)
             return
-        self._decomp(st, at, codec)
+        if st.form != DENSE:
+            raise ExecutionError(f"needs dense values, holds {st.form}")
+        nxt = next((x for x in steps[i + 1:] if not x.kind.is_compute), None)
+        if nxt is None:
+            raise ExecutionError("no communication step follows this Comp")
+        if nxt.kind is Kind.ALLTOALL_C:
+            st.origin = Origin(i, False, step)
+            st.extents = split(st.extent, self.topo.size(nxt.scope))  # type: ignore[arg-type]
+            base = st.extent.offset
+            st.value = [codec.compress_pieces(dev, st.value[e.offset - base:e.end - base], e,
+                                              self._pieces(st, e)) for e in st.extents]
+            st.form = CHUNKS
+            return
+        if nxt.kind is Kind.PUSH_PULL_C:
+            j = steps.index(nxt, i + 1)
+            st.origin = Origin(j, True, step)
+            if st.extent.numel:
+                key = ps_key(name, j, st.extent, compressed=True)
+                ps = self._need_ps()
+                ps.declare(key, st.extent.numel, self.topo.group(nxt.scope), codec)
+                expected = [(p.extent.offset - st.extent.offset, p.extent.numel)
+                            for p in self._pieces(st, st.extent)]
+                if ps.partitions(key) != expected:
+                    raise ExecutionError(f"PS partitions of {key} {ps.partitions(key)} differ "
+                                         f"from the expected {expected}")
+        else:
+            st.origin = Origin(i, False, step)
+        st.value = codec.compress_pieces(dev, st.value, st.extent, self._pieces(st, st.extent))
+        st.form = PAYLOAD
 
     def _decomp(self, st: _State, at: _At, codec: CodecPair) -> None:
-        dev, name, step = at.st.device, at.name, at.step
+        dev = at.st.device
         assert dev is not None
-        ci = st.comp_index
         if st.form == PAYLOAD:
-            st.value = codec.decompress(dev, st.value, st.extent.numel,
-                                        codec_name(name, ci, st.extent), step)
+            st.value = codec.decode_pieces(dev, st.value, self._pieces(st, st.extent))
         elif st.form == SUM:
-            st.value = codec.aggregate(dev, st.value, st.extent.numel,
-                                       codec_name(name, ci, st.extent), step)
+            st.value = codec.aggregate_pieces(dev, st.value, self._pieces(st, st.extent))
         elif st.form == CONCAT:
-            st.value = torch.cat([codec.decompress(dev, p, e.numel, codec_name(name, ci, e), step)
-                                  for p, e in zip(st.value, st.extents, strict=True)])
-        elif st.form == PARTS and not st.extents:  # an empty shard
-            st.value = torch.zeros(0, dtype=torch.float32, device=codec.device)
-        elif st.form == PARTS:
-            st.value = torch.cat([codec.decompress(dev, p, e.numel, pn, st.ps_round)
-                                  for p, e, pn in zip(st.value, st.extents, st.part_names,
-                                                      strict=True)])
+            st.value = torch.cat([codec.decode_pieces(dev, m, self._pieces(st, e))
+                                  for m, e in zip(st.value, st.extents, strict=True)])
         else:
             raise ExecutionError(f"nothing to decompress (holds {st.form})")
         st.form = DENSE
@@ -292,13 +295,15 @@ class Executor:
         else:
             if root:
                 self._need(st, PAYLOAD)
-            spec = self._need_codec().spec(parent.numel)
-            st.value = self.transport.broadcast_payload(s.scope, st.value if root else None,
-                                                        spec)
+            else:  # the root's payload comes from the latest Comp or PushPullC before this
+                st.origin = _last_origin(at.steps, at.i, at.step)
+            codec = self._need_codec()
+            parts = self._pieces(st, parent)
+            got = self.transport.broadcast_payload(
+                s.scope, codec.flatten(st.value) if root else None, codec.flat_spec(parts))
+            st.value = codec.unflatten(got, parts)
             st.form = PAYLOAD
         if not root:
-            if s.kind is Kind.BROADCAST_C:  # the root's payload comes from the last Comp
-                st.comp_index = _last_comp(at.steps, at.i)
             st.asleep = None
         st.extent = parent
 
@@ -308,17 +313,15 @@ class Executor:
         codec = self._need_codec()
         k = self.topo.size(s.scope)
         undo = bool(st.stack) and st.stack[-1][:2] == ("split", s.scope)
+        extents = split(st.stack[-1][2], k) if undo else [st.extent] * k
+        member_parts = [self._pieces(st, e) for e in extents]
+        got = self.transport.allgather_payloads(s.scope, codec.flatten(st.value),
+                                                [codec.flat_spec(p) for p in member_parts])
+        st.value = [codec.unflatten(g, p) for g, p in zip(got, member_parts, strict=True)]
         if undo:
-            parent = st.stack[-1][2]
-            extents = split(parent, k)
-            got = self.transport.allgather_payloads(s.scope, st.value,
-                                                    [codec.spec(e.numel) for e in extents])
-            st.stack.pop()
-            st.form, st.value, st.extents, st.extent = CONCAT, got, extents, parent
+            st.form, st.extents, st.extent = CONCAT, extents, st.stack.pop()[2]
         else:
-            spec = codec.spec(st.extent.numel)
             st.form = SUM
-            st.value = self.transport.allgather_payloads(s.scope, st.value, [spec] * k)
 
     def _alltoall_c(self, st: _State, at: _At) -> None:
         s = at.st
@@ -326,21 +329,25 @@ class Executor:
         codec = self._need_codec()
         k = self.topo.size(s.scope)
         me = self.topo.index(s.scope)
-        send_specs = [codec.spec(e.numel) for e in st.extents]
-        got = self.transport.alltoall_payloads(s.scope, st.value, send_specs,
-                                               [send_specs[me]] * k)
+        send_specs = [codec.flat_spec(self._pieces(st, e)) for e in st.extents]
+        mine = self._pieces(st, st.extents[me])
+        got = self.transport.alltoall_payloads(s.scope, [codec.flatten(c) for c in st.value],
+                                               send_specs, [send_specs[me]] * k)
         st.stack.append(("split", s.scope, st.extent))
         st.extent = st.extents[me]
-        st.form, st.value = SUM, got
+        st.form, st.value = SUM, [codec.unflatten(g, mine) for g in got]
 
     def _gather_c(self, st: _State, at: _At) -> None:
         s = at.st
         self._need(st, PAYLOAD)
-        spec = self._need_codec().spec(st.extent.numel)
-        got = self.transport.gather_payloads(s.scope, st.value, [spec] * self.topo.size(s.scope))
+        codec = self._need_codec()
+        parts = self._pieces(st, st.extent)
+        spec = codec.flat_spec(parts)
+        got = self.transport.gather_payloads(s.scope, codec.flatten(st.value),
+                                             [spec] * self.topo.size(s.scope))
         st.stack.append(("root", s.scope, st.extent))
         if self.topo.index(s.scope) == 0:
-            st.form, st.value = SUM, got
+            st.form, st.value = SUM, [codec.unflatten(g, parts) for g in got]  # type: ignore[union-attr]
         else:
             st.value, st.form, st.asleep = None, NONE, s.scope
 
@@ -353,23 +360,29 @@ class Executor:
         key = ps_key(at.name, at.i, st.extent)
         ps.declare(key, st.extent.numel, self.topo.group(s.scope))
         host = np.ascontiguousarray(st.value.detach().cpu().numpy(), dtype=np.float32)
-        out = ps.push_pull(key, host)
+        out = ps.push_pull(key, host, at.step)
         st.value = torch.as_tensor(np.asarray(out, dtype=np.float32)).reshape(-1).to(self.device)
 
     def _push_pull_c(self, st: _State, at: _At) -> None:
-        self._need(st, PARTS)
+        self._need(st, PAYLOAD)
         ps = self._need_ps()
-        if not st.extents:
+        if st.origin is None or not st.origin.ps or st.origin.index != at.i:
+            raise ExecutionError("PushPullC needs the payload of the Comp just before it")
+        if st.extent.numel == 0:
             return
+        key = ps_key(at.name, at.i, st.extent, compressed=True)
         pushed = [tuple(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a
                         for a in p) for p in st.value]
-        st.value = [tuple(p) for p in ps.push_pull(st.ps_key, pushed)]
+        st.value = [tuple(p) for p in ps.push_pull(key, pushed, at.step)]
 
 
-def _last_comp(steps: Sequence[Step], before: int) -> int:
+def _last_origin(steps: Sequence[Step], before: int, step: int) -> Origin:
+    """The producer of the payload a BroadcastC receiver gets: the latest Comp or PushPullC."""
     for j in range(before - 1, -1, -1):
+        if steps[j].kind is Kind.PUSH_PULL_C:
+            return Origin(j, True, step)
         if steps[j].kind is Kind.COMP:
-            return j
+            return Origin(j, False, step)
     raise ExecutionError("BroadcastC without a Comp before it")
 
 
@@ -421,14 +434,18 @@ class Engine:
     Args:
         executors: one :class:`Executor` per lane (each over its own process groups).
         timeout_s: how long :meth:`Handle.wait` callers should wait (``ESPRESSO_TIMEOUT``).
+        counters: iteration counters per tensor name to share with other engines.
     """
 
-    def __init__(self, executors: Sequence[Executor], timeout_s: float = 60.0) -> None:
+    def __init__(self, executors: Sequence[Executor], timeout_s: float = 60.0,
+                 counters: dict[str, int] | None = None) -> None:
         if not executors:
             raise ValueError("the engine needs at least one executor (lane)")
         self.executors = list(executors)
         self.timeout_s = timeout_s
-        self._steps: dict[str, int] = {}
+        # Iterations per tensor name; shared by a process's engines, so a tensor keeps counting
+        # (PS rounds and random draws move on) when its Options change engine after planning.
+        self._steps: dict[str, int] = counters if counters is not None else {}
         self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in self.executors]
         self._threads = [threading.Thread(target=self._loop, args=(lane,), daemon=True,
                                           name=f"espresso-lane-{lane}")

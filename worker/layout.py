@@ -12,13 +12,20 @@ step semantics themselves are written twice on purpose (``executor.py`` over rea
   worker that compresses the same range at the same step (random-k draws agree) and distinct
   for two compressions of one tensor in one Option.
 - :func:`ps_key` names the parameter-server key of one PushPull/PushPullC step.
+- A payload is a list of *pieces*: one per compressed range. :func:`pieces` lists them for
+  an extent and the step that produced them (:class:`Origin`): one piece named by
+  :func:`codec_name` after a ``Comp``, or one per PS partition (named and split as the PS
+  does, ``server.keys``) after a ``Comp`` that feeds ``PushPullC`` and after ``PushPullC``
+  itself. Every member of a group can list the pieces of any member's extent, so payloads of
+  known lengths travel without any header. The ctx step of every piece is the tensor's
+  iteration, which is also the PS round of its keys.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Extent", "codec_name", "ps_key", "split"]
+__all__ = ["Extent", "Origin", "Piece", "codec_name", "pieces", "ps_key", "split"]
 
 
 @dataclass(frozen=True, order=True)
@@ -67,6 +74,45 @@ def codec_name(tensor: str, step_index: int, extent: Extent) -> str:
     return f"{tensor}#{step_index}{extent}"
 
 
-def ps_key(tensor: str, step_index: int, extent: Extent) -> str:
+def ps_key(tensor: str, step_index: int, extent: Extent, compressed: bool = False) -> str:
     """The PS key of ``tensor``'s range ``extent`` pushed at step ``step_index``."""
-    return f"{tensor}#{step_index}{extent}"
+    return f"{tensor}#{step_index}{'c' if compressed else ''}{extent}"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The step whose output a payload is: a ``Comp`` (``ps=False``) or a PS exchange.
+
+    Attributes:
+        index: step index of the ``Comp``, or of the ``PushPullC`` the pieces belong to.
+        ps: whether the pieces are PS partitions.
+        step: the tensor's iteration (ctx step and PS round).
+    """
+
+    index: int
+    ps: bool
+    step: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One compressed range: its extent and the ctx (name, step) it is encoded with."""
+
+    extent: Extent
+    name: str
+    step: int
+
+
+def pieces(tensor: str, origin: Origin, extent: Extent, partition_bytes: int) -> list[Piece]:
+    """The pieces of ``tensor``'s range ``extent`` made by ``origin`` (none when empty)."""
+    if extent.numel == 0:
+        return []
+    if not origin.ps:
+        return [Piece(extent, codec_name(tensor, origin.index, extent), origin.step)]
+    from byteps_espresso.server.keys import part_names
+    from byteps_espresso.server.keys import split as ps_split
+
+    key = ps_key(tensor, origin.index, extent, compressed=True)
+    parts = ps_split(extent.numel, 4, partition_bytes)  # float32 partitions, as the PS splits
+    return [Piece(Extent(extent.offset + o, n), part, origin.step)
+            for (o, n), part in zip(parts, part_names(key, len(parts)), strict=True)]

@@ -145,7 +145,8 @@ def _probe_ps(session: Session) -> tuple[float, float]:
         key = f"espresso.probe.{n}"
         ps.declare(key, n, list(range(topo.world_size)))  # type: ignore[union-attr]
         x = np.ones(n, dtype=np.float32)
-        times.append(_time(lambda key=key, x=x: ps.push_pull(key, x), _PROBE_REPS))  # type: ignore[union-attr]
+        times.append(_time(lambda key=key, x=x: ps.push_pull(  # type: ignore[union-attr]
+            key, x, ps.next_probe_round(key)), _PROBE_REPS))  # type: ignore[union-attr]
     latency, per_worker = _invert(times[0], times[1], 2, 2)
     # Every worker pushes and pulls through the servers at once.
     servers = max(1, session.runtime.cfg.num_servers)

@@ -9,8 +9,11 @@ re-compress for compressed keys). It shares with the executor only the pure layo
 
 Decisions where the Option docstring leaves room (the executor makes the same ones):
 
-- ``Comp`` before ``PushPullC`` compresses the extent partition by partition, as the PS splits
-  the key (``partitions``); ``Decomp`` after ``PushPullC`` decodes each partition in place.
+- A payload is a list of pieces (:func:`~byteps_espresso.worker.layout.pieces`): ``Comp``
+  before ``PushPullC`` compresses the extent partition by partition, as the PS splits the key,
+  each partition with its key name and the iteration (= PS round) as ctx; the servers'
+  aggregate keeps that layout, may travel on (``AllgatherC``/``BroadcastC``) and is decoded
+  piece by piece by ``Decomp``.
 - ``AllgatherC(s)`` that follows a divisible step of scope ``s`` (``ReduceScatter`` or
   ``AlltoallC``) gathers *shards*: the next ``Decomp`` decodes each and concatenates them
   (undoing the split), exactly as ``Allgather`` does for dense shards. Otherwise every member
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 from byteps_espresso.worker.codecs import CodecPair
-from byteps_espresso.worker.layout import Extent, codec_name, ps_key, split
+from byteps_espresso.worker.layout import Extent, Origin, pieces, split
 from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy.options import Kind, Option, OptionError, Scope, Step
@@ -43,8 +46,8 @@ __all__ = ["Reference", "ServerModel"]
 
 
 # Forms a worker's value can take between steps.
-DENSE, PAYLOAD, CHUNKS, PARTS, SUM, CONCAT, NONE = (
-    "dense", "payload", "chunks", "parts", "sum", "concat", "none")
+DENSE, PAYLOAD, CHUNKS, SUM, CONCAT, NONE = (
+    "dense", "payload", "chunks", "sum", "concat", "none")
 
 
 class ServerModel:
@@ -92,12 +95,9 @@ class _Worker:
     extent: Extent
     extents: list[Extent] = field(default_factory=list)  # one per payload (chunks/parts/concat)
     stack: list[tuple[str, Scope, Extent]] = field(default_factory=list)
-    comp_index: int = -1  # step index of the Comp that made the current payload(s)
+    origin: Origin | None = None  # the step that made the current payload pieces
     asleep: Scope | None = None  # the Reduce/GatherC scope, until its Broadcast(C)
     who: frozenset[int] = frozenset()  # ranks whose values are summed into every element
-    ps_key: str = ""
-    part_names: list[str] = field(default_factory=list)  # ctx names of the PS partitions
-    ps_round: int = 0  # the ctx step of the PS partitions
 
 
 class Reference:
@@ -118,16 +118,6 @@ class Reference:
         self.codecs = list(codecs) if codecs is not None else None
         self.server = server or ServerModel()
         self.partition_bytes = partition_bytes
-        self._rounds: dict[str, int] = {}  # PS rounds per key, from 0
-
-    def _partitions(self, key: str, numel: int) -> tuple[list[tuple[int, int]], list[str]]:
-        from byteps_espresso.server.keys import part_names
-        from byteps_espresso.server.keys import split as ps_split
-
-        if numel == 0:  # an empty shard: no key
-            return [], []
-        parts = ps_split(numel, 4, self.partition_bytes)
-        return parts, part_names(key, len(parts))
 
     def _codec(self, rank: int) -> CodecPair:
         if self.codecs is None:
@@ -171,52 +161,36 @@ class Reference:
     def _compute(self, codec: CodecPair, w: _Worker, at: _At) -> None:
         st, i, steps, name, step = at.st, at.i, at.steps, at.name, at.step
         dev = st.device
+
+        def parts(extent: Extent) -> list:
+            return pieces(name, w.origin, extent, self.partition_bytes)  # type: ignore[arg-type]
+
         if st.kind is Kind.COMP:
             if w.form != DENSE:
                 raise OptionError(f"step {i} {st}: needs dense values, holds {w.form}")
             nxt = next((s for s in steps[i + 1:] if not s.kind.is_compute), None)
             if nxt is None:
                 raise OptionError(f"step {i} {st}: no communication step follows")
-            w.comp_index = i
             if nxt.kind is Kind.ALLTOALL_C:
+                w.origin = Origin(i, False, step)
                 w.extents = split(w.extent, self.topo.size(nxt.scope))  # type: ignore[arg-type]
-                w.form = CHUNKS
-            elif nxt.kind is Kind.PUSH_PULL_C:
-                key = ps_key(name, steps.index(nxt, i + 1), w.extent)
-                parts, w.part_names = self._partitions(key, w.extent.numel)
-                w.ps_key, w.ps_round = key, self._rounds.get(key, 0)
-                w.extents = [Extent(w.extent.offset + o, k) for o, k in parts]
                 base = w.extent.offset
-                w.value = [codec.compress(dev, w.value[e.offset - base:e.end - base], pn,
-                                          w.ps_round)
-                           for e, pn in zip(w.extents, w.part_names, strict=True)]
-                w.form = PARTS
+                w.value = [codec.compress_pieces(dev, w.value[e.offset - base:e.end - base], e,
+                                                 parts(e)) for e in w.extents]
+                w.form = CHUNKS
                 return
-            else:
-                w.form = PAYLOAD
-                w.value = codec.compress(dev, w.value, codec_name(name, i, w.extent), step)
-                return
-            base = w.extent.offset
-            w.value = [codec.compress(dev, w.value[e.offset - base:e.end - base],
-                                      codec_name(name, i, e), step) for e in w.extents]
+            w.origin = Origin(steps.index(nxt, i + 1), True, step) \
+                if nxt.kind is Kind.PUSH_PULL_C else Origin(i, False, step)
+            w.value = codec.compress_pieces(dev, w.value, w.extent, parts(w.extent))
+            w.form = PAYLOAD
             return
-        # Decomp
-        ci = w.comp_index
         if w.form == PAYLOAD:
-            w.value = codec.decompress(dev, w.value, w.extent.numel,
-                                       codec_name(name, ci, w.extent), step)
+            w.value = codec.decode_pieces(dev, w.value, parts(w.extent))
         elif w.form == SUM:
-            w.value = codec.aggregate(dev, w.value, w.extent.numel,
-                                      codec_name(name, ci, w.extent), step)
+            w.value = codec.aggregate_pieces(dev, w.value, parts(w.extent))
         elif w.form == CONCAT:
-            w.value = torch.cat([codec.decompress(dev, p, e.numel, codec_name(name, ci, e), step)
-                                 for p, e in zip(w.value, w.extents, strict=True)])
-        elif w.form == PARTS and not w.extents:  # an empty shard
-            w.value = torch.zeros(0, dtype=torch.float32, device=codec.device)
-        elif w.form == PARTS:
-            w.value = torch.cat([codec.decompress(dev, p, e.numel, pn, w.ps_round)
-                                 for p, e, pn in zip(w.value, w.extents, w.part_names,
-                                                     strict=True)])
+            w.value = torch.cat([codec.decode_pieces(dev, m, parts(e))
+                                 for m, e in zip(w.value, w.extents, strict=True)])
         else:
             raise OptionError(f"step {i} {st}: nothing to decompress (holds {w.form})")
         w.form = DENSE
@@ -318,8 +292,8 @@ class Reference:
         if parent != root.extent:
             raise OptionError(f"step {i} {st}: root extent differs from the reduced one")
         for w in ws[1:]:
-            w.form, w.extent, w.comp_index = root.form, root.extent, root.comp_index
-            w.value = root.value.clone() if root.form == DENSE else tuple(root.value)
+            w.form, w.extent, w.origin = root.form, root.extent, root.origin
+            w.value = root.value.clone() if root.form == DENSE else list(root.value)
 
     def _allgather_c(self, ws: list[_Worker], at: _At) -> None:
         st, i = at.st, at.i
@@ -368,16 +342,13 @@ class Reference:
 
     def _push_pull_c(self, ws: list[_Worker], at: _At) -> None:
         st, i = at.st, at.i
-        self._need(ws, PARTS, st, i)
-        self._same_extent(ws, st, i)
+        self._need(ws, PAYLOAD, st, i)
+        ext = self._same_extent(ws, st, i)
         lead = ws[0]
-        if not lead.extents:
-            return
-        out = []
-        for p, (e, pn) in enumerate(zip(lead.extents, lead.part_names, strict=True)):
-            out.append(self.server.compressed([w.value[p] for w in ws], e.numel, pn,
-                                              lead.ps_round))
-        self._rounds[lead.ps_key] = lead.ps_round + 1
+        if lead.origin is None or lead.origin != Origin(i, True, at.step):
+            raise OptionError(f"step {i} {st}: needs the payload of the Comp just before it")
+        out = [self.server.compressed([w.value[j] for w in ws], p.extent.numel, p.name, p.step)
+               for j, p in enumerate(pieces(at.name, lead.origin, ext, self.partition_bytes))]
         for w in ws:
             w.value = list(out)
 

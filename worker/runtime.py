@@ -9,7 +9,8 @@ Built once by ``byteps_espresso.torch.init()`` (or directly by tests and tools) 
    gloo on CPU, NCCL when the training device is CUDA;
 3. every scope group for each lane (:func:`~byteps_espresso.worker.transport.create_groups`);
 4. the PS client when ``DMLC_NUM_SERVER`` > 0;
-5. a pool of ``ESPRESSO_CPU_THREADS`` host threads for ``cpu`` compute steps.
+5. this process's share of ``ESPRESSO_CPU_THREADS`` (per machine) host threads for ``cpu``
+   compute steps, also the numba kernels' thread count.
 
 Example:
     >>> rt = Runtime(Config.from_env())           # doctest: +SKIP
@@ -89,8 +90,14 @@ class Runtime:
 
             self.ps_client = PSClient(cfg, rank=self.topology.rank)
             self.ps = PSPath(self.ps_client)
-        self.cpu_pool = ThreadPoolExecutor(cfg.cpu_threads, thread_name_prefix="espresso-cpu")
+        # ESPRESSO_CPU_THREADS is per machine: this process's share runs its numba kernels
+        # (parallel kernels otherwise start one thread per core in every worker process and
+        # the processes of one machine oversubscribe its cores).
+        threads = max(1, cfg.cpu_threads // cfg.local_size)
+        _set_numba_threads(threads)
+        self.cpu_pool = ThreadPoolExecutor(threads, thread_name_prefix="espresso-cpu")
         self._engines: list[Engine] = []
+        self._counters: dict[str, int] = {}  # iterations per tensor, shared by the engines
         log.info("rank %d/%d (machine %d, local rank %d) on %s, %s, %d lanes, %d servers",
                  self.topology.rank, self.topology.world_size, self.topology.machine_id,
                  self.topology.local_rank, self.device, self.backend, lanes, cfg.num_servers)
@@ -99,7 +106,7 @@ class Runtime:
         """An asynchronous engine running Options with ``codec`` on every lane."""
         executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool)
                      for t in self.transports]
-        engine = Engine(executors, timeout_s=self.cfg.op_timeout_s)
+        engine = Engine(executors, timeout_s=self.cfg.op_timeout_s, counters=self._counters)
         self._engines.append(engine)
         return engine
 
@@ -153,3 +160,9 @@ class Runtime:
         if self._store_socket is not None:
             self._store_socket.close()
             self._store, self._store_socket = None, None
+
+
+def _set_numba_threads(threads: int) -> None:
+    import numba
+
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))

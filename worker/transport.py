@@ -368,10 +368,10 @@ class PSPath:
 
     One per process (keys are declared once per client). Declares each key on first use
     (``pushers`` = the global ranks that push it; compressed keys with the codec's name and
-    parameters, and server-side error feedback when the workers use it) and keeps one round
-    counter per key from 0, so every pusher uses the same round for the same iteration.
-    Compressed partitions are compressed with ``name=key_names(key)[i]`` and ``step=round``,
-    the ctx the servers rebuild.
+    parameters, and server-side error feedback when the workers use it). The round of a
+    push is the tensor's iteration, the same on every pusher. Compressed partitions are
+    compressed with the partition's key name and ``step=round``, the ctx the servers rebuild
+    (``layout.pieces``).
 
     Args:
         client: a connected ``byteps_espresso.server.client.PSClient``.
@@ -380,8 +380,13 @@ class PSPath:
     def __init__(self, client: Any) -> None:
         self.client = client
         self._declared: dict[str, tuple[Any, ...]] = {}
-        self._rounds: dict[str, int] = {}
+        self._probe_rounds: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    @property
+    def partition_bytes(self) -> int:
+        """The largest PS key in bytes (``BYTEPS_PARTITION_BYTES``)."""
+        return int(self.client.cfg.partition_bytes)
 
     def declare(self, key: str, numel: int, pushers: Sequence[int], codec: Any = None) -> None:
         """Declare ``key`` on first use; a later call with other arguments is an error.
@@ -407,23 +412,19 @@ class PSPath:
 
     def partitions(self, key: str) -> list[tuple[int, int]]:
         """(offset, numel) of each server partition of a declared key."""
-        return list(self.client.partitions(key))
+        return [tuple(p) for p in self.client.partitions(key)]  # type: ignore[misc]
 
-    def key_names(self, key: str) -> list[str]:
-        """The ctx name each partition of a compressed key is compressed with."""
-        return list(self.client.key_names(key))
-
-    def next_round(self, key: str) -> int:
-        """The round the next :meth:`push_pull` of ``key`` will use."""
-        with self._lock:
-            return self._rounds.get(key, 0)
-
-    def push_pull(self, key: str, data: Any) -> Any:
-        """Push ``data`` (dense float32 array, or one payload per partition); wait for the sum."""
-        with self._lock:
-            round_ = self._rounds.get(key, 0)
-            self._rounds[key] = round_ + 1
+    def push_pull(self, key: str, data: Any, round_: int) -> Any:
+        """Push ``data`` (dense float32 array, or one payload per partition) for ``round_``
+        (the tensor's iteration: strictly increasing per key); wait for the aggregate."""
         return self.client.push_pull_async(key, data, round_).wait()
+
+    def next_probe_round(self, key: str) -> int:
+        """Rounds for keys outside any Option (link probes): 0, 1, 2, ... per key."""
+        with self._lock:
+            round_ = self._probe_rounds.get(key, 0)
+            self._probe_rounds[key] = round_ + 1
+            return round_
 
     def close(self) -> None:
         self.client.close()

@@ -76,8 +76,35 @@ PARTITION_BYTES = 4096
 CODECS = [{"name": "fp16", "params": {}, "ef": False}]
 
 
+# Compressors the tree-covering cases rotate through (error feedback where it is the default).
+TREE_CODECS = [
+    {"name": "randomk", "params": {"ratio": 0.3}, "ef": True},
+    {"name": "topk", "params": {"ratio": 0.2}, "ef": True},
+    {"name": "dgc", "params": {"ratio": 0.2}, "ef": True},
+    {"name": "efsignsgd", "params": {}, "ef": True},
+    {"name": "onebit", "params": {}, "ef": True},
+    {"name": "fp16", "params": {}, "ef": False},
+]
+
+
+def tree_covering() -> list[Option]:
+    """From the 2 x 2 decision tree with one server: one Option per communication signature
+    (steps and scopes), and one per (signature, devices) among the PS Options."""
+    from byteps_espresso.strategy import Cluster, enumerate_options
+
+    seen: dict = {}
+    for o in enumerate_options(Cluster.preset(MACHINES, LOCAL, "pcie", 10, servers=1)):
+        comm = tuple((s.kind, s.scope) for s in o.steps if not s.kind.is_compute)
+        seen.setdefault((comm, o.devices if o.uses_servers else None), o)
+    return list(seen.values())
+
+
 def _cases() -> list[dict]:
     cases = []
+    for i, option in enumerate(tree_covering()):
+        codec = TREE_CODECS[i % len(TREE_CODECS)] if option.is_compressed else None
+        cases.append({"option": str(option), "numel": SIZES[i % len(SIZES)], "codec": codec,
+                      "iters": 2})
     for option in UNCOMPRESSED:
         for numel in SIZES:
             cases.append({"option": option, "numel": numel, "codec": None, "iters": 1})

@@ -4,6 +4,7 @@ This runs the real executor code for many Options in one process; the multi-proc
 (tests/multiproc/test_executor.py) run it over gloo.
 """
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -84,3 +85,54 @@ def test_errors_name_tensor_and_step():
                name="w", step=0)
     with pytest.raises(ExecutionError, match="servers"):
         ex.run(Option.parse("PushPull(flat)"), torch.ones(3), name="w", step=0)
+
+
+def _tree():
+    from byteps_espresso.strategy import Cluster, enumerate_options
+
+    return enumerate_options(Cluster.preset(2, 2, "pcie", 10, servers=1))
+
+
+def covering(options):
+    """One Option per (communication steps with scopes, devices used) signature."""
+    seen = {}
+    for o in options:
+        comm = tuple((s.kind, s.scope) for s in o.steps if not s.kind.is_compute)
+        seen.setdefault((comm, o.devices), o)
+    return list(seen.values())
+
+
+def _check_against_reference(options, codec_factory):
+    world, sizes = 4, [1, 6, 131]
+    hub = LocalHub(2, 2, timeout_s=10)
+    executors = [Executor(hub.transport(r), codec_factory()) for r in range(world)]
+    ref = Reference(2, 2, [codec_factory() for _ in range(world)])
+    g = torch.Generator().manual_seed(0)
+    with ThreadPoolExecutor(world) as pool:
+        for idx, option in enumerate(options):
+            xs = [torch.randn(sizes[idx % len(sizes)], generator=g) for _ in range(world)]
+            futs = [pool.submit(executors[r].run, option, xs[r], name=f"t{idx}", step=0)
+                    for r in range(world)]
+            got = [f.result(timeout=30) for f in futs]
+            expected = ref.run(option, xs, name=f"t{idx}", step=0)
+            for r in range(world):
+                assert torch.equal(got[r], expected[r]), f"{option}: rank {r}"
+
+
+def test_covering_subset_of_the_tree_equals_reference():
+    """One Option per (scheme x scopes x devices) of the 2 x 2 tree that needs no PS (PS
+    Options run on real servers in tests/multiproc/test_executor.py), on threads."""
+    options = covering(o for o in _tree() if not o.uses_servers)
+    assert len(options) > 200
+    _check_against_reference(options, lambda: CodecPair("topk", {"ratio": 0.3},
+                                                        error_feedback=True))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("ESPRESSO_SLOW_TESTS"),
+                    reason="about a minute: set ESPRESSO_SLOW_TESTS=1")
+def test_every_option_of_the_tree_without_servers_equals_reference():
+    options = [o for o in _tree() if not o.uses_servers]
+    assert len(options) > 2000
+    _check_against_reference(options, lambda: CodecPair("topk", {"ratio": 0.3},
+                                                        error_feedback=True))

@@ -276,3 +276,53 @@ def test_dgc_takes_the_sampled_path_and_matches_topk():
         want = ref.compress(x, name="w", step=step)[0]
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_espresso_compressors_lists_every_algorithm(capsys):
+    from byteps_espresso.cli import main
+
+    assert main(["compressors"]) == 0
+    out = capsys.readouterr().out
+    for name in ALL:
+        assert f"\n{name} " in out
+    assert main(["compressors", "--json"]) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["name"]: r["wire_id"] for r in rows} == {n: K.wire_id(n) for n in ALL}
+    assert {r["name"] for r in rows if r["unbiased"]} == {"natural", "qsgd", "terngrad"}
+
+
+@pytest.mark.parametrize("backend", K.BACKENDS)
+@pytest.mark.parametrize("name", ["int8", "efsignsgd", "onebit", "qsgd", "terngrad"])
+def test_payload_scales_must_be_finite_with_the_right_sign(name, backend):
+    c = make(name, backend)
+    payload, ctx = c.compress(as_backend(data(100), backend))
+    for bad in (np.nan, np.inf, -1.0):
+        scales = host(payload[-1]).copy()
+        scales[0] = bad
+        arr = torch.from_numpy(scales) if backend == "torch" else scales
+        with pytest.raises(PayloadError, match="scales"):
+            c.decompress((*payload[:-1], arr), ctx)
+
+
+@pytest.mark.parametrize("backend", K.BACKENDS)
+def test_natural_exponent_out_of_range_is_refused(backend):
+    c = make("natural", backend)
+    codes, low = c.compress(as_backend(data(100), backend))[0]
+    bad = host(low).copy()
+    bad[0] = 500
+    with pytest.raises(PayloadError, match="exponent"):
+        c.decompress((codes, torch.from_numpy(bad) if backend == "torch" else bad),
+                     c.context((100,)))
+
+
+def test_defaults_tell_callers_which_parameters_an_algorithm_takes():
+    assert K.defaults("topk") == {"ratio": 0.01}
+    assert K.defaults("fp16") == {}
+    seeded = {n for n in ALL if "seed" in K.defaults(n)}
+    assert seeded == {"randomk", "dgc", "qsgd", "terngrad", "natural"}
+    for n in ALL:
+        create(n, **K.defaults(n))
+    with pytest.raises(ValueError, match="unknown compressor"):
+        K.defaults("nope")

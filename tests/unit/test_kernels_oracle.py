@@ -125,9 +125,19 @@ def test_signsgd(backend):
     np.testing.assert_array_equal(y, np.where(signbits(x), -1.0, 1.0).astype(np.float32))
 
 
+def wide(n=5000, seed=4):
+    """Magnitudes over 60 decades, with subnormals and exact zeros, across several blocks."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-30, 30, n)).astype(np.float32)
+    x[::97] = np.float32(3e-42) * rng.choice([-1, 1])
+    x[::101] = 0.0
+    return x
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_efsignsgd(backend):
-    x = sample(1001)
+@pytest.mark.parametrize("make_x", [lambda: sample(1001), wide])
+def test_efsignsgd(backend, make_x):
+    x = make_x()
     _, (p, scale), y = run("efsignsgd", backend, x)
     want = np.float32(math.fsum(abs(float(v)) for v in x) / x.size)
     np.testing.assert_allclose(scale[0], want, rtol=2**-23)
@@ -136,8 +146,9 @@ def test_efsignsgd(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_onebit(backend):
-    x = sample(1001)
+@pytest.mark.parametrize("make_x", [lambda: sample(1001), wide])
+def test_onebit(backend, make_x):
+    x = make_x()
     neg = signbits(x).astype(bool)
     _, (_p, means), y = run("onebit", backend, x)
     want = [math.fsum(map(float, x[~neg])) / (~neg).sum(),
@@ -147,6 +158,9 @@ def test_onebit(backend):
     # Each group's sum is preserved.
     np.testing.assert_allclose(y[neg].sum(dtype=np.float64), x[neg].sum(dtype=np.float64),
                                rtol=1e-5)
+    # Both backends agree bit for bit, also on wide-range input.
+    _, (_, other), _ = run("onebit", "torch" if backend == "numba" else "numba", x)
+    np.testing.assert_array_equal(means, other)
     # Without negatives the second mean is 0.
     _, (_, only_pos), _ = run("onebit", backend, np.abs(x) + 1)
     assert only_pos[1] == 0

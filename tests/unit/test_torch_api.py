@@ -24,3 +24,23 @@ def test_duplicate_and_missing_names_are_refused():
         _named(opt, [("a", a)])
     assert [n for n, _ in _named(opt, [("a", a), ("b", b)])] == ["a", "b"]
     assert [n for n, _ in _named(opt, None)] == ["push_pull.noname.0", "push_pull.noname.1"]
+
+
+def test_strategy_file_for_another_world_size_says_how_to_replan(tmp_path):
+    import types
+
+    from byteps_espresso.worker.profiler import StrategyFileSpec
+    from byteps_espresso.worker.topology import Topology
+
+    from byteps_espresso.strategy import Cluster, Workload, plan
+
+    path = tmp_path / "s.json"
+    plan(Workload.builtin("lstm"), Cluster.preset(2, 4, "pcie", 10), "randomk",
+         {"ratio": 0.01}).save(path)
+    session = types.SimpleNamespace(runtime=types.SimpleNamespace(topology=Topology(2, 2)))
+    expected = r"2 machines x 4 workers = 8.*2 x 2 = 4.*--gpus-per-machine 2"
+    with pytest.raises(ValueError, match=expected):
+        StrategyFileSpec(str(path))._load(session)
+    strategy = StrategyFileSpec(str(path))._load(
+        types.SimpleNamespace(runtime=types.SimpleNamespace(topology=Topology(4, 2))))
+    assert strategy.options

@@ -1,0 +1,70 @@
+"""Worker of test_convergence: trains the example's MLP on the Markov task once per compression.
+
+Usage: convergence_worker.py OUT_DIR STEPS NAME=COMPRESSOR[:RATIO] ...  (COMPRESSOR ``fp32``
+means uncompressed). All runs share one job (one process group and PS connection); each run
+prefixes its parameter names so that its strategy and PS keys are its own. Rank 0 writes
+OUT_DIR/NAME.json with the loss curve (averaged over workers) and the planned strategy's
+number of compressed tensors.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import byteps_espresso.torch as bps
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+import train as example
+
+VOCAB, DIM, HIDDEN, BATCH, SEQ, LR = 500, 32, 64, 16, 8, 0.5
+
+
+def run(name: str, spec: str, steps: int, out: Path) -> None:
+    compressor, _, ratio = spec.partition(":")
+    torch.manual_seed(0)
+    task = example.MarkovTask(VOCAB, 0.9, 0)
+    model = example.MLPModel(VOCAB, DIM, HIDDEN)
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    if compressor == "fp32":
+        compression = bps.Compression.none
+    else:
+        params = {"ratio": float(ratio)} if ratio else {}
+        compression = bps.Compression.espresso(compressor, **params)
+    opt = bps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+        named_parameters=[(f"{name}.{n}", p) for n, p in model.named_parameters()],
+        compression=compression)
+    gen = torch.Generator().manual_seed(100 + bps.rank())
+    losses = []
+    for _ in range(steps):
+        x, y = task.batch(BATCH, SEQ, gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    curve = bps.push_pull(torch.tensor(losses), name=f"{name}.losses")
+    strategy = bps.planned_strategy() if compressor != "fp32" else None
+    if bps.rank() == 0:
+        compressed = sum(o.is_compressed for o in strategy.options.values()) if strategy else 0
+        (out / f"{name}.json").write_text(json.dumps({
+            "losses": curve.tolist(), "compressed_tensors": compressed,
+            "options": {k: str(v) for k, v in strategy.options.items()} if strategy else {},
+            "entropy": task.entropy()}))
+
+
+def main() -> None:
+    out, steps = Path(sys.argv[1]), int(sys.argv[2])
+    bps.init()
+    try:
+        for item in sys.argv[3:]:
+            name, _, spec = item.partition("=")
+            run(name, spec, steps, out)
+    finally:
+        bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()
