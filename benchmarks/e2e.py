@@ -9,10 +9,13 @@ setting, each strategy trains the example model for the same steps:
     all-gpu   the same compressor, every tensor compressed on the GPU (baseline)
     cpu-only  the same compressor, every compression on the host CPUs (baseline)
 
-Measured: median iteration time and samples/s over the epochs after the first (the first
-profiles and plans). Predicted: the planner's iteration time for the strategy the run used
-(``predicted_ms`` written by rank 0; fp32's from the Espresso run's ``fp32`` baseline).
-Prints a table and writes benchmarks/results/e2e.json. Needs root (network namespaces).
+Each strategy runs ``--repeats`` times, interleaved with the others (so slow phases of a
+shared, noisy machine hit every strategy alike). Measured: the median iteration time over
+the epochs after the first (the first profiles and plans), median over repeats; throughput
+is the global batch over that time. Predicted: the planner's iteration time for the strategy
+the run used (``predicted_ms`` written by rank 0; fp32's from the Espresso run's ``fp32``
+baseline), median over repeats. Prints a table and writes benchmarks/results/e2e.json.
+Needs root (network namespaces).
 
     sudo .venv/bin/python benchmarks/e2e.py
 """
@@ -23,6 +26,8 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _train_args(strategy: str, args: argparse.Namespace) -> list[str]:
     base = [sys.executable, str(ROOT / "examples" / "train.py"), "--quiet",
+            "--batch-size", str(args.batch_size),
             "--epochs", str(args.epochs), "--steps-per-epoch", str(args.steps_per_epoch),
             *args.train_args]
     if strategy == "fp32":
@@ -48,31 +54,42 @@ def _cluster(gbps: float, args: argparse.Namespace) -> list[str]:
             "--workers-per-machine", str(args.workers_per_machine), "--servers", "1"]
 
 
-def _row(gbps: float, strategy: str, run: RunResult, predicted_ms: float | None) -> dict:
-    measured = run.iteration_ms
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _row(gbps: float, strategy: str, runs: list[RunResult], predicted: list,
+         batch_size: int) -> dict:
+    measured = _median([r.iteration_ms for r in runs])
+    predicted_ms = _median(predicted)
     error = None if predicted_ms is None else abs(predicted_ms - measured) / measured
-    return {"gbps": gbps, "strategy": strategy, "samples_per_s": run.samples_per_s,
-            "iteration_ms": measured, "predicted_ms": predicted_ms, "prediction_error": error,
-            "final_loss": run.final_loss,
-            "epochs": [r["samples_per_s"] for r in run.metrics["history"]]}
+    global_batch = batch_size * runs[0].metrics["world_size"]
+    return {"gbps": gbps, "strategy": strategy, "samples_per_s": global_batch / measured * 1e3,
+            "iteration_ms": measured, "iteration_ms_runs": [r.iteration_ms for r in runs],
+            "epoch_samples_per_s": [r.samples_per_s for r in runs],
+            "predicted_ms": predicted_ms, "prediction_error": error,
+            "final_loss": _median([r.final_loss for r in runs])}
 
 
 def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
-    """Every strategy on links of ``gbps``; returns one row per strategy."""
-    runs: dict[str, RunResult] = {}
-    for strategy in args.strategies:
-        print(f"-- {gbps:g} Gbit/s: {strategy}", flush=True)
-        runs[strategy] = run_training(f"{gbps:g}gbps-{strategy}", _cluster(gbps, args),
-                                      _train_args(strategy, args), out, env=dict(os.environ),
-                                      live=args.verbose, timeout_s=args.timeout_s)
-    espresso_baselines = (runs["espresso"].metrics.get("baselines_ms") or {}) \
-        if "espresso" in runs else {}
+    """Every strategy on links of ``gbps``, ``args.repeats`` interleaved rounds."""
+    runs: dict[str, list[RunResult]] = {s: [] for s in args.strategies}
+    for rep in range(args.repeats):
+        for strategy in args.strategies:
+            print(f"-- {gbps:g} Gbit/s: {strategy} (round {rep + 1}/{args.repeats})",
+                  flush=True)
+            runs[strategy].append(run_training(
+                f"{gbps:g}gbps-{strategy}-{rep}", _cluster(gbps, args),
+                _train_args(strategy, args), out, env=dict(os.environ), live=args.verbose,
+                timeout_s=args.timeout_s))
+    fp32_predicted = [(r.metrics.get("baselines_ms") or {}).get("fp32")
+                      for r in runs.get("espresso", [])]
     rows = []
-    for strategy, run in runs.items():
-        predicted = run.metrics.get("predicted_ms")
-        if strategy == "fp32":
-            predicted = espresso_baselines.get("fp32")
-        rows.append(_row(gbps, strategy, run, predicted))
+    for strategy, done in runs.items():
+        predicted = fp32_predicted if strategy == "fp32" else [
+            r.metrics.get("predicted_ms") for r in done]
+        rows.append(_row(gbps, strategy, done, predicted, args.batch_size))
     fp32 = next((r for r in rows if r["strategy"] == "fp32"), None)
     for row in rows:
         row["vs_fp32"] = row["samples_per_s"] / fp32["samples_per_s"] if fp32 else None
@@ -98,8 +115,10 @@ def main() -> int:
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     p.add_argument("--machines", type=int, default=2)
     p.add_argument("--workers-per-machine", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--steps-per-epoch", type=int, default=60)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--steps-per-epoch", type=int, default=80)
+    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds per strategy")
+    p.add_argument("--batch-size", type=int, default=16, help="per worker")
     p.add_argument("--compressor", default="randomk")
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--timeout-s", type=float, default=1800, help="per training run")
@@ -118,7 +137,10 @@ def main() -> int:
     for gbps in args.gbps:
         rows += run_setting(gbps, args, Path(args.out))
     print(_table(rows))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     result = {"benchmark": "e2e", "host": platform.node(), "cpus": os.cpu_count(),
+              "commit": commit,
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
               "wall_s": time.time() - started,
               "setup": {k: v for k, v in vars(args).items() if k not in ("json", "out")},

@@ -285,7 +285,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         0 when every worker succeeded; otherwise the failed process's exit code (2 for a
         usage or configuration error, 128 + signal number when interrupted).
     """
-    prog = prog or os.path.basename(sys.argv[0]) or "espresso-launch"
+    if prog is None:  # the console script's name; `python -m ...launch` is espresso-launch
+        name = os.path.basename(sys.argv[0])
+        prog = name if name in ("bpslaunch", "espresso-launch") else "espresso-launch"
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"{prog}: %(message)s")

@@ -1,0 +1,38 @@
+"""The README's main job, shrunk: fp32 then Espresso on the local 2 x 2 cluster, one server."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_demo_trains_both_ways_and_reports(tmp_path):
+    out = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "BYTEPS_", "ESPRESSO_", "CUDA_VISIBLE"))}
+    env["ESPRESSO_PROFILE_STEPS"] = "2"
+    result = subprocess.run(
+        [sys.executable, "-m", "byteps_espresso.deploy.demo", "--epochs", "2",
+         "--steps-per-epoch", "6", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    text = result.stdout
+    assert "== planned strategy" in text and "predicted iteration" in text
+    assert "espresso throughput vs fp32:" in text
+    picture = Path(text.split("predicted-timeline picture: ")[1].split()[0])
+    assert picture.is_file() and picture.stat().st_size > 10_000
+    for run in ("fp32", "espresso"):
+        metrics = json.loads((out / f"{run}.json").read_text())
+        assert metrics["world_size"] == 4
+        assert len(metrics["history"]) == 2
+        assert all(r["loss"] > 0 and r["samples_per_s"] > 0 for r in metrics["history"])
+        log = (out / f"{run}.log").read_text()
+        assert "[scheduler]" in log and "[server 0]" in log and "[worker 3]" in log
+    assert (out / "profile" / "strategy.json").is_file()
