@@ -18,7 +18,7 @@ $(STAMP): setup.py pyproject.toml
 	touch $(STAMP)
 
 main: $(STAMP)
-	$(VENV)/bin/python benchmarks/kernels.py --quick
+	$(VENV)/bin/python -m byteps_espresso.deploy.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
