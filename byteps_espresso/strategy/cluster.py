@@ -10,11 +10,11 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 from typing import Any
+
+from byteps_espresso.strategy.workload import read_json
 
 __all__ = ["INTRA_PRESETS", "Cluster", "ClusterError", "LinkPreset"]
 
@@ -191,10 +191,4 @@ class Cluster:
         Raises:
             ClusterError: unreadable file, bad JSON or malformed field (names the file).
         """
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ClusterError(f"{path}: cannot read cluster file: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise ClusterError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_json(path, ClusterError, "cluster file"), str(path))

@@ -30,12 +30,11 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from byteps_espresso.strategy.workload import atomic_write_text
+from byteps_espresso.strategy.workload import atomic_write_text, read_json
 
 __all__ = ["DEVICES", "OPS", "CompressorCosts", "CostsError", "Linear"]
 
@@ -211,13 +210,7 @@ class CompressorCosts:
         Raises:
             CostsError: unreadable file, bad JSON or malformed field (names the file).
         """
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise CostsError(f"{path}: cannot read cost profile: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise CostsError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_json(path, CostsError, "cost profile"), str(path))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")

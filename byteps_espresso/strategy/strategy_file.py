@@ -23,13 +23,12 @@ import json
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from byteps_espresso.strategy.cluster import Cluster, ClusterError
 from byteps_espresso.strategy.options import Option, OptionError
 from byteps_espresso.strategy.tree import ConstraintError, Constraints, validate
-from byteps_espresso.strategy.workload import Workload, WorkloadError, atomic_write_text
+from byteps_espresso.strategy.workload import Workload, WorkloadError, atomic_write_text, read_json
 
 __all__ = ["FORMAT", "Strategy", "StrategyError"]
 
@@ -173,13 +172,7 @@ class Strategy:
         Raises:
             StrategyError: unreadable file, bad JSON or a malformed field (names the file).
         """
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise StrategyError(f"{path}: cannot read strategy file: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise StrategyError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_json(path, StrategyError, "strategy file"), str(path))
 
 
 def _parse_options(raw: Any, workload: Workload, cluster: Cluster, where: str) \

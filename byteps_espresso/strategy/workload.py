@@ -173,15 +173,7 @@ class Workload:
         Raises:
             WorkloadError: unreadable file, bad JSON, or a malformed field (names the file).
         """
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise WorkloadError(f"{path}: cannot read workload file: {exc.strerror}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_json(path, WorkloadError, "workload file"), str(path))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile JSON (atomically: a temporary file renamed into place)."""
@@ -199,6 +191,19 @@ class Workload:
                                 f"{', '.join(BUILTIN_WORKLOADS)}")
         ref = resources.files("byteps_espresso") / "data" / "workloads" / f"{model}.json"
         return cls.from_dict(json.loads(ref.read_text()), f"builtin:{model}")
+
+
+def read_json(path: str | os.PathLike[str], error: type[Exception], what: str) -> Any:
+    """Parse the JSON file at ``path``; ``error`` (naming the file and ``what`` it should be)
+    for an unreadable file or bad JSON. Shared by every loader of the strategy engine."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what}: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
