@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 from byteps_espresso.worker.codecs import CodecPair
-from byteps_espresso.worker.layout import Extent, Origin, pieces, ps_key, split
+from byteps_espresso.worker.layout import At, Extent, Origin, pieces, ps_key, split
 from byteps_espresso.worker.topology import Topology
 from byteps_espresso.worker.transport import PSPath, Transport
 
@@ -71,17 +71,6 @@ _DEFAULT_PARTITION_BYTES = 4_096_000
 
 class ExecutionError(RuntimeError):
     """An Option failed on this rank; the message names the tensor, step and cause."""
-
-
-@dataclass(frozen=True)
-class _At:
-    """Where the executor is: step index, step, tensor name, iteration, all steps."""
-
-    i: int
-    st: Step
-    name: str
-    step: int
-    steps: Sequence[Step]
 
 
 @dataclass
@@ -138,7 +127,7 @@ class Executor:
         for i, s in enumerate(option.steps):
             t0 = time.perf_counter() if timed else 0.0
             try:
-                self._step(st, _At(i, s, name, step, option.steps))
+                self._step(st, At(i, s, name, step, option.steps))
                 if timed:
                     times.append(f"{s} {(time.perf_counter() - t0) * 1e3:.2f}")
             except (OptionError, ExecutionError) as exc:
@@ -154,7 +143,7 @@ class Executor:
                                  f"sum (holds {st.form} over {st.extent})")
         return st.value.reshape(tensor.shape)
 
-    def _step(self, st: _State, at: _At) -> None:
+    def _step(self, st: _State, at: At) -> None:
         s = at.st
         if s.kind.is_compute:
             if st.asleep is None:
@@ -188,7 +177,7 @@ class Executor:
     def _partition_bytes(self) -> int:
         return self.ps.partition_bytes if self.ps is not None else _DEFAULT_PARTITION_BYTES
 
-    def _compute(self, st: _State, at: _At) -> None:
+    def _compute(self, st: _State, at: At) -> None:
         s, i, steps, name, step = at.st, at.i, at.steps, at.name, at.step
         codec = self._need_codec()
         dev = s.device
@@ -226,7 +215,7 @@ class Executor:
         st.value = codec.compress_pieces(dev, st.value, st.extent, self._pieces(st, st.extent))
         st.form = PAYLOAD
 
-    def _decomp(self, st: _State, at: _At, codec: CodecPair) -> None:
+    def _decomp(self, st: _State, at: At, codec: CodecPair) -> None:
         dev = at.st.device
         assert dev is not None
         if st.form == PAYLOAD:
@@ -250,12 +239,12 @@ class Executor:
             raise ExecutionError(f"no open {what} of scope {scope.value} to close")
         return st.stack.pop()[2]
 
-    def _allreduce(self, st: _State, at: _At) -> None:
+    def _allreduce(self, st: _State, at: At) -> None:
         s = at.st
         self._need(st, DENSE)
         st.value = self.transport.allreduce(s.scope, st.value).to(self.device)
 
-    def _reduce_scatter(self, st: _State, at: _At) -> None:
+    def _reduce_scatter(self, st: _State, at: At) -> None:
         s = at.st
         self._need(st, DENSE)
         shards = split(st.extent, self.topo.size(s.scope))
@@ -264,7 +253,7 @@ class Executor:
         st.stack.append(("split", s.scope, st.extent))
         st.extent = shards[self.topo.index(s.scope)]
 
-    def _allgather(self, st: _State, at: _At) -> None:
+    def _allgather(self, st: _State, at: At) -> None:
         s = at.st
         self._need(st, DENSE)
         parent = self._pop(st, "split", s.scope)
@@ -272,7 +261,7 @@ class Executor:
         st.value = self.transport.allgather(s.scope, st.value, sizes).to(self.device)
         st.extent = parent
 
-    def _reduce(self, st: _State, at: _At) -> None:
+    def _reduce(self, st: _State, at: At) -> None:
         s = at.st
         self._need(st, DENSE)
         out = self.transport.reduce(s.scope, st.value)
@@ -282,7 +271,7 @@ class Executor:
         else:
             st.value, st.form, st.asleep = None, NONE, s.scope
 
-    def _broadcast(self, st: _State, at: _At) -> None:
+    def _broadcast(self, st: _State, at: At) -> None:
         s = at.st
         root = self.topo.index(s.scope) == 0
         parent = self._pop(st, "root", s.scope)
@@ -307,7 +296,7 @@ class Executor:
             st.asleep = None
         st.extent = parent
 
-    def _allgather_c(self, st: _State, at: _At) -> None:
+    def _allgather_c(self, st: _State, at: At) -> None:
         s = at.st
         self._need(st, PAYLOAD)
         codec = self._need_codec()
@@ -323,7 +312,7 @@ class Executor:
         else:
             st.form = SUM
 
-    def _alltoall_c(self, st: _State, at: _At) -> None:
+    def _alltoall_c(self, st: _State, at: At) -> None:
         s = at.st
         self._need(st, CHUNKS)
         codec = self._need_codec()
@@ -337,7 +326,7 @@ class Executor:
         st.extent = st.extents[me]
         st.form, st.value = SUM, [codec.unflatten(g, mine) for g in got]
 
-    def _gather_c(self, st: _State, at: _At) -> None:
+    def _gather_c(self, st: _State, at: At) -> None:
         s = at.st
         self._need(st, PAYLOAD)
         codec = self._need_codec()
@@ -351,7 +340,7 @@ class Executor:
         else:
             st.value, st.form, st.asleep = None, NONE, s.scope
 
-    def _push_pull(self, st: _State, at: _At) -> None:
+    def _push_pull(self, st: _State, at: At) -> None:
         s = at.st
         self._need(st, DENSE)
         ps = self._need_ps()
@@ -363,7 +352,7 @@ class Executor:
         out = ps.push_pull(key, host, at.step)
         st.value = torch.as_tensor(np.asarray(out, dtype=np.float32)).reshape(-1).to(self.device)
 
-    def _push_pull_c(self, st: _State, at: _At) -> None:
+    def _push_pull_c(self, st: _State, at: At) -> None:
         self._need(st, PAYLOAD)
         ps = self._need_ps()
         if st.origin is None or not st.origin.ps or st.origin.index != at.i:

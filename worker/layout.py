@@ -23,9 +23,24 @@ step semantics themselves are written twice on purpose (``executor.py`` over rea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Extent", "Origin", "Piece", "codec_name", "pieces", "ps_key", "split"]
+from byteps_espresso.strategy.options import Step
+
+__all__ = ["At", "Extent", "Origin", "Piece", "codec_name", "pieces", "ps_key", "split"]
+
+
+@dataclass(frozen=True)
+class At:
+    """Where an interpreter is in an Option: step index, step, tensor name, iteration, and
+    (where the step needs to look ahead) all the Option's steps."""
+
+    i: int
+    st: Step
+    name: str
+    step: int
+    steps: Sequence[Step] = ()
 
 
 @dataclass(frozen=True, order=True)

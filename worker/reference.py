@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from byteps_espresso.worker.codecs import CodecPair
-from byteps_espresso.worker.layout import Extent, Origin, pieces, split
+from byteps_espresso.worker.layout import At, Extent, Origin, pieces, split
 from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy.options import Kind, Option, OptionError, Scope, Step
@@ -75,17 +75,6 @@ class ServerModel:
 
         total = self.codec.aggregate(Device.CPU, payloads, numel, cname, step)
         return self.codec.compress(Device.CPU, total, cname, step)
-
-
-@dataclass(frozen=True)
-class _At:
-    """Where the interpreter is: step index, step, tensor name, iteration (and all steps)."""
-
-    i: int
-    st: Step
-    name: str
-    step: int
-    steps: Sequence[Step] = ()
 
 
 @dataclass
@@ -145,10 +134,10 @@ class Reference:
             if st.kind.is_compute:
                 for r, w in enumerate(ws):
                     if w.asleep is None:
-                        self._compute(self._codec(r), w, _At(i, st, name, step, steps))
+                        self._compute(self._codec(r), w, At(i, st, name, step, steps))
             else:
                 for members in self.topo.all_groups(st.scope):  # type: ignore[arg-type]
-                    self._communicate([ws[r] for r in members], _At(i, st, name, step))
+                    self._communicate([ws[r] for r in members], At(i, st, name, step))
         for r, w in enumerate(ws):
             if w.form != DENSE or w.extent != Extent(0, numel) or w.stack or w.asleep:
                 raise OptionError(f"{option} does not end with the full dense sum on rank {r}")
@@ -158,7 +147,7 @@ class Reference:
         return [w.value.reshape(inputs[0].shape) for w in ws]
 
     # ---- compute steps -----------------------------------------------------------------------
-    def _compute(self, codec: CodecPair, w: _Worker, at: _At) -> None:
+    def _compute(self, codec: CodecPair, w: _Worker, at: At) -> None:
         st, i, steps, name, step = at.st, at.i, at.steps, at.name, at.step
         dev = st.device
 
@@ -196,7 +185,7 @@ class Reference:
         w.form = DENSE
 
     # ---- communication steps -----------------------------------------------------------------
-    def _communicate(self, ws: list[_Worker], at: _At) -> None:
+    def _communicate(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         scope, kind = st.scope, st.kind
         closes = kind in (Kind.BROADCAST, Kind.BROADCAST_C)
@@ -244,7 +233,7 @@ class Reference:
             w.stack.pop()
         return parent
 
-    def _allreduce(self, ws: list[_Worker], at: _At) -> None:
+    def _allreduce(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         self._need(ws, DENSE, st, i)
         self._same_extent(ws, st, i)
@@ -252,7 +241,7 @@ class Reference:
         for w in ws:
             w.value = total.clone()
 
-    def _reduce_scatter(self, ws: list[_Worker], at: _At) -> None:
+    def _reduce_scatter(self, ws: list[_Worker], at: At) -> None:
         st, i, k = at.st, at.i, len(ws)
         self._need(ws, DENSE, st, i)
         ext = self._same_extent(ws, st, i)
@@ -263,7 +252,7 @@ class Reference:
             w.stack.append(("split", st.scope, ext))
             w.value, w.extent = sums[j], shards[j]
 
-    def _allgather(self, ws: list[_Worker], at: _At) -> None:
+    def _allgather(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         self._need(ws, DENSE, st, i)
         parent = self._pop(ws, "split", st, i)
@@ -271,7 +260,7 @@ class Reference:
         for w in ws:
             w.value, w.extent = full.clone(), parent
 
-    def _reduce(self, ws: list[_Worker], at: _At) -> None:
+    def _reduce(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         self._need(ws, DENSE, st, i)
         ext = self._same_extent(ws, st, i)
@@ -283,7 +272,7 @@ class Reference:
             else:
                 w.value, w.form, w.asleep = None, NONE, st.scope
 
-    def _broadcast(self, ws: list[_Worker], at: _At) -> None:
+    def _broadcast(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         root = ws[0]
         if root.form != (DENSE if st.kind is Kind.BROADCAST else PAYLOAD):
@@ -295,7 +284,7 @@ class Reference:
             w.form, w.extent, w.origin = root.form, root.extent, root.origin
             w.value = root.value.clone() if root.form == DENSE else list(root.value)
 
-    def _allgather_c(self, ws: list[_Worker], at: _At) -> None:
+    def _allgather_c(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         self._need(ws, PAYLOAD, st, i)
         undo = all(w.stack and w.stack[-1][:2] == ("split", st.scope) for w in ws)
@@ -310,7 +299,7 @@ class Reference:
             for w in ws:
                 w.form, w.value = SUM, list(payloads)
 
-    def _alltoall_c(self, ws: list[_Worker], at: _At) -> None:
+    def _alltoall_c(self, ws: list[_Worker], at: At) -> None:
         st, i, k = at.st, at.i, len(ws)
         self._need(ws, CHUNKS, st, i)
         ext = self._same_extent(ws, st, i)
@@ -320,7 +309,7 @@ class Reference:
             w.extent = w.extents[j]
             w.form, w.value = SUM, [chunks[src][j] for src in range(k)]
 
-    def _gather_c(self, ws: list[_Worker], at: _At) -> None:
+    def _gather_c(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         self._need(ws, PAYLOAD, st, i)
         ext = self._same_extent(ws, st, i)
@@ -332,7 +321,7 @@ class Reference:
             else:
                 w.value, w.form, w.asleep = None, NONE, st.scope
 
-    def _push_pull(self, ws: list[_Worker], at: _At) -> None:
+    def _push_pull(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         self._need(ws, DENSE, st, i)
         self._same_extent(ws, st, i)
@@ -340,7 +329,7 @@ class Reference:
         for w in ws:
             w.value = total.clone()
 
-    def _push_pull_c(self, ws: list[_Worker], at: _At) -> None:
+    def _push_pull_c(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         self._need(ws, PAYLOAD, st, i)
         ext = self._same_extent(ws, st, i)
