@@ -465,14 +465,22 @@ class Engine:
         """
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        handle = Handle(name)
         lane = self.lane_of(name) if lane is None else lane
-        self._queues[lane].put((handle, name, tensor, option, step))
-        return handle
+        return self.call(lane, lambda ex: ex.run(option, tensor, name=name, step=step), name)
 
     def run(self, name: str, tensor: torch.Tensor, option: Option) -> torch.Tensor:
         """Synchronous :meth:`submit` + wait."""
         return self.submit(name, tensor, option).wait(self.timeout_s)
+
+    def call(self, lane: int, fn: Callable[[Executor], Any], name: str = "call") -> Handle:
+        """Run ``fn(executor of lane)`` on the lane's thread, after the work already queued.
+
+        Used to measure costs inside the lanes while training runs (the start-up profile); a
+        ``fn`` that issues collectives must be queued at the same point on every rank.
+        """
+        handle = Handle(name)
+        self._queues[lane % self.lanes].put((handle, fn))
+        return handle
 
     def _loop(self, lane: int) -> None:
         executor = self.executors[lane]
@@ -480,11 +488,11 @@ class Engine:
             item = self._queues[lane].get()
             if item is _STOP:
                 return
-            handle, name, tensor, option, step = item
+            handle, fn = item
             if not handle._future.set_running_or_notify_cancel():
                 continue
             try:
-                handle._future.set_result(executor.run(option, tensor, name=name, step=step))
+                handle._future.set_result(fn(executor))
             except BaseException as exc:
                 log.error("%s", exc)
                 handle._future.set_exception(exc)

@@ -37,7 +37,7 @@ from byteps_espresso.worker.session import Session, current
 
 from byteps_espresso.strategy.options import Option
 
-__all__ = ["Compression", "CompressionSpec", "DistributedOptimizer"]
+__all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "StartupProfile"]
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,29 @@ class CompressionSpec(abc.ABC):
     def codec(self, session: Session) -> CodecPair | None:
         """The compressor the Options use (None for uncompressed)."""
 
+    def probes(self, session: Session, numels: Sequence[int]) -> Any | None:
+        """Cost probes to run in the lanes during the profiled iterations (None: none)."""
+        return None
+
     @abc.abstractmethod
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> tuple[dict[str, Option], list[str] | None]:
         """Options per tensor name, and optionally a new submission order (backward order)."""
+
+
+@dataclass
+class StartupProfile:
+    """What the profiled iterations measured, handed to :meth:`CompressionSpec.plan`.
+
+    Attributes:
+        ready: per iteration, {tensor name: time its gradient was ready} (perf_counter s).
+        starts: per iteration, when it began (the previous step's end).
+        probes: the spec's lane probes (see :meth:`CompressionSpec.probes`), or None.
+    """
+
+    ready: list[dict[str, float]]
+    starts: list[float]
+    probes: Any | None = None
 
 
 @dataclass(frozen=True)
@@ -174,8 +193,12 @@ class _Sync:
         self.options: dict[str, Option] | None = None
         self.world = self.session.runtime.topology.world_size
         self._profile_steps = compression.profile_steps(self.session)
+        self.probes = None
         if self._profile_steps == 0:
             self._apply_plan(None)
+        else:
+            self.probes = compression.probes(self.session,
+                                             [self.numel[name] for name in self.order])
         for name in self.order:
             self.params[name].register_post_accumulate_grad_hook(self._hook(name))
 
@@ -206,16 +229,22 @@ class _Sync:
 
     def _dispatch(self) -> None:
         while self.next < len(self.order) and self._ready(self.order[self.next]):
-            self._submit(self.order[self.next])
-            self.next += 1
+            self._submit_next()
+
+    def _submit_next(self) -> None:
+        self._submit(self.order[self.next])
+        self.next += 1
+        # Probes follow the first gradient of a profiled iteration: the same point of every
+        # rank's submission order, with the rest of backward still to run.
+        if self.next == 1 and self.options is None and self.probes is not None:
+            self.probes.issue(self.engine, self.iteration)
 
     def pending(self) -> bool:
         return bool(self.handles)
 
     def synchronize(self) -> None:
         while self.next < len(self.order):  # parameters without (enough) gradients
-            self._submit(self.order[self.next])
-            self.next += 1
+            self._submit_next()
         timeout = self.session.runtime.cfg.op_timeout_s
         for name, handle in self.handles.items():
             total = handle.wait(timeout)
@@ -232,7 +261,9 @@ class _Sync:
         if self.options is None:
             self.starts.append(time.perf_counter())
             if self.iteration >= self._profile_steps:
-                self._apply_plan((self.ready_times, self.starts))
+                if self.probes is not None:
+                    self.probes.wait(timeout)
+                self._apply_plan(StartupProfile(self.ready_times, self.starts, self.probes))
 
     def _apply_plan(self, profile: Any | None) -> None:
         tensors = [(name, self.numel[name]) for name in self.order]

@@ -1,20 +1,30 @@
 """Profiling at start-up and planning: from measured iterations to a per-tensor Strategy.
 
 For the first ``ESPRESSO_PROFILE_STEPS`` iterations the optimizer synchronizes uncompressed
-and its hooks record when each gradient becomes ready. Then every rank calls
-:meth:`EspressoSpec.plan`, which
+and its hooks record when each gradient becomes ready. During the same iterations
+:class:`LaneProbes` measures every cost the planner needs *inside the engine's lanes, while
+backward runs on every rank*: right after the first gradient of an iteration is handed over,
+one lane runs a round of link probes (all-reduces of two sizes on the intra and inter groups,
+push/pulls of two sizes through the servers) and another times the compressor on the
+model's own tensor sizes on both devices (torch backend on the training device, numba
+backend through the host pool). The costs are therefore measured under the same contention
+as the Options that will run there: other workers sharing the host, the backward pass, the
+interpreter lock, the peers' skew. (Probes taken while training is paused saw 0.4-0.8 ms per
+collective where training saw 1-7 ms on a host whose cores the local workers share; see
+BENCHMARKS.md, "Worker runtime".) The first profiled iteration warms the probes up (numba
+compilation, PS keys) and is not used.
+
+After the last profiled iteration every rank calls :meth:`EspressoSpec.plan`, which
 
 1. builds the :class:`~byteps_espresso.strategy.Workload` from rank 0's ready times (backward
    order of the last profiled iteration; median gaps over the profiled iterations after the
    first, which includes warm-up);
-2. probes the links: all-reduces of two sizes on the intra and inter groups (every machine and
-   local rank at once, as in training) and, with servers, push/pulls of two sizes, inverted
-   through the ring all-reduce model ``t = 2(k-1) a + 2(k-1)/k n/B`` (and ``t = 2a + 2n/B``
-   for a push/pull) into latency ``a`` and bandwidth ``B``;
-3. times the compressor on the model's own tensor sizes on both devices (torch backend on the
-   training device, numba backend on the host) and fits
-   :class:`~byteps_espresso.strategy.CompressorCosts`;
-4. on rank 0 plans with the strategy engine, logs the one-screen summary, writes workload,
+2. inverts the median probe times through the ring all-reduce model
+   ``t = 2(k-1) a + 2(k-1)/k n/B`` (and ``t = 2a + 2n/B`` for a push/pull) into latency ``a``
+   and bandwidth ``B`` per path, and fits :class:`~byteps_espresso.strategy.CompressorCosts`
+   to the median compressor timings (with fewer than two profiled iterations it probes once
+   more with training paused instead);
+3. on rank 0 plans with the strategy engine, logs the one-screen summary, writes workload,
    cluster, costs and strategy JSON to ``ESPRESSO_PROFILE_OUT`` when set, and broadcasts the
    strategy as JSON bytes (no pickle); every rank rebuilds the same Strategy from them.
 """
@@ -38,8 +48,9 @@ from byteps_espresso.worker.session import Session
 
 from byteps_espresso.strategy.options import Device, Option, Scope
 
-__all__ = ["EspressoSpec", "StrategyFileSpec", "default_error_feedback", "measure_cluster",
-           "measure_costs", "workload_from_ready_times"]
+__all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
+           "measure_cluster", "measure_costs", "ready_offsets", "workload_from_offsets",
+           "workload_from_ready_times"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +61,8 @@ _NEEDS_EF = frozenset({"topk", "dgc", "efsignsgd", "onebit", "randomk"})
 # Link probe sizes in float32 elements: a latency-bound and a bandwidth-bound message.
 _PROBE_SMALL, _PROBE_LARGE = 256, 1 << 20
 _PROBE_REPS = 5
+# Timed calls per probe in each profiled iteration (the lanes' probes; medians are taken).
+_LANE_REPS = 3
 # Compressor timing repetitions per size (median taken); sizes capped to keep start-up short.
 _TIMING_REPS = 3
 _MAX_TIMED_SIZES = 6
@@ -69,40 +82,73 @@ def _codec(session: Session, compressor: str, params: Mapping[str, Any],
 
 
 # ---- workload ----------------------------------------------------------------------------------
-def workload_from_ready_times(ready: Sequence[Mapping[str, float]], starts: Sequence[float],
-                              numel: Mapping[str, int], model: str = "profiled") -> Any:
-    """A Workload from per-iteration gradient ready times (perf_counter seconds).
+def ready_offsets(ready: Sequence[Mapping[str, float]], starts: Sequence[float],
+                  names: Sequence[str]) -> np.ndarray:
+    """Per iteration and tensor, microseconds from the iteration's start to the gradient.
 
     Args:
-        ready: per iteration, {tensor name: time its gradient was ready}.
+        ready: per iteration, {tensor name: time its gradient was ready} (perf_counter s).
         starts: per iteration, when it began (the previous step's end).
-        numel: element count per tensor.
+        names: the tensors, in a fixed order (the columns).
 
     Returns:
-        ``strategy.Workload`` in the backward order of the last iteration; ``forward_us`` is
-        the median time from iteration start to the first gradient.
+        float64 array (iterations x tensors); NaN where a gradient was not seen.
+    """
+    # Every rank profiled the same iterations (len(starts) - 1), even where a rank's hooks
+    # saw nothing in one of them, so the rows line up across ranks.
+    rows = len(starts) - 1 if starts else len(ready)
+    out = np.full((rows, len(names)), np.nan)
+    for it, times in enumerate(ready[:rows]):
+        for j, name in enumerate(names):
+            if name in times:
+                out[it, j] = (times[name] - starts[it]) * 1e6
+    return out
+
+
+def workload_from_offsets(offsets: np.ndarray, names: Sequence[str],
+                          numel: Mapping[str, int], model: str = "profiled") -> Any:
+    """A Workload from :func:`ready_offsets` (one rank's, or the maximum over ranks).
+
+    With the maximum over ranks a gradient counts as ready when the slowest worker has it,
+    which is when a collective on it can complete; on a host whose cores the local workers
+    share, the workers drift ms apart within an iteration.
+
+    Returns:
+        ``strategy.Workload`` in the backward order of the last usable iteration;
+        ``forward_us`` is the median time from iteration start to the first gradient and
+        each gap the median over the usable iterations after the first (warm-up).
     """
     from byteps_espresso.strategy import TensorProfile, Workload
 
-    usable = [i for i in range(len(ready)) if len(ready[i]) == len(numel)]
+    usable = [i for i in range(offsets.shape[0]) if not np.isnan(offsets[i]).any()]
     if not usable:
         raise ValueError("no profiled iteration saw every gradient; are some parameters unused? "
                          "set ESPRESSO_PROFILE_STEPS higher or pass only used parameters")
     iters = usable[1:] or usable  # the first iteration includes warm-up
-    order = sorted(numel, key=lambda n: ready[iters[-1]][n])
-    gaps = {name: [] for name in order}
-    forward = []
-    for it in iters:
-        times = ready[it]
-        forward.append((times[order[0]] - starts[it]) * 1e6)
-        prev = times[order[0]]
-        for name in order:
-            gaps[name].append(max(0.0, (times[name] - prev) * 1e6))
-            prev = max(prev, times[name])
-    tensors = tuple(TensorProfile(n, int(numel[n]), float(statistics.median(gaps[n])))
-                    for n in order)
-    return Workload(tensors, forward_us=max(1.0, float(statistics.median(forward))), model=model,
+    order = np.argsort(offsets[iters[-1]], kind="stable")
+    ordered = np.maximum.accumulate(offsets[iters][:, order], axis=1)
+    gaps = np.diff(ordered, axis=1, prepend=ordered[:, :1])
+    median_gaps = np.median(gaps, axis=0)
+    tensors = tuple(TensorProfile(names[j], int(numel[names[j]]), float(g))
+                    for j, g in zip(order, median_gaps, strict=True))
+    return Workload(tensors, forward_us=max(1.0, float(np.median(ordered[:, 0]))), model=model,
                     source="measured by byteps_espresso.worker.profiler")
+
+
+def workload_from_ready_times(ready: Sequence[Mapping[str, float]], starts: Sequence[float],
+                              numel: Mapping[str, int], model: str = "profiled") -> Any:
+    """A Workload from one rank's ready times (see :func:`ready_offsets`)."""
+    names = list(numel)
+    return workload_from_offsets(ready_offsets(ready, starts, names), names, numel, model)
+
+
+def _slowest_offsets(session: Session, offsets: np.ndarray) -> np.ndarray:
+    """The element-wise maximum of every rank's :func:`ready_offsets` (all ranks call it)."""
+    transport = session.runtime.transports[0]
+    world = session.runtime.topology.world_size
+    mine = torch.from_numpy(offsets.astype(np.float64).reshape(-1))
+    every = transport.allgather(Scope.FLAT, mine, [mine.numel()] * world)
+    return every.reshape(world, *offsets.shape).numpy().max(axis=0)  # NaN anywhere stays NaN
 
 
 # ---- links ---------------------------------------------------------------------------------------
@@ -172,14 +218,14 @@ def measure_cluster(session: Session) -> Any:
     intra_lat, intra_gbps = _probe_allreduce(session, Scope.INTRA)
     inter_lat, inter_gbps = _probe_allreduce(session, Scope.INTER)
     servers = rt.cfg.num_servers
-    server_gbps = 0.0
+    server_gbps, server_lat = 0.0, None
     if servers:
-        _, server_gbps = _probe_ps(session)
+        server_lat, server_gbps = _probe_ps(session)
     return Cluster(machines=topo.machines, gpus_per_machine=topo.local_size,
                    intra_gbps=intra_gbps, intra_latency_us=intra_lat, inter_gbps=inter_gbps,
                    inter_latency_us=inter_lat, servers=servers, server_gbps=server_gbps,
                    cpu_threads=rt.cfg.cpu_threads, h2d_gbps=_copy_gbps(rt.device),
-                   intra_link="measured")
+                   intra_link="measured", server_latency_us=server_lat)
 
 
 # ---- compressor costs ------------------------------------------------------------------------
@@ -193,6 +239,28 @@ def _timed_sizes(numels: Sequence[int]) -> list[int]:
     return sizes
 
 
+def _isolated_samples(codec: CodecPair, numels: Sequence[int], device: torch.device,
+                      devices: dict[Device, str]) -> list[dict[str, Any]]:
+    """Timings of the bare codec, one call at a time; ``devices`` maps the device run on to
+    the profile entry the sample is for."""
+    # Time the bare codec: error-feedback state must not be touched by the probes.
+    bare = CodecPair(codec.name, codec.params, device=device)
+    samples = []
+    for n in _timed_sizes(numels):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device)
+        for dev, entry in devices.items():
+            payload = bare.compress(dev, x, "espresso.probe", 0)
+            comp_us = _time(lambda dev=dev, x=x: bare.compress(dev, x, "espresso.probe", 0),
+                            _TIMING_REPS)
+            dec_us = _time(lambda dev=dev, p=payload, n=n: bare.decompress(
+                dev, p, n, "espresso.probe", 0), _TIMING_REPS)
+            samples.append({"compressor": codec.name, "device": entry, "op": "compress",
+                            "numel": n, "us": comp_us})
+            samples.append({"compressor": codec.name, "device": entry, "op": "decompress",
+                            "numel": n, "us": dec_us})
+    return samples
+
+
 def measure_costs(codec: CodecPair, numels: Sequence[int], device: torch.device) -> Any:
     """Time compress and decompress on both devices for the model's tensor sizes.
 
@@ -201,24 +269,178 @@ def measure_costs(codec: CodecPair, numels: Sequence[int], device: torch.device)
     """
     from byteps_espresso.strategy import CompressorCosts
 
-    # Time the bare codec: error-feedback state must not be touched by the probes.
-    bare = CodecPair(codec.name, codec.params, device=device)
-    samples = []
-    for n in _timed_sizes(numels):
-        x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device)
-        for dev in (Device.GPU, Device.CPU):
-            payload = bare.compress(dev, x, "espresso.probe", 0)
-            comp_us = _time(lambda dev=dev, x=x: bare.compress(dev, x, "espresso.probe", 0),
-                            _TIMING_REPS)
-            dec_us = _time(lambda dev=dev, p=payload, n=n: bare.decompress(
-                dev, p, n, "espresso.probe", 0), _TIMING_REPS)
-            samples.append({"compressor": codec.name, "device": dev.value, "op": "compress",
-                            "numel": n, "us": comp_us})
-            samples.append({"compressor": codec.name, "device": dev.value, "op": "decompress",
-                            "numel": n, "us": dec_us})
+    samples = _isolated_samples(codec, numels, device, {Device.GPU: "gpu", Device.CPU: "cpu"})
     return CompressorCosts.fit(samples, note=f"measured at start-up on {device} (gpu) and "
                                "the host (cpu) by byteps_espresso.worker.profiler",
                                params={codec.name: dict(codec.params)})
+
+
+# ---- probes inside the lanes, during the profiled iterations --------------------------------
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class LaneProbes:
+    """Link and compressor probes run in the engine's lanes during profiled iterations.
+
+    :meth:`issue` is called by the optimizer right after it hands over the first gradient of
+    each profiled iteration, so the probes run next to the rest of the backward pass and the
+    fp32 synchronization, on every rank at the same point of the lanes' order (collectives
+    must be issued in the same order everywhere). Iteration 0 is a warm-up: its timings are
+    dropped. The planner uses the medians over the later iterations.
+
+    Args:
+        session: the process's session (topology, servers, device, host pool).
+        codec: the job's compressor (None: links only).
+        numels: the model's tensor sizes (the compressor is timed on up to
+            ``_MAX_TIMED_SIZES`` of them).
+    """
+
+    def __init__(self, session: Session, codec: CodecPair | None, numels: Sequence[int]) -> None:
+        rt = session.runtime
+        self.topology = rt.topology
+        self.device = rt.device
+        self.servers = rt.cfg.num_servers
+        self.cpu_threads = rt.cfg.cpu_threads
+        self.codec = None if codec is None else CodecPair(codec.name, codec.params,
+                                                          device=rt.device)
+        self.links: dict[tuple[str, int], list[float]] = {}
+        self.compressor: dict[tuple[str, str, int], list[float]] = {}
+        self.handles: list[Any] = []
+        self.rounds = 0
+        self._probe = {n: torch.ones(n, device=rt.device) for n in (_PROBE_SMALL, _PROBE_LARGE)}
+        self._host = {n: np.ones(n, dtype=np.float32) for n in (_PROBE_SMALL, _PROBE_LARGE)}
+        self._timed = {n: torch.randn(n, generator=torch.Generator().manual_seed(n)).to(rt.device)
+                       for n in (_timed_sizes(numels) if codec is not None else [])}
+        if self.codec is not None:  # load the kernels now, not in a lane during backward
+            x = next(iter(self._timed.values()))
+            for dev in (Device.GPU, Device.CPU):
+                payload = self.codec.compress(dev, x, "espresso.probe", 0)
+                self.codec.decompress(dev, payload, x.numel(), "espresso.probe", 0)
+
+    # ---- issuing -----------------------------------------------------------------------------
+    def issue(self, engine: Any, iteration: int) -> None:
+        """Queue one round of probes in the lanes (same call on every rank)."""
+        keep = iteration > 0
+        self.rounds += keep
+        # One lane probes per round (the lanes take turns): probes on several lanes at once
+        # would split the links between them and read as less bandwidth.
+        lane = iteration % engine.lanes
+        self.handles.append(engine.call(lane, lambda ex: self._links(ex, lane, keep),
+                                        "espresso.probe.links"))
+        if self.codec is not None:
+            self.handles.append(engine.call(iteration + 1, lambda ex: self._codec(ex, keep),
+                                            "espresso.probe.codec"))
+
+    def wait(self, timeout: float) -> None:
+        """Wait for every probe queued so far (raises a probe's error)."""
+        for handle in self.handles:
+            handle.wait(timeout)
+        self.handles.clear()
+
+    @property
+    def complete(self) -> bool:
+        """Whether at least one round after the warm-up was measured."""
+        return self.rounds > 0
+
+    # ---- the probes (lane threads) -----------------------------------------------------------
+    def _timed_call(self, fn: Any, pool: Any = None) -> tuple[Any, float]:
+        """(fn(), microseconds); in ``pool`` when given, as the executor runs cpu steps."""
+        t0 = time.perf_counter()
+        out = pool.submit(fn).result() if pool is not None else fn()
+        _synchronize(self.device)
+        return out, (time.perf_counter() - t0) * 1e6
+
+    def _links(self, ex: Any, lane: int, keep: bool) -> None:
+        # Each timed call follows an untimed small one on the same path: that one absorbs the
+        # members' skew (how far apart they reached this point), which is not a link cost.
+        small = self._probe[_PROBE_SMALL]
+        for scope in (Scope.INTRA, Scope.INTER):
+            if self.topology.size(scope) < 2:
+                continue
+            for n, x in self._probe.items():
+                for _ in range(_LANE_REPS):
+                    ex.transport.allreduce(scope, small)
+                    _, us = self._timed_call(
+                        lambda x=x, scope=scope: ex.transport.allreduce(scope, x))
+                    if keep:
+                        self.links.setdefault((scope.value, n), []).append(us)
+        if self.servers and ex.ps is not None:
+            for n, x in self._host.items():
+                key = f"espresso.probe.lane{lane}.{n}"  # a lane's rounds follow its own order
+                ex.ps.declare(key, n, list(range(self.topology.world_size)))
+                for _ in range(_LANE_REPS):
+                    ex.ps.push_pull(key, x, ex.ps.next_probe_round(key))
+                    _, us = self._timed_call(
+                        lambda key=key, x=x: ex.ps.push_pull(key, x, ex.ps.next_probe_round(key)))
+                    if keep:
+                        self.links.setdefault(("ps", n), []).append(us)
+
+    def _codec(self, ex: Any, keep: bool) -> None:
+        codec = self.codec
+        assert codec is not None
+        for n, x in self._timed.items():
+            for dev in (Device.GPU, Device.CPU):
+                pool = ex.cpu_pool if dev is Device.CPU else None
+                payload, comp = self._timed_call(
+                    lambda dev=dev, x=x: codec.compress(dev, x, "espresso.probe", 0), pool)
+                _, dec = self._timed_call(lambda dev=dev, p=payload, n=n: codec.decompress(
+                    dev, p, n, "espresso.probe", 0), pool)
+                if keep:
+                    self.compressor.setdefault((dev.value, "compress", n), []).append(comp)
+                    self.compressor.setdefault((dev.value, "decompress", n), []).append(dec)
+
+    # ---- results -----------------------------------------------------------------------------
+    def _median(self, key: tuple[str, int]) -> float:
+        return statistics.median(self.links[key])
+
+    def cluster(self, h2d_gbps: float) -> Any:
+        """``strategy.Cluster`` from the medians of the probes."""
+        from byteps_espresso.strategy import Cluster
+
+        lat: dict[str, float] = {}
+        gbps: dict[str, float] = {}
+        for scope in (Scope.INTRA, Scope.INTER):
+            k = self.topology.size(scope)
+            if k < 2:
+                lat[scope.value], gbps[scope.value] = 0.0, 1e4
+                continue
+            lat[scope.value], gbps[scope.value] = _invert(
+                self._median((scope.value, _PROBE_SMALL)),
+                self._median((scope.value, _PROBE_LARGE)), 2 * (k - 1), 2 * (k - 1) / k)
+        server_gbps, server_lat = 0.0, None
+        if self.servers:
+            server_lat, per_worker = _invert(self._median(("ps", _PROBE_SMALL)),
+                                    self._median(("ps", _PROBE_LARGE)), 2, 2)
+            # Every worker pushes and pulls through the servers at once.
+            server_gbps = per_worker * self.topology.world_size / self.servers
+        return Cluster(machines=self.topology.machines, gpus_per_machine=self.topology.local_size,
+                       intra_gbps=gbps["intra"], intra_latency_us=lat["intra"],
+                       inter_gbps=gbps["inter"], inter_latency_us=lat["inter"],
+                       servers=self.servers, server_gbps=server_gbps,
+                       cpu_threads=self.cpu_threads, h2d_gbps=h2d_gbps, intra_link="measured",
+                       server_latency_us=server_lat)
+
+    def costs(self, numels: Sequence[int]) -> Any:
+        """``strategy.CompressorCosts`` fitted to the median timings in the lanes, plus a
+        ``server`` profile: the numba kernels timed alone, as the PS servers run them (the
+        lanes' ``cpu`` timings include the workers' contention, which the servers' own
+        processes do not share)."""
+        from byteps_espresso.strategy import CompressorCosts
+
+        codec = self.codec
+        assert codec is not None
+        samples = [{"compressor": codec.name, "device": dev, "op": op, "numel": n,
+                    "us": statistics.median(us)}
+                   for (dev, op, n), us in sorted(self.compressor.items())]
+        if self.servers:
+            samples += _isolated_samples(codec, numels, self.device, {Device.CPU: "server"})
+        return CompressorCosts.fit(samples, note=f"measured in the lanes during the profiled "
+                                   f"iterations on {self.device} (gpu) and the host pool (cpu); "
+                                   "server: the numba kernels alone; by "
+                                   "byteps_espresso.worker.profiler",
+                                   params={codec.name: dict(codec.params)})
 
 
 # ---- the compression specs -------------------------------------------------------------------
@@ -238,19 +460,31 @@ class EspressoSpec(CompressionSpec):
     def codec(self, session: Session) -> CodecPair | None:
         return _codec(session, self.compressor, self.params, self.error_feedback)
 
+    def probes(self, session: Session, numels: Sequence[int]) -> LaneProbes | None:
+        # One round is the warm-up; without a second there is nothing to measure in the lanes.
+        if self.profile_steps(session) < 2:
+            return None
+        return LaneProbes(session, self.codec(session), numels)
+
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> tuple[dict[str, Option], list[str] | None]:
         from byteps_espresso.strategy import Strategy, plan
 
         rt = session.runtime
         numel = dict(tensors)
-        cluster = measure_cluster(session)
+        names = list(numel)
+        ready, starts = (profile.ready, profile.starts) if profile is not None else ([], [])
+        offsets = _slowest_offsets(session, ready_offsets(ready, starts, names))
+        probes = getattr(profile, "probes", None)
+        in_lanes = probes is not None and probes.complete
+        # Paused probes are collectives too: every rank takes them, or none does.
+        cluster = probes.cluster(_copy_gbps(rt.device)) if in_lanes else measure_cluster(session)
         data: bytes | None = None
         if rt.topology.rank == 0:
-            ready, starts = profile if profile is not None else ([], [])
-            workload = workload_from_ready_times(ready, starts, numel)
+            workload = workload_from_offsets(offsets, names, numel)
             codec = self.codec(session)
-            costs = measure_costs(codec, list(numel.values()), rt.device)  # type: ignore[union-attr]
+            costs = probes.costs(list(numel.values())) if in_lanes else measure_costs(
+                codec, list(numel.values()), rt.device)  # type: ignore[arg-type]
             t0 = time.perf_counter()
             strategy = plan(workload, cluster, self.compressor, dict(self.params),
                             algorithm=self.algorithm, constraints=self.constraints, costs=costs)

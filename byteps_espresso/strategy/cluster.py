@@ -73,6 +73,9 @@ class Cluster:
         h2d_gbps: host<->device copy bandwidth per GPU.
         server_threads: aggregation threads per server.
         intra_link: the preset name the intra link came from, or "custom".
+        server_latency_us: one-way latency of a push or a pull through the servers (None:
+            ``inter_latency_us``). The PS path has its own transport, so a measured profile
+            sets it apart from the collectives' per-hop latency.
     """
 
     machines: int
@@ -87,6 +90,7 @@ class Cluster:
     h2d_gbps: float = DEFAULT_H2D_GBPS
     server_threads: int = DEFAULT_SERVER_THREADS
     intra_link: str = "custom"
+    server_latency_us: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("machines", "gpus_per_machine", "cpu_threads", "server_threads"):
@@ -103,12 +107,22 @@ class Cluster:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ClusterError(f"field {name!r} must be a number >= 0, got {value!r}")
+        lat = self.server_latency_us
+        if lat is not None and (isinstance(lat, bool) or not isinstance(lat, int | float)
+                                or not lat >= 0):
+            raise ClusterError(f"field 'server_latency_us' must be a number >= 0 or null, "
+                               f"got {lat!r}")
         if self.servers and not self.server_gbps > 0:
             raise ClusterError("field 'server_gbps' must be > 0 when 'servers' > 0")
 
     @property
     def world_size(self) -> int:
         return self.machines * self.gpus_per_machine
+
+    @property
+    def ps_latency_us(self) -> float:
+        """One-way latency of the PS path."""
+        return self.inter_latency_us if self.server_latency_us is None else self.server_latency_us
 
     @property
     def hierarchical(self) -> bool:

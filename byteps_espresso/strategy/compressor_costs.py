@@ -6,7 +6,9 @@ Each (compressor, device) has two linear models fitted to measurements, in micro
     decompress_sum_us(n, q)     = q * (a_d + b_d * n)    # q payloads of n elements each
 
 ``gpu`` is the training device (torch backend), ``cpu`` one host thread (numba backend); the
-cost model divides CPU work among the threads a machine's workers share. The JSON file::
+cost model divides CPU work among the threads a machine's workers share. An optional
+``server`` entry prices the PS servers' aggregation (numba kernels in the server processes);
+without it they are priced like ``cpu``. The JSON file::
 
     {"note": "measured on ... with ...", "dense_sum": {"a_us": .., "b_us": ..},
      "compressors": {"randomk": {"params": {"ratio": 0.01},
@@ -38,7 +40,9 @@ from byteps_espresso.strategy.workload import atomic_write_text, read_json
 
 __all__ = ["DEVICES", "OPS", "CompressorCosts", "CostsError", "Linear"]
 
-DEVICES = ("gpu", "cpu")
+# "server": the PS servers' aggregation kernels, timed on their own; optional, "cpu" when
+# absent (a worker's "cpu" profile may be measured under the training's contention).
+DEVICES = ("gpu", "cpu", "server")
 OPS = ("compress", "decompress")
 
 
@@ -126,6 +130,10 @@ class CompressorCosts:
         ops = self.models.get(compressor, {}).get(device, {})
         return all(op in ops for op in OPS)
 
+    def server_device(self, compressor: str) -> str:
+        """The profile the PS aggregation is priced with: ``server`` if present, else ``cpu``."""
+        return "server" if self.has(compressor, "server") else "cpu"
+
     def compress_us(self, compressor: str, device: str, numel: Any) -> Any:
         """Time to compress ``numel`` elements on ``device`` (one thread for ``cpu``)."""
         return self._model(compressor, device, "compress")(numel)
@@ -190,7 +198,7 @@ class CompressorCosts:
             if isinstance(entry.get("params"), dict):
                 params[comp] = dict(entry["params"])
             devices = [d for d in DEVICES if d in entry]
-            if not devices:
+            if not set(devices) & {"gpu", "cpu"}:
                 raise CostsError(f"{where}: field 'compressors.{comp}' needs 'gpu' and/or 'cpu'")
             for dev in devices:
                 for op in OPS:

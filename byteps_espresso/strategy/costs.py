@@ -360,7 +360,7 @@ def _ps_tasks(pr: Pricer, st: _WalkState, c: _Comm, nbytes: np.ndarray,
     pushers = cl.world_size if c.scope is Scope.FLAT else cl.machines * k
     nic = k * nbytes / pr._b_inter
     srv = pushers * nbytes / (cl.servers * pr._b_server)
-    one_way = cl.inter_latency_us + np.maximum(nic, srv)
+    one_way = cl.ps_latency_us + np.maximum(nic, srv)
     return [(INTER, one_way), (SERVER, server_us), (INTER, one_way.copy())]
 
 
@@ -384,8 +384,9 @@ def _push_pull_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.nda
     if pr.free_compression:
         work = np.zeros_like(c.e)
     else:
-        per_key = (pr.costs.decompress_us(pr.compressor, "cpu", c.e, pushers)
-                   + pr.costs.compress_us(pr.compressor, "cpu", c.e))
+        dev = pr.costs.server_device(pr.compressor)
+        per_key = (pr.costs.decompress_us(pr.compressor, dev, c.e, pushers)
+                   + pr.costs.compress_us(pr.compressor, dev, c.e))
         work = per_key * keys / (cl.servers * cl.server_threads)
     st.pending = (c.e, 1)
     return _ps_tasks(pr, st, c, pr.sizes(c.e), work)

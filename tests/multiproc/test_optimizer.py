@@ -8,6 +8,7 @@ re-computation (the average over workers of the gradients, accumulated over
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -63,3 +64,31 @@ def test_workers_stay_identical_and_match_single_process(tmp_path, cluster, case
         np.testing.assert_allclose(got[0], expected[step], rtol=rtol, atol=rtol)
     for r in range(WORLD):
         assert np.array_equal(np.load(tmp_path / f"ranks_{r}.npy"), np.full(5, 6.0, np.float32))
+
+
+@pytest.mark.timeout(200)
+def test_profiled_iterations_with_lane_probes_stay_exact_and_plan(tmp_path, cluster):
+    """Every step profiled: the lanes run link and compressor probes next to the fp32
+    synchronization; results stay exact, and the plan after the last step uses the probes."""
+    steps = 4
+    out = tmp_path / "profile"
+    env = {"ESPRESSO_PROFILE_STEPS": str(steps), "ESPRESSO_PROFILE_OUT": str(out)}
+    with cluster.ps_job(servers=1) as root:
+        cluster.run_workers("optimizer_worker.py", [str(tmp_path), "espresso", "1", str(steps)],
+                            root_port=root, servers=1, timeout=150, extra_env=env)
+    expected = _expected(1, steps)
+    for step in range(steps):
+        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
+        for r in range(1, WORLD):
+            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+        np.testing.assert_allclose(got[0], expected[step], rtol=1e-5, atol=1e-5)
+    cluster_json = json.loads((out / "cluster.json").read_text())
+    assert cluster_json["intra_link"] == "measured"
+    assert cluster_json["server_latency_us"] is not None and cluster_json["server_gbps"] > 0
+    costs = json.loads((out / "costs.json").read_text())
+    assert "in the lanes" in costs["note"]
+    assert set(costs["compressors"]["randomk"]) >= {"gpu", "cpu", "server"}
+    workload = json.loads((out / "workload.json").read_text())
+    assert sorted(t["name"] for t in workload["tensors"]) == ["0.bias", "0.weight", "2.bias",
+                                                              "2.weight"]
+    assert all(t["ready_gap_us"] >= 0 for t in workload["tensors"])

@@ -119,3 +119,51 @@ def test_linear_fit_recovers_coefficients():
                                  for op in ("compress", "decompress") for x in xs])
     assert costs.compress_us("x", "cpu", 1000) == pytest.approx(3.0)
     assert costs.decompress_us("x", "gpu", 1000, 4) == pytest.approx(12.0)
+
+
+def _ps_tasks(cluster, costs, option):
+    pricer = Pricer(cluster, "fp16", FP16, costs, [1000])
+    return pricer.tasks(Option.parse(option))
+
+
+def test_push_pull_uses_the_servers_own_latency_when_measured():
+    base = Cluster(machines=2, gpus_per_machine=1, intra_gbps=8.0, intra_latency_us=0.0,
+                   inter_gbps=8.0, inter_latency_us=10.0, servers=1, server_gbps=8.0,
+                   cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
+    # push and pull: 4000 bytes over the NIC (4 us) and 2 pushers x 4000 bytes into one
+    # server (8 us): max 8 us per direction plus the one-way latency.
+    push_pull = "PushPull(flat)"
+    inherited = _ps_tasks(base, COSTS, push_pull)
+    assert inherited.duration[0][0] == pytest.approx(10.0 + 8.0)
+    measured = _ps_tasks(base.with_(server_latency_us=3.0), COSTS, push_pull)
+    assert measured.duration[0][0] == pytest.approx(3.0 + 8.0)
+    assert measured.duration[0][2] == pytest.approx(3.0 + 8.0)
+    assert base.ps_latency_us == 10.0 and base.with_(server_latency_us=0.0).ps_latency_us == 0.0
+
+
+def test_server_aggregation_uses_the_server_profile_when_present():
+    cluster = Cluster(machines=2, gpus_per_machine=1, intra_gbps=8.0, intra_latency_us=0.0,
+                      inter_gbps=8.0, inter_latency_us=0.0, servers=1, server_gbps=8.0,
+                      cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
+    option = "Comp(gpu) -> PushPullC(flat) -> Decomp(gpu)"
+    # Without a server profile: 2 pushers' payloads decompressed (1 us each) + 1 compress (3).
+    as_cpu = _ps_tasks(cluster, COSTS, option)
+    server_task = list(as_cpu.resource).index(4)
+    assert as_cpu.duration[0][server_task] == pytest.approx(2 * 1.0 + 3.0)
+    with_server = CompressorCosts({"fp16": {
+        **COSTS.models["fp16"],
+        "server": {"compress": Linear(0.5, 0.0), "decompress": Linear(0.25, 0.0)}}})
+    assert with_server.server_device("fp16") == "server" and COSTS.server_device("fp16") == "cpu"
+    own = _ps_tasks(cluster, with_server, option)
+    assert own.duration[0][server_task] == pytest.approx(2 * 0.25 + 0.5)
+    # and the JSON round trip keeps it
+    again = CompressorCosts.from_dict(with_server.to_dict())
+    assert again.compress_us("fp16", "server", 10) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("bad", [-1.0, "3", True])
+def test_server_latency_must_be_a_number(bad):
+    from byteps_espresso.strategy import ClusterError
+
+    with pytest.raises(ClusterError, match="server_latency_us"):
+        CLUSTER.with_(server_latency_us=bad)

@@ -1,6 +1,8 @@
 """Worker of test_optimizer: trains a small model with the drop-in API, saves parameters.
 
-Usage: optimizer_worker.py OUT_DIR COMPRESSION PASSES STEPS. Each rank's batches are drawn
+Usage: optimizer_worker.py OUT_DIR COMPRESSION PASSES STEPS. COMPRESSION is a name of
+``bps.Compression`` or ``espresso`` (random-k planned after ESPRESSO_PROFILE_STEPS uncompressed
+iterations). Each rank's batches are drawn
 from a generator seeded by (rank, step, pass), so the test recomputes them. After every step
 the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle).
 """
@@ -38,8 +40,10 @@ def main() -> None:
                     p.add_(0.5)
         bps.broadcast_parameters(net.state_dict(), root_rank=0)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        spec = (bps.Compression.espresso("randomk", ratio=0.5) if compression == "espresso"
+                else getattr(bps.Compression, compression))
         opt = bps.DistributedOptimizer(opt, named_parameters=net.named_parameters(),
-                                       compression=getattr(bps.Compression, compression),
+                                       compression=spec,
                                        backward_passes_per_step=passes)
         bps.broadcast_optimizer_state(opt, root_rank=0)
         for step in range(steps):

@@ -1,0 +1,58 @@
+"""The start-up profile: ready times to a Workload (one rank's, or the slowest rank's)."""
+
+import numpy as np
+import pytest
+from byteps_espresso.worker.profiler import (
+    ready_offsets,
+    workload_from_offsets,
+    workload_from_ready_times,
+)
+
+NUMEL = {"a": 10, "b": 20, "c": 30}
+
+
+def test_ready_offsets_are_microseconds_since_the_iteration_start():
+    ready = [{"a": 1.001, "b": 1.003}, {"a": 2.002, "b": 2.004, "c": 2.005}]
+    off = ready_offsets(ready, [1.0, 2.0, 3.0], list(NUMEL))
+    np.testing.assert_allclose(off[1], [2000.0, 4000.0, 5000.0])
+    np.testing.assert_allclose(off[0][:2], [1000.0, 3000.0])
+    assert np.isnan(off[0][2])  # c unseen in iteration 0
+
+
+def test_ready_offsets_have_one_row_per_profiled_iteration():
+    # A rank whose hooks saw nothing in the last iteration still reports it (as NaN), so the
+    # rows line up with the other ranks' when they are gathered.
+    off = ready_offsets([{"a": 1.001}], [1.0, 2.0, 3.0], ["a"])
+    assert off.shape == (2, 1) and np.isnan(off[1, 0])
+
+
+def test_workload_medians_skip_the_warm_up_and_iterations_missing_a_gradient():
+    # columns a, b, c; iteration 0 is the warm-up, iteration 2 misses c
+    off = np.array([[900.0, 9000.0, 9100.0],
+                    [1000.0, 1300.0, 1600.0],
+                    [1000.0, 1200.0, np.nan],
+                    [1100.0, 1300.0, 1800.0]])
+    wl = workload_from_offsets(off, list(NUMEL), NUMEL)
+    assert [t.name for t in wl.tensors] == ["a", "b", "c"]
+    assert wl.forward_us == pytest.approx(1050.0)  # median of 1000 and 1100
+    assert [t.ready_gap_us for t in wl.tensors] == pytest.approx([0.0, 250.0, 400.0])
+
+
+def test_the_slowest_rank_sets_each_gradient_s_readiness():
+    # Rank 1 lags by 500 us on b: a collective on b completes only then.
+    rank0 = np.array([[1000.0, 1200.0, 1300.0]] * 2)
+    rank1 = np.array([[1000.0, 1700.0, 1750.0]] * 2)
+    wl = workload_from_offsets(np.maximum(rank0, rank1), list(NUMEL), NUMEL)
+    assert [t.ready_gap_us for t in wl.tensors] == pytest.approx([0.0, 700.0, 50.0])
+
+
+def test_backward_order_comes_from_the_ready_times_and_gaps_never_go_negative():
+    ready = [{"c": 1.001, "b": 1.002, "a": 1.004}] * 2
+    wl = workload_from_ready_times(ready, [1.0, 1.0, 1.0], NUMEL)
+    assert [t.name for t in wl.tensors] == ["c", "b", "a"]
+    assert [t.ready_gap_us for t in wl.tensors] == pytest.approx([0.0, 1000.0, 2000.0])
+
+
+def test_no_complete_iteration_is_a_clear_error():
+    with pytest.raises(ValueError, match="ESPRESSO_PROFILE_STEPS"):
+        workload_from_offsets(np.full((2, 3), np.nan), list(NUMEL), NUMEL)
