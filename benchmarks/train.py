@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ps import _free_port_pair as free_port_pair  # benchmarks/ps.py: p and p + 1 free
+from byteps_espresso.deploy.launch import free_port_pair  # p and p + 1 both free
 
 REPO = Path(__file__).resolve().parents[1]
 MACHINES, LOCAL, SERVERS = 2, 2, 1
@@ -38,7 +38,7 @@ def job_env(root: int, extra: dict[str, str]) -> dict[str, str]:
                                                                       "ESPRESSO_"))}
     env.update({"DMLC_NUM_WORKER": str(MACHINES), "BYTEPS_LOCAL_SIZE": str(LOCAL),
                 "DMLC_NUM_SERVER": str(SERVERS), "DMLC_PS_ROOT_URI": "127.0.0.1",
-                "DMLC_PS_ROOT_PORT": str(root), "OMP_NUM_THREADS": "1",
+                "DMLC_PS_ROOT_PORT": str(root),
                 "ESPRESSO_LOG_LEVEL": "WARNING", "PYTHONPATH": str(REPO), **extra})
     return env
 

@@ -234,9 +234,9 @@ class _Sync:
     def _submit_next(self) -> None:
         self._submit(self.order[self.next])
         self.next += 1
-        # Probes follow the first gradient of a profiled iteration: the same point of every
-        # rank's submission order, with the rest of backward still to run.
-        if self.next == 1 and self.options is None and self.probes is not None:
+        # Probes follow the last gradient of a profiled iteration: the same point of every
+        # rank's submission order, queued behind the synchronization they share the host with.
+        if self.next == len(self.order) and self.options is None and self.probes is not None:
             self.probes.issue(self.engine, self.iteration)
 
     def pending(self) -> bool:
@@ -259,10 +259,10 @@ class _Sync:
         self.next = 0
         self.iteration += 1
         if self.options is None:
+            if self.probes is not None:  # they overlap this backward, not the next forward
+                self.probes.wait(timeout)
             self.starts.append(time.perf_counter())
             if self.iteration >= self._profile_steps:
-                if self.probes is not None:
-                    self.probes.wait(timeout)
                 self._apply_plan(StartupProfile(self.ready_times, self.starts, self.probes))
 
     def _apply_plan(self, profile: Any | None) -> None:

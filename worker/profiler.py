@@ -2,14 +2,15 @@
 
 For the first ``ESPRESSO_PROFILE_STEPS`` iterations the optimizer synchronizes uncompressed
 and its hooks record when each gradient becomes ready. During the same iterations
-:class:`LaneProbes` measures every cost the planner needs *inside the engine's lanes, while
-backward runs on every rank*: right after the first gradient of an iteration is handed over,
-one lane runs a round of link probes (all-reduces of two sizes on the intra and inter groups,
-push/pulls of two sizes through the servers) and another times the compressor on the
+:class:`LaneProbes` measures every cost the planner needs *inside the engine's lanes, during
+the synchronization of every rank*: right after the last gradient of an iteration is handed
+over, one lane queues a round of link probes (all-reduces of two sizes on the intra and inter
+groups, push/pulls of two sizes through the servers) and another times the compressor on the
 model's own tensor sizes on both devices (torch backend on the training device, numba
-backend through the host pool). The costs are therefore measured under the same contention
-as the Options that will run there: other workers sharing the host, the backward pass, the
-interpreter lock, the peers' skew. (Probes taken while training is paused saw 0.4-0.8 ms per
+backend through the host pool); ``step()`` waits for them, so the next forward pass runs
+alone and the ready times stay clean. The costs are measured under the same contention as
+the Options that will run there: other workers sharing the host and still finishing their
+backward, the interpreter lock. (Probes taken while training is paused saw 0.4-0.8 ms per
 collective where training saw 1-7 ms on a host whose cores the local workers share; see
 BENCHMARKS.md, "Worker runtime".) The first profiled iteration warms the probes up (numba
 compilation, PS keys) and is not used.
@@ -284,10 +285,10 @@ def _synchronize(device: torch.device) -> None:
 class LaneProbes:
     """Link and compressor probes run in the engine's lanes during profiled iterations.
 
-    :meth:`issue` is called by the optimizer right after it hands over the first gradient of
-    each profiled iteration, so the probes run next to the rest of the backward pass and the
-    fp32 synchronization, on every rank at the same point of the lanes' order (collectives
-    must be issued in the same order everywhere). Iteration 0 is a warm-up: its timings are
+    :meth:`issue` is called by the optimizer right after it hands over the last gradient of
+    each profiled iteration, so the probes run behind and next to the fp32 synchronization,
+    on every rank at the same point of the lanes' order (collectives must be issued in the
+    same order everywhere). Iteration 0 is a warm-up: its timings are
     dropped. The planner uses the medians over the later iterations.
 
     Args:
