@@ -121,15 +121,19 @@ def test_linear_fit_recovers_coefficients():
     assert costs.decompress_us("x", "gpu", 1000, 4) == pytest.approx(12.0)
 
 
+# One server with one aggregation thread; the collectives' per-hop latency is 10 us.
+PS_CLUSTER = Cluster(machines=2, gpus_per_machine=1, intra_gbps=8.0, intra_latency_us=0.0,
+                     inter_gbps=8.0, inter_latency_us=10.0, servers=1, server_gbps=8.0,
+                     cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
+
+
 def _ps_tasks(cluster, costs, option):
     pricer = Pricer(cluster, "fp16", FP16, costs, [1000])
     return pricer.tasks(Option.parse(option))
 
 
 def test_push_pull_uses_the_servers_own_latency_when_measured():
-    base = Cluster(machines=2, gpus_per_machine=1, intra_gbps=8.0, intra_latency_us=0.0,
-                   inter_gbps=8.0, inter_latency_us=10.0, servers=1, server_gbps=8.0,
-                   cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
+    base = PS_CLUSTER
     # push and pull: 4000 bytes over the NIC (4 us) and 2 pushers x 4000 bytes into one
     # server (8 us): max 8 us per direction plus the one-way latency.
     push_pull = "PushPull(flat)"
@@ -142,9 +146,7 @@ def test_push_pull_uses_the_servers_own_latency_when_measured():
 
 
 def test_server_aggregation_uses_the_server_profile_when_present():
-    cluster = Cluster(machines=2, gpus_per_machine=1, intra_gbps=8.0, intra_latency_us=0.0,
-                      inter_gbps=8.0, inter_latency_us=0.0, servers=1, server_gbps=8.0,
-                      cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
+    cluster = PS_CLUSTER
     option = "Comp(gpu) -> PushPullC(flat) -> Decomp(gpu)"
     # Without a server profile: 2 pushers' payloads decompressed (1 us each) + 1 compress (3).
     as_cpu = _ps_tasks(cluster, COSTS, option)
