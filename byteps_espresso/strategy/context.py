@@ -91,14 +91,13 @@ class Fronts:
     """Algorithm 1's candidates on one device, catalogued as evaluator indices.
 
     Attributes:
-        options: the front of each distinct size (ascending order of the candidate list).
-        index: the same as evaluator indices, one int64 array per size.
+        index: per distinct size, the evaluator indices of its front (:meth:`PlanContext.front`,
+            in the order of the candidate list).
         compressible: the sizes whose front holds a compressed option.
         fastest_alone: per size, the evaluator index of the front option with the shortest
             end-to-end time on its own (the first such one).
     """
 
-    options: list[list[Option]]
     index: list[np.ndarray]
     compressible: frozenset[int]
     fastest_alone: np.ndarray
@@ -258,7 +257,6 @@ class PlanContext:
                 rows = [position[o] for o in front]
                 alone.append(front[int(np.argmin(total[rows, u]))])
             got = self._device_fronts[device] = Fronts(
-                options=fronts,
                 index=[self.index(f) for f in fronts],
                 compressible=frozenset(u for u, f in enumerate(fronts)
                                        if any(o.is_compressed for o in f)),
