@@ -186,9 +186,16 @@ class PlanContext:
             self._stacks(options)
             self.evaluator.add(options)
         if Device.GPU in self.constraints.devices:
-            for k in self.index([o for o in self.single_device(Device.GPU) if o.is_compressed]):
-                self.variant_indices(int(k))  # the refinement's mixed placements, priced
-                self.cpu_index(int(k))  # Algorithm 2's CPU twin
+            compressed = [o for o in self.single_device(Device.GPU) if o.is_compressed]
+            variants = [self.device_variants(o) for o in compressed]
+            # the refinement's mixed placements, priced and added in one go
+            self.evaluator.add([v for vs in variants for v in vs])
+            for k, vs in zip(self.index(compressed).tolist(), variants, strict=True):
+                idx = self._variant_index[k] = self.index(vs)
+                # Algorithm 2's CPU twin is the all-CPU placement (absent when not allowed)
+                twin = [j for j, v in zip(idx.tolist(), vs, strict=True)
+                        if v.devices == {Device.CPU}]
+                self._cpu_index[k] = twin[0] if twin else -1
         self.evaluator.warm_up()
         pareto_front(np.zeros((1, 1, 1)))
         self.fronts(self.primary_device())  # Algorithm 1's candidates
