@@ -8,6 +8,11 @@ Dominated options (documented in docs/strategy.md): for a tensor size, option A 
 when A keeps every resource busy no longer than B and its own end-to-end time (sum of its
 tasks) is no longer either; the search only considers the non-dominated ones (the Pareto
 front). Options identical in every task duration are deduplicated (the first kept).
+
+The search works on evaluator indices, not Option objects: :meth:`PlanContext.fronts` (the
+per-size candidates of Algorithm 1), :meth:`PlanContext.cpu_index` (an option's CPU-offloaded
+twin) and :meth:`PlanContext.variant_indices` (its mixed GPU/CPU placements) catalogue them
+once per problem, in :meth:`PlanContext.prepare` or on first use.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from byteps_espresso.strategy.timeline import Evaluator
 from byteps_espresso.strategy.tree import Constraints, enumerate_options, option_set
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["PlanContext", "pareto_front"]
+__all__ = ["Fronts", "PlanContext", "pareto_front"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,23 @@ def pareto_front(vectors: np.ndarray, rel: float = DOMINANCE_REL,
                        float(abs_us))
 
 
+@dataclass(frozen=True)
+class Fronts:
+    """Algorithm 1's candidates on one device, catalogued as evaluator indices.
+
+    Attributes:
+        index: per distinct size, the evaluator indices of its front (:meth:`PlanContext.front`,
+            in the order of the candidate list).
+        compressible: the sizes whose front holds a compressed option.
+        fastest_alone: per size, the evaluator index of the front option with the shortest
+            end-to-end time on its own (the first such one).
+    """
+
+    index: list[np.ndarray]
+    compressible: frozenset[int]
+    fastest_alone: np.ndarray
+
+
 @dataclass
 class PlanContext:
     """One planning problem.
@@ -117,6 +139,19 @@ class PlanContext:
         self._single: dict[Device, list[Option]] = {}
         self._moved: dict[tuple[Option, Device], Option] = {}
         self._stacked: dict[int, tuple[Sequence[Option], tuple[np.ndarray, np.ndarray]]] = {}
+        self._device_fronts: dict[Device, Fronts] = {}
+        self._cpu_index: dict[int, int] = {}
+        self._variant_index: dict[int, np.ndarray] = {}
+        self._uncompressed_index: np.ndarray | None = None
+        # The search's visit order: tensors by size, largest first; within a size, closest to
+        # the output layer (backward index 0) first. size_groups: the same, per size index.
+        tensors = self.workload.tensors
+        self.visit_order: list[int] = sorted(range(len(tensors)),
+                                             key=lambda i: (-tensors[i].numel, i))
+        groups: dict[int, list[int]] = {}
+        for i in self.visit_order:
+            groups.setdefault(self.size_index[tensors[i].numel], []).append(i)
+        self.size_groups = {u: np.array(m, dtype=np.int64) for u, m in groups.items()}
 
     def _restrict_to_profiled_devices(self, constraints: Constraints) -> Constraints:
         """A profile measured on one device only (e.g. the worker's GPU) forbids the other."""
@@ -143,17 +178,28 @@ class PlanContext:
         """Price the options the search uses (single-device ones: Algorithm 1's candidates
         and Algorithm 2's offloaded versions; and their mixed GPU/CPU placements) for every
         tensor size now: the cost model of this workload, built once, so that a timed search
-        measures the search alone."""
+        measures the search alone. Also catalogues them for the search as evaluator indices
+        (:meth:`fronts`, :meth:`cpu_index`, :meth:`variant_indices`): facts of the model,
+        the same whichever strategy the search is at."""
         for device in self.constraints.devices:
             options = self.single_device(device)
             self._stacks(options)
             self.evaluator.add(options)
-        if Device.GPU in self.constraints.devices:  # the refinement's mixed placements
-            mixed = [v for o in self.single_device(Device.GPU) if o.is_compressed
-                     for v in self.device_variants(o)]
-            self.evaluator.add(mixed)
+        if Device.GPU in self.constraints.devices:
+            compressed = [o for o in self.single_device(Device.GPU) if o.is_compressed]
+            variants = [self.device_variants(o) for o in compressed]
+            # the refinement's mixed placements, priced and added in one go
+            self.evaluator.add([v for vs in variants for v in vs])
+            for k, vs in zip(self.index(compressed).tolist(), variants, strict=True):
+                idx = self._variant_index[k] = self.index(vs)
+                # Algorithm 2's CPU twin is the all-CPU placement (absent when not allowed)
+                twin = [j for j, v in zip(idx.tolist(), vs, strict=True)
+                        if v.devices == {Device.CPU}]
+                self._cpu_index[k] = twin[0] if twin else -1
         self.evaluator.warm_up()
         pareto_front(np.zeros((1, 1, 1)))
+        self.fronts(self.primary_device())  # Algorithm 1's candidates
+        self.uncompressed_index()
 
     def free(self) -> PlanContext:
         """The same problem with free compression (zero compress/decompress cost)."""
@@ -170,6 +216,12 @@ class PlanContext:
 
     def uncompressed(self) -> list[Option]:
         return [o for o in self.single_device(Device.GPU) if not o.is_compressed]
+
+    def uncompressed_index(self) -> np.ndarray:
+        """Evaluator indices of :meth:`uncompressed` (cached)."""
+        if self._uncompressed_index is None:
+            self._uncompressed_index = self.index(self.uncompressed())
+        return self._uncompressed_index
 
     def primary_device(self) -> Device:
         return Device.GPU if self.constraints.allow_gpu else Device.CPU
@@ -198,6 +250,43 @@ class PlanContext:
             out.append([candidates[k] for k in sorted([*dense, *alive])])
         self._fronts[id(candidates)] = (candidates, out)  # keyed by identity: lists are long
         return out
+
+    def fronts(self, device: Device) -> Fronts:
+        """The non-dominated single-device options on ``device`` per size (cached)."""
+        got = self._device_fronts.get(device)
+        if got is None:
+            candidates = self.single_device(device)
+            fronts = self.front(candidates)
+            _, total = self._stacks(candidates)
+            position = {o: k for k, o in enumerate(candidates)}
+            alone = []
+            for u, front in enumerate(fronts):
+                rows = [position[o] for o in front]
+                alone.append(front[int(np.argmin(total[rows, u]))])
+            got = self._device_fronts[device] = Fronts(
+                index=[self.index(f) for f in fronts],
+                compressible=frozenset(u for u, f in enumerate(fronts)
+                                       if any(o.is_compressed for o in f)),
+                fastest_alone=self.index(alone))
+        return got
+
+    def cpu_index(self, k: int) -> int:
+        """Evaluator index of option ``k`` with every Comp/Decomp on the CPU; -1 when the
+        constraints forbid that option (cached)."""
+        got = self._cpu_index.get(k)
+        if got is None:
+            cpu_opt = self.on_device(self.evaluator.options[k], Device.CPU)
+            got = int(self.index([cpu_opt])[0]) if self.allowed(cpu_opt) else -1
+            self._cpu_index[k] = got
+        return got
+
+    def variant_indices(self, k: int) -> np.ndarray:
+        """Evaluator indices of :meth:`device_variants` of option ``k`` (cached)."""
+        got = self._variant_index.get(k)
+        if got is None:
+            got = self._variant_index[k] = self.index(
+                self.device_variants(self.evaluator.options[k]))
+        return got
 
     def _stacks(self, candidates: Sequence[Option]) -> tuple[np.ndarray, np.ndarray]:
         """(busy (O, U, R), total (O, U)) of the candidates, cached per candidate list

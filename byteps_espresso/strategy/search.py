@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import logging
 from collections.abc import Iterator
 
@@ -67,144 +66,141 @@ def uniform_best(ctx: PlanContext, candidates: list) -> np.ndarray:  # type: ign
     return np.full(ctx.n_tensors, k, dtype=np.int64)
 
 
-def _visit_order(ctx: PlanContext) -> list[int]:
-    tensors = ctx.workload.tensors
-    return sorted(range(len(tensors)), key=lambda i: (-tensors[i].numel, i))
-
-
 def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU,
                use_bubbles: bool = True, passes: int = 1) -> np.ndarray:
     """Algorithm 1 on ``choice`` (modified copy returned)."""
     choice = choice.copy()
-    candidates = ctx.single_device(device)
-    fronts = ctx.front(candidates)
-    front_idx = [ctx.index(f) for f in fronts]
-    uncompressed = {ctx.evaluator.index[o] for o in ctx.uncompressed()
-                    if o in ctx.evaluator.index}
+    fronts = ctx.fronts(device)
+    evaluator = ctx.evaluator
+    size_idx = evaluator.size_idx
+    uncompressed = set(ctx.uncompressed_index().tolist())
     n = ctx.n_tensors
     # Sizes whose non-dominated options are all uncompressed were decided by the group moves.
-    compressible = {u for u, f in enumerate(fronts) if any(o.is_compressed for o in f)}
-    order = [i for i in _visit_order(ctx) if ctx.tensor_size_index(i) in compressible]
-    _group_moves(ctx, choice, front_idx)
+    order = [i for i in ctx.visit_order if size_idx[i] in fronts.compressible]
+    t_choice = _group_moves(ctx, choice, fronts.index)
     # Second start (ours): every tensor on its fastest option in isolation; keep the better.
-    alone = _isolated_best(ctx, candidates, fronts)
-    _group_moves(ctx, alone, front_idx)
-    if ctx.iteration_us(alone) < ctx.iteration_us(choice) - 1e-6:
+    alone = fronts.fastest_alone[size_idx]
+    t_alone = _group_moves(ctx, alone, fronts.index)
+    if t_alone < t_choice - 1e-6:
         choice = alone
     for _ in range(passes):
         changed = False
-        _, ready, done = ctx.evaluator.ready_done(choice)
+        _, ready, done = evaluator.ready_done(choice)
         for i in order:
-            if use_bubbles and i + 1 < n and choice[i] in uncompressed and done[i] <= ready[i + 1]:
+            keep = int(choice[i])
+            if use_bubbles and i + 1 < n and keep in uncompressed and done[i] <= ready[i + 1]:
                 continue
-            keep = choice[i]
-            cands = front_idx[ctx.tensor_size_index(i)]
-            best_k, _ = ctx.evaluator.best_of(choice, i,
-                                              np.concatenate([[keep], cands[cands != keep]]))
+            cands = fronts.index[size_idx[i]]
+            best_k, _ = evaluator.best_of(choice, i, _current_first(keep, cands))
             if best_k != keep:
                 choice[i] = best_k
                 changed = True
-                _, ready, done = ctx.evaluator.ready_done(choice)
+                _, ready, done = evaluator.ready_done(choice)
         if not changed:
             break
         # Later passes revisit only sizes down to the smallest compressed tensor: below it,
         # compression lost everywhere in this pass.
         sizes = [ctx.workload.tensors[i].numel for i in range(n)
-                 if ctx.evaluator.options[choice[i]].is_compressed]
+                 if evaluator.options[choice[i]].is_compressed]
         floor = min(sizes, default=0)
         order = [i for i in order if ctx.workload.tensors[i].numel >= floor]
     return choice
 
 
-def _isolated_best(ctx: PlanContext, candidates: list, fronts: list[list]) -> np.ndarray:  # type: ignore[type-arg]
-    """Per tensor, the front option with the shortest end-to-end time on its own."""
-    _, total = ctx._stacks(candidates)
-    position = {o: k for k, o in enumerate(candidates)}
-    best = []
-    for u, front in enumerate(fronts):
-        rows = [position[o] for o in front]
-        best.append(front[int(np.argmin(total[rows, u]))])
-    idx = ctx.index(best)
-    sizes = [ctx.tensor_size_index(i) for i in range(ctx.n_tensors)]
-    return idx[sizes]
+def _current_first(keep: int, cands: np.ndarray) -> np.ndarray:
+    """``cands`` with ``keep`` moved (or added) in front, so that ties keep the current choice;
+    a candidate evaluated twice could not change the answer."""
+    out = np.empty(len(cands) + 1, dtype=np.int64)
+    out[0] = keep
+    rest = cands[cands != keep]
+    out[1:len(rest) + 1] = rest
+    return out[:len(rest) + 1]
 
 
-def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarray]) -> None:
-    """For each size group (largest first), try giving all its tensors one option (in place).
+def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarray]) -> float:
+    """For each size group (largest first), try giving all its tensors one option (in place);
+    returns the iteration time of the resulting ``choice``.
 
     Tensors of one size are interchangeable for the cost model; moving them together escapes
     the plateau where compressing any single one does not shorten the iteration because the
     others still hold the link."""
-    members: dict[int, list[int]] = {}
-    for i in _visit_order(ctx):
-        members.setdefault(ctx.tensor_size_index(i), []).append(i)
     current = ctx.iteration_us(choice)
-    for u, group in members.items():
-        best_k, current = ctx.evaluator.best_group(choice, np.array(group), front_idx[u],
-                                                   current)
+    for u, group in ctx.size_groups.items():
+        best_k, current = ctx.evaluator.best_group(choice, group, front_idx[u], current)
         if best_k >= 0:
             choice[group] = best_k
+    return current
 
 
-def _offload_groups(ctx: PlanContext, choice: np.ndarray) -> list[tuple[list[int], int]]:
+def _offload_groups(ctx: PlanContext, choice: np.ndarray) -> list[tuple[np.ndarray, int]]:
     """(members farthest-from-output first, CPU option index) per (size, GPU option) group."""
     options = ctx.evaluator.options
     groups: dict[tuple[int, int], list[int]] = {}
-    for i, k in enumerate(choice):
+    for i, k in enumerate(choice.tolist()):
         opt = options[k]
         if opt.is_compressed and Device.GPU in opt.devices:
-            groups.setdefault((ctx.workload.tensors[i].numel, int(k)), []).append(i)
+            groups.setdefault((ctx.workload.tensors[i].numel, k), []).append(i)
     plans = []
     for (_, k), members in groups.items():
-        cpu_opt = ctx.on_device(options[k], Device.CPU)
-        if ctx.allowed(cpu_opt):
-            plans.append((sorted(members, reverse=True), int(ctx.index([cpu_opt])[0])))
+        target = ctx.cpu_index(k)
+        if target >= 0:
+            plans.append((np.array(members[::-1], dtype=np.int64), target))
     return plans
 
 
+def _offloaded(choice: np.ndarray, plans: list[tuple[np.ndarray, int]],
+               counts: np.ndarray) -> np.ndarray:
+    """One strategy per row of ``counts``: ``choice`` with the first counts[r, g] members of
+    group g moved to the group's CPU option."""
+    out = np.repeat(choice[None, :], len(counts), axis=0)
+    for g, (members, target) in enumerate(plans):
+        for j, member in enumerate(members.tolist()):
+            out[counts[:, g] > j, member] = target
+    return out
+
+
 def cpu_offload(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
-    """Algorithm 2 on ``choice`` (modified copy returned)."""
+    """Algorithm 2 on ``choice`` (modified copy returned).
+
+    The trials of one enumeration are evaluated in one call (:meth:`Evaluator.best_row`),
+    which keeps the first strictly better trial in enumeration order like a sequential loop.
+    """
     plans = _offload_groups(ctx, choice) if ctx.constraints.allow_cpu else []
     if not plans:
         return choice.copy()
-
-    def apply(counts: tuple[int, ...]) -> np.ndarray:
-        out = choice.copy()
-        for (members, target), c in zip(plans, counts, strict=True):
-            out[members[:c]] = target
-        return out
-
     sizes = [len(m) + 1 for m, _ in plans]
-    counts: tuple[int, ...] = tuple(0 for _ in plans)
+    counts = np.zeros(len(plans), dtype=np.int64)
     best_t = ctx.iteration_us(choice)
     if int(np.prod(sizes)) <= EXHAUSTIVE_LIMIT:
-        trials = itertools.product(*(range(s) for s in sizes))
-        for trial in trials:
-            t = ctx.iteration_us(apply(trial))
-            if t < best_t - 1e-6:
-                counts, best_t = trial, t
-        return apply(counts)
+        # every combination, in itertools.product order (the last group varies fastest)
+        trials = np.indices(sizes).reshape(len(sizes), -1).T
+        r, best_t = ctx.evaluator.best_row(_offloaded(choice, plans, trials), best_t)
+        if r >= 0:
+            counts = trials[r]
+        return _offloaded(choice, plans, counts[None, :])[0]
     for _ in range(OFFLOAD_ROUNDS):
-        before = counts
+        before = counts.copy()
         for g, size in enumerate(sizes):
-            for c in range(size):
-                trial = (*counts[:g], c, *counts[g + 1:])
-                t = ctx.iteration_us(apply(trial))
-                if t < best_t - 1e-6:
-                    counts, best_t = trial, t
-        if counts == before:
+            # this group's counts with the others fixed
+            trials = np.repeat(counts[None, :], size, axis=0)
+            trials[:, g] = np.arange(size)
+            r, best_t = ctx.evaluator.best_row(_offloaded(choice, plans, trials), best_t)
+            if r >= 0:
+                counts = trials[r]
+        if np.array_equal(counts, before):
             break
-    return apply(counts)
+    return _offloaded(choice, plans, counts[None, :])[0]
 
 
 def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     choice = choice.copy()
-    for i in _visit_order(ctx):
-        opt = ctx.evaluator.options[choice[i]]
-        if not opt.is_compressed:
+    options = ctx.evaluator.options
+    for i in ctx.visit_order:
+        keep = int(choice[i])
+        if not options[keep].is_compressed:
             continue
-        variants = ctx.index(ctx.device_variants(opt))
-        best_k, _ = ctx.evaluator.best_of(choice, i, np.concatenate([[choice[i]], variants]))
+        best_k, _ = ctx.evaluator.best_of(choice, i,
+                                          _current_first(keep, ctx.variant_indices(keep)))
         choice[i] = best_k
     return choice
 

@@ -225,34 +225,60 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
 
 
 @numba.njit(cache=True)
+def _time_below(gaps, size_idx, work, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
+                bound):  # pragma: no cover - compiled
+    """Iteration time of ``work`` if it is below ``bound``, else inf (the run stops as soon as
+    its lower bound reaches ``bound``)."""
+    cap = _capacity(work, cat_len)
+    starts = np.empty((n_res, cap))
+    ends = np.empty((n_res, cap))
+    count = np.zeros(n_res, dtype=np.int64)
+    acc = np.zeros(3)
+    dummy = np.zeros((1, 1))
+    dummy1 = np.zeros(1)
+    ok = _advance(starts, ends, count, acc, gaps, size_idx, work, 0, gaps.shape[0], -1, 0,
+                  cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0, False, dummy, dummy,
+                  dummy1, dummy1)
+    if ok:
+        t = forward + max(acc[0], acc[1])
+        if t < bound:
+            return t
+    return np.inf
+
+
+@numba.njit(cache=True)
 def _best_group(gaps, size_idx, choice, members, cands, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
                 forward, current, tol):  # pragma: no cover - compiled
     """The candidate that, given to every tensor in ``members`` (others as in choice), gives
     an iteration time below current - tol, the lowest such; (-1, current) if none does."""
-    n = gaps.shape[0]
     work = choice.copy()
-    dummy = np.zeros((1, 1))
-    dummy1 = np.zeros(1)
     best_k = -1
     best_t = current
     for c in range(cands.shape[0]):
         for m in range(members.shape[0]):
             work[members[m]] = cands[c]
-        cap = _capacity(work, cat_len)
-        starts = np.empty((n_res, cap))
-        ends = np.empty((n_res, cap))
-        count = np.zeros(n_res, dtype=np.int64)
-        acc = np.zeros(3)
-        # stop as soon as the run cannot end below best_t - tol
-        ok = _advance(starts, ends, count, acc, gaps, size_idx, work, 0, n, -1, 0, cat_len,
-                      cat_res, cat_dur, forward, best_t - tol, -np.inf, 0.0, False, dummy,
-                      dummy, dummy1, dummy1)
-        if ok:
-            t = forward + max(acc[0], acc[1])
-            if t < best_t - tol:
-                best_k = cands[c]
-                best_t = t
+        t = _time_below(gaps, size_idx, work, cat_len, cat_res, cat_dur, n_res, forward,
+                        best_t - tol)
+        if t < best_t - tol:
+            best_k = cands[c]
+            best_t = t
     return best_k, best_t
+
+
+@numba.njit(cache=True)
+def _best_row(gaps, size_idx, rows, cat_len, cat_res, cat_dur, n_res, forward, current,  # noqa: PLR0917
+              tol):  # pragma: no cover - compiled
+    """The first row (a strategy) of the lowest iteration time below current - tol, taken in
+    order as a running best; (-1, current) if none is below."""
+    best_r = -1
+    best_t = current
+    for r in range(rows.shape[0]):
+        t = _time_below(gaps, size_idx, rows[r], cat_len, cat_res, cat_dur, n_res, forward,
+                        best_t - tol)
+        if t < best_t - tol:
+            best_r = r
+            best_t = t
+    return best_r, best_t
 
 
 @numba.njit(cache=True)
@@ -419,6 +445,8 @@ class Evaluator:
                  len(RESOURCES), 0.0, 1e-6)
         _best_group(np.ones(1), one, one, one, one, np.ones(1, dtype=np.int64), res, dur,
                     len(RESOURCES), 0.0, np.inf, 1e-6)
+        _best_row(np.ones(1), one, np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64),
+                  res, dur, len(RESOURCES), 0.0, np.inf, 1e-6)
         _exhaustive(np.ones(1), one, np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64),
                     np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0)
 
@@ -432,6 +460,17 @@ class Evaluator:
                            self._dur, len(RESOURCES), self.forward_us, current, tol)
         self.calls += len(cands)
         return int(k), float(t)
+
+    def best_row(self, rows: np.ndarray, current: float, tol: float = 1e-6) \
+            -> tuple[int, float]:
+        """The first of ``rows`` (one strategy per row) with the shortest iteration below
+        ``current - tol``; returns (row, time), or (-1, current). The same answer as
+        evaluating the rows in order and keeping a running best, in one call."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        r, t = _best_row(self.gaps, self.size_idx, rows, self._len, self._res, self._dur,
+                         len(RESOURCES), self.forward_us, current, tol)
+        self.calls += len(rows)
+        return int(r), float(t)
 
     def iteration_us(self, choice: np.ndarray) -> float:
         """Iteration time of ``choice`` (option index per tensor), microseconds."""

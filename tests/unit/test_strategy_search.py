@@ -6,6 +6,7 @@ import pytest
 from byteps_espresso.strategy import Cluster, Constraints, TensorProfile, Workload, baselines
 from byteps_espresso.strategy.context import PlanContext, pareto_front
 from byteps_espresso.strategy.instances import random_instance
+from byteps_espresso.strategy.options import Device
 
 COMPRESSOR = "randomk"
 PARAMS = {"ratio": 0.01}
@@ -84,3 +85,38 @@ def test_profile_of_one_device_restricts_the_tree():
     assert not any(o.uses_cpu for o in s.options.values())
     with pytest.raises(CostsError, match="no cost profile for compressor 'topk'"):
         plan(Workload.builtin("lstm"), Cluster.preset(2, 2), "topk", costs=gpu_only)
+
+
+def test_best_row_matches_a_sequential_running_best():
+    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(4, 4, "pcie", 25), COMPRESSOR,
+                      PARAMS)
+    rng = np.random.default_rng(0)
+    idx = ctx.index(ctx.single_device(ctx.primary_device()))
+    rows = rng.choice(idx, size=(40, ctx.n_tensors))
+    rows[7] = rows[3]  # a tie: the first of the two is kept
+    times = [ctx.iteration_us(r) for r in rows]
+    for current in (np.inf, float(np.median(times)), min(times) - 1.0):
+        want_r, want_t = -1, current
+        for r, t in enumerate(times):
+            if t < want_t - 1e-6:
+                want_r, want_t = r, t
+        assert ctx.evaluator.best_row(rows, current) == (want_r, pytest.approx(want_t))
+
+
+def test_search_catalogue_agrees_with_the_options():
+    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(4, 4, "pcie", 25), COMPRESSOR,
+                      PARAMS)
+    ctx.prepare()
+    options = ctx.evaluator.options
+    fronts = ctx.fronts(ctx.primary_device())
+    for u, front in enumerate(ctx.front(ctx.single_device(ctx.primary_device()))):
+        assert [options[k] for k in fronts.index[u]] == front
+        assert (u in fronts.compressible) == any(o.is_compressed for o in front)
+        assert options[fronts.fastest_alone[u]] in front
+    for opt in ctx.single_device(Device.GPU):
+        if not opt.is_compressed:
+            continue
+        k = ctx.evaluator.index[opt]
+        assert [options[v] for v in ctx.variant_indices(k)] == ctx.device_variants(opt)
+        twin = ctx.on_device(opt, Device.CPU)
+        assert ctx.cpu_index(k) == (ctx.evaluator.index[twin] if ctx.allowed(twin) else -1)
