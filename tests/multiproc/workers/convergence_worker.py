@@ -1,10 +1,13 @@
 """Worker of test_convergence: trains the example's MLP on the Markov task once per compression.
 
 Usage: convergence_worker.py OUT_DIR STEPS NAME=COMPRESSOR[:RATIO] ...  (COMPRESSOR ``fp32``
-means uncompressed). All runs share one job (one process group and PS connection); each run
-prefixes its parameter names so that its strategy and PS keys are its own. Rank 0 writes
-OUT_DIR/NAME.json with the loss curve (averaged over workers) and the planned strategy's
-number of compressed tensors.
+means uncompressed). Compressed runs are planned by Espresso under a constraint that forbids
+the uncompressed collectives and push/pull, so every tensor is compressed whatever this
+machine's timings favour (on a fast loopback the planner may rightly compress nothing, which
+would leave compression untested). All runs share one job (one process group and PS
+connection); each run prefixes its parameter names so that its strategy and PS keys are its
+own. Rank 0 writes OUT_DIR/NAME.json with the loss curve (averaged over workers) and the
+planned strategy's number of compressed tensors.
 """
 
 import json
@@ -14,11 +17,15 @@ from pathlib import Path
 import torch
 
 import byteps_espresso.torch as bps
+from byteps_espresso.strategy import Constraints, Kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 import train as example
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ, LR = 500, 32, 64, 16, 8, 0.5
+# Every step kind that moves uncompressed values: with these forbidden, each option compresses.
+DENSE = frozenset({Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.ALLGATHER, Kind.REDUCE,
+                   Kind.BROADCAST, Kind.PUSH_PULL})
 
 
 def run(name: str, spec: str, steps: int, out: Path) -> None:
@@ -31,7 +38,8 @@ def run(name: str, spec: str, steps: int, out: Path) -> None:
         compression = bps.Compression.none
     else:
         params = {"ratio": float(ratio)} if ratio else {}
-        compression = bps.Compression.espresso(compressor, **params)
+        compression = bps.Compression.espresso(compressor, constraints=Constraints(forbid=DENSE),
+                                               **params)
     opt = bps.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
         named_parameters=[(f"{name}.{n}", p) for n, p in model.named_parameters()],
@@ -51,6 +59,7 @@ def run(name: str, spec: str, steps: int, out: Path) -> None:
         compressed = sum(o.is_compressed for o in strategy.options.values()) if strategy else 0
         (out / f"{name}.json").write_text(json.dumps({
             "losses": curve.tolist(), "compressed_tensors": compressed,
+            "tensors": len(strategy.options) if strategy else 0,
             "options": {k: str(v) for k, v in strategy.options.items()} if strategy else {},
             "entropy": task.entropy()}))
 
