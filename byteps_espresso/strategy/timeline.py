@@ -170,13 +170,17 @@ def _capacity(choice, cat_len):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
+def _schedule_state(n_res, cap):  # pragma: no cover - compiled
+    """Empty per-resource busy intervals (starts, ends, count) and the accumulators."""
+    return (np.empty((n_res, cap)), np.empty((n_res, cap)), np.zeros(n_res, dtype=np.int64),
+            np.zeros(3))
+
+
+@numba.njit(cache=True)
 def _simulate(gaps, size_idx, choice, cat_len, cat_res, cat_dur, n_res, record,  # noqa: PLR0917
               task_start, task_end, ready, done):  # pragma: no cover - compiled
     cap = _capacity(choice, cat_len)
-    starts = np.empty((n_res, cap))
-    ends = np.empty((n_res, cap))
-    count = np.zeros(n_res, dtype=np.int64)
-    acc = np.zeros(3)
+    starts, ends, count, acc = _schedule_state(n_res, cap)
     _advance(starts, ends, count, acc, gaps, size_idx, choice, 0, gaps.shape[0], -1, 0,
              cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, record, task_start, task_end,
              ready, done)
@@ -189,10 +193,7 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
     """Best candidate option for tensor i, others fixed: lexicographic (iteration time,
     sum of done times); the prefix before i is simulated once and copied per candidate."""
     cap = _capacity(choice, cat_len)
-    starts = np.empty((n_res, cap))
-    ends = np.empty((n_res, cap))
-    count = np.zeros(n_res, dtype=np.int64)
-    acc = np.zeros(3)
+    starts, ends, count, acc = _schedule_state(n_res, cap)
     dummy = np.zeros((1, 1))
     dummy1 = np.zeros(1)
     n = gaps.shape[0]
@@ -230,10 +231,7 @@ def _time_below(gaps, size_idx, work, cat_len, cat_res, cat_dur, n_res, forward,
     """Iteration time of ``work`` if it is below ``bound``, else inf (the run stops as soon as
     its lower bound reaches ``bound``)."""
     cap = _capacity(work, cat_len)
-    starts = np.empty((n_res, cap))
-    ends = np.empty((n_res, cap))
-    count = np.zeros(n_res, dtype=np.int64)
-    acc = np.zeros(3)
+    starts, ends, count, acc = _schedule_state(n_res, cap)
     dummy = np.zeros((1, 1))
     dummy1 = np.zeros(1)
     ok = _advance(starts, ends, count, acc, gaps, size_idx, work, 0, gaps.shape[0], -1, 0,
