@@ -172,32 +172,55 @@ def _invert(t_small: float, t_large: float, steps: float, volume: float) -> tupl
     return latency, gbps
 
 
-def _probe_allreduce(session: Session, scope: Scope) -> tuple[float, float]:
-    transport = session.runtime.transports[0]
-    k = session.runtime.topology.size(scope)
-    times = []
-    for n in (_PROBE_SMALL, _PROBE_LARGE):
-        x = torch.ones(n, device=session.runtime.device)
-        times.append(_time(lambda x=x: transport.allreduce(scope, x), _PROBE_REPS))
-    if k < 2:
-        return 0.0, 1e4
-    return _invert(times[0], times[1], 2 * (k - 1), 2 * (k - 1) / k)
+def _paused_link_times(session: Session) -> dict[tuple[str, int], float]:
+    """Median microseconds per (path, probe size), probed while training is paused: all-reduces
+    on the intra and inter groups and, with servers, push/pulls (all ranks must call it)."""
+    rt = session.runtime
+    transport = rt.transports[0]
+    times = {}
+    for scope in (Scope.INTRA, Scope.INTER):
+        for n in (_PROBE_SMALL, _PROBE_LARGE):
+            x = torch.ones(n, device=rt.device)
+            times[(scope.value, n)] = _time(
+                lambda x=x, scope=scope: transport.allreduce(scope, x), _PROBE_REPS)
+    ps = rt.ps
+    if rt.cfg.num_servers and ps is not None:
+        for n in (_PROBE_SMALL, _PROBE_LARGE):
+            key = f"espresso.probe.{n}"
+            ps.declare(key, n, list(range(rt.topology.world_size)))
+            x = np.ones(n, dtype=np.float32)
+            times[("ps", n)] = _time(
+                lambda key=key, x=x: ps.push_pull(key, x, ps.next_probe_round(key)), _PROBE_REPS)
+    return times
 
 
-def _probe_ps(session: Session) -> tuple[float, float]:
-    ps = session.runtime.ps
-    topo = session.runtime.topology
-    times = []
-    for n in (_PROBE_SMALL, _PROBE_LARGE):
-        key = f"espresso.probe.{n}"
-        ps.declare(key, n, list(range(topo.world_size)))  # type: ignore[union-attr]
-        x = np.ones(n, dtype=np.float32)
-        times.append(_time(lambda key=key, x=x: ps.push_pull(  # type: ignore[union-attr]
-            key, x, ps.next_probe_round(key)), _PROBE_REPS))  # type: ignore[union-attr]
-    latency, per_worker = _invert(times[0], times[1], 2, 2)
-    # Every worker pushes and pulls through the servers at once.
-    servers = max(1, session.runtime.cfg.num_servers)
-    return latency, per_worker * topo.world_size / servers
+def _cluster(topo: Any, servers: int, cpu_threads: int, times: Mapping[tuple[str, int], float],
+             h2d_gbps: float) -> Any:
+    """``strategy.Cluster`` from probe times per (path, size), inverted through the ring
+    all-reduce model per scope and the push/pull model for the servers."""
+    from byteps_espresso.strategy import Cluster
+
+    lat: dict[str, float] = {}
+    gbps: dict[str, float] = {}
+    for scope in (Scope.INTRA, Scope.INTER):
+        k = topo.size(scope)
+        if k < 2:  # a group of one: nothing crosses a link
+            lat[scope.value], gbps[scope.value] = 0.0, 1e4
+            continue
+        lat[scope.value], gbps[scope.value] = _invert(
+            times[(scope.value, _PROBE_SMALL)], times[(scope.value, _PROBE_LARGE)],
+            2 * (k - 1), 2 * (k - 1) / k)
+    server_gbps, server_lat = 0.0, None
+    if servers:
+        server_lat, per_worker = _invert(times[("ps", _PROBE_SMALL)],
+                                         times[("ps", _PROBE_LARGE)], 2, 2)
+        # Every worker pushes and pulls through the servers at once.
+        server_gbps = per_worker * topo.world_size / servers
+    return Cluster(machines=topo.machines, gpus_per_machine=topo.local_size,
+                   intra_gbps=gbps["intra"], intra_latency_us=lat["intra"],
+                   inter_gbps=gbps["inter"], inter_latency_us=lat["inter"],
+                   servers=servers, server_gbps=server_gbps, cpu_threads=cpu_threads,
+                   h2d_gbps=h2d_gbps, intra_link="measured", server_latency_us=server_lat)
 
 
 def _copy_gbps(device: torch.device) -> float:
@@ -207,26 +230,14 @@ def _copy_gbps(device: torch.device) -> float:
 
 
 def measure_cluster(session: Session) -> Any:
-    """Probe intra, inter and PS links with small collectives (all ranks must call it).
+    """Probe intra, inter and PS links while training is paused (all ranks must call it).
 
     Returns:
         ``strategy.Cluster`` with the measured latencies and bandwidths.
     """
-    from byteps_espresso.strategy import Cluster
-
     rt = session.runtime
-    topo = rt.topology
-    intra_lat, intra_gbps = _probe_allreduce(session, Scope.INTRA)
-    inter_lat, inter_gbps = _probe_allreduce(session, Scope.INTER)
-    servers = rt.cfg.num_servers
-    server_gbps, server_lat = 0.0, None
-    if servers:
-        server_lat, server_gbps = _probe_ps(session)
-    return Cluster(machines=topo.machines, gpus_per_machine=topo.local_size,
-                   intra_gbps=intra_gbps, intra_latency_us=intra_lat, inter_gbps=inter_gbps,
-                   inter_latency_us=inter_lat, servers=servers, server_gbps=server_gbps,
-                   cpu_threads=rt.cfg.cpu_threads, h2d_gbps=_copy_gbps(rt.device),
-                   intra_link="measured", server_latency_us=server_lat)
+    return _cluster(rt.topology, rt.cfg.num_servers, rt.cfg.cpu_threads,
+                    _paused_link_times(session), _copy_gbps(rt.device))
 
 
 # ---- compressor costs ------------------------------------------------------------------------
@@ -393,35 +404,10 @@ class LaneProbes:
                     self.compressor.setdefault((dev.value, "decompress", n), []).append(dec)
 
     # ---- results -----------------------------------------------------------------------------
-    def _median(self, key: tuple[str, int]) -> float:
-        return statistics.median(self.links[key])
-
     def cluster(self, h2d_gbps: float) -> Any:
         """``strategy.Cluster`` from the medians of the probes."""
-        from byteps_espresso.strategy import Cluster
-
-        lat: dict[str, float] = {}
-        gbps: dict[str, float] = {}
-        for scope in (Scope.INTRA, Scope.INTER):
-            k = self.topology.size(scope)
-            if k < 2:
-                lat[scope.value], gbps[scope.value] = 0.0, 1e4
-                continue
-            lat[scope.value], gbps[scope.value] = _invert(
-                self._median((scope.value, _PROBE_SMALL)),
-                self._median((scope.value, _PROBE_LARGE)), 2 * (k - 1), 2 * (k - 1) / k)
-        server_gbps, server_lat = 0.0, None
-        if self.servers:
-            server_lat, per_worker = _invert(self._median(("ps", _PROBE_SMALL)),
-                                    self._median(("ps", _PROBE_LARGE)), 2, 2)
-            # Every worker pushes and pulls through the servers at once.
-            server_gbps = per_worker * self.topology.world_size / self.servers
-        return Cluster(machines=self.topology.machines, gpus_per_machine=self.topology.local_size,
-                       intra_gbps=gbps["intra"], intra_latency_us=lat["intra"],
-                       inter_gbps=gbps["inter"], inter_latency_us=lat["inter"],
-                       servers=self.servers, server_gbps=server_gbps,
-                       cpu_threads=self.cpu_threads, h2d_gbps=h2d_gbps, intra_link="measured",
-                       server_latency_us=server_lat)
+        medians = {key: statistics.median(us) for key, us in self.links.items()}
+        return _cluster(self.topology, self.servers, self.cpu_threads, medians, h2d_gbps)
 
     def costs(self, numels: Sequence[int]) -> Any:
         """``strategy.CompressorCosts`` fitted to the median timings in the lanes, plus a
@@ -476,7 +462,7 @@ class EspressoSpec(CompressionSpec):
         names = list(numel)
         ready, starts = (profile.ready, profile.starts) if profile is not None else ([], [])
         offsets = _slowest_offsets(session, ready_offsets(ready, starts, names))
-        probes = getattr(profile, "probes", None)
+        probes = profile.probes if profile is not None else None
         in_lanes = probes is not None and probes.complete
         # Paused probes are collectives too: every rank takes them, or none does.
         cluster = probes.cluster(_copy_gbps(rt.device)) if in_lanes else measure_cluster(session)
