@@ -259,7 +259,7 @@ class _Sync:
         self.next = 0
         self.iteration += 1
         if self.options is None:
-            if self.probes is not None:  # they overlap this backward, not the next forward
+            if self.probes is not None:  # they overlap this synchronization, not the next forward
                 self.probes.wait(timeout)
             self.starts.append(time.perf_counter())
             if self.iteration >= self._profile_steps:
