@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -31,7 +32,7 @@ from byteps_espresso.worker.transport import PSPath, create_groups, host_store, 
 from byteps_espresso.config import Config
 from byteps_espresso.strategy.options import Scope
 
-__all__ = ["DEFAULT_LANES", "Runtime"]
+__all__ = ["DEFAULT_LANES", "Runtime", "intra_op_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +96,14 @@ class Runtime:
         # the processes of one machine oversubscribe its cores).
         threads = max(1, cfg.cpu_threads // cfg.local_size)
         _set_numba_threads(threads)
-        # With OMP_NUM_THREADS in the environment (BytePS' guides set it to 1) and torch's
-        # intra-op thread count never set through the API, 2 machines x 2 workers on 2 cores
-        # ran about 10x slower (fp32: 710.8 against 64.1 ms per iteration once the count was
-        # set explicitly, to the same value); re-applying torch's own value is enough.
-        torch.set_num_threads(torch.get_num_threads())
+        torch.set_num_threads(intra_op_threads(cfg.local_size))
         self.cpu_pool = ThreadPoolExecutor(threads, thread_name_prefix="espresso-cpu")
         self._engines: list[Engine] = []
         self._counters: dict[str, int] = {}  # iterations per tensor, shared by the engines
-        log.info("rank %d/%d (machine %d, local rank %d) on %s, %s, %d lanes, %d servers",
-                 self.topology.rank, self.topology.world_size, self.topology.machine_id,
-                 self.topology.local_rank, self.device, self.backend, lanes, cfg.num_servers)
+        log.info("rank %d/%d (machine %d, local rank %d) on %s, %s, %d lanes, %d servers, "
+                 "%d intra-op threads", self.topology.rank, self.topology.world_size,
+                 self.topology.machine_id, self.topology.local_rank, self.device, self.backend,
+                 lanes, cfg.num_servers, torch.get_num_threads())
 
     def engine(self, codec: CodecPair | None = None) -> Engine:
         """An asynchronous engine running Options with ``codec`` on every lane."""
@@ -165,6 +163,25 @@ class Runtime:
         if self._store_socket is not None:
             self._store_socket.close()
             self._store, self._store_socket = None, None
+
+
+def intra_op_threads(local_size: int) -> int:
+    """torch's intra-op threads for one of the ``local_size`` workers sharing this machine.
+
+    ``OMP_NUM_THREADS``, when set, is the user's choice; it is re-applied through the API
+    because with the variable set and the count never set through ``torch.set_num_threads``,
+    2 machines x 2 workers on 2 cores ran about 10x slower (fp32: 710.8 against 64.1 ms per
+    iteration). Otherwise each worker gets its share of the cores this process may run on,
+    as torchrun sets ``OMP_NUM_THREADS=1`` when it starts several processes per node: with
+    torch's default (one thread per core in every worker) the workers' OpenMP barriers spin
+    while the threads they wait for are descheduled. Measured on 2 cores, 2 x 2 workers,
+    examples/train.py: 2 threads each 76-90 ms per iteration for fp32 and 114-130 ms for
+    Reduce -> PushPull -> Broadcast (local rank 1 used 13-16 s of CPU against 6 s for rank 0,
+    spinning in libgomp); 1 thread each 66 and 45-50 ms.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_size))
 
 
 def _set_numba_threads(threads: int) -> None:
