@@ -44,7 +44,6 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from byteps_espresso.worker.layout import At, Extent, Origin, pieces, ps_key, sp
 from byteps_espresso.worker.topology import Topology
 from byteps_espresso.worker.transport import PSPath, Transport
 
+from byteps_espresso.strategy.cluster import lane_of
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
 
 __all__ = ["Engine", "ExecutionError", "Executor", "Handle"]
@@ -447,8 +447,9 @@ class Engine:
         return len(self.executors)
 
     def lane_of(self, name: str) -> int:
-        """The lane of tensor ``name``: a hash of the name, equal on every rank."""
-        return zlib.crc32(name.encode()) % self.lanes
+        """The lane of tensor ``name``: a hash of the name, equal on every rank (the planner
+        uses the same function)."""
+        return lane_of(name, self.lanes)
 
     def submit(self, name: str, tensor: torch.Tensor, option: Option,
                lane: int | None = None) -> Handle:

@@ -195,9 +195,10 @@ def _paused_link_times(session: Session) -> dict[tuple[str, int], float]:
 
 
 def _cluster(topo: Any, servers: int, cpu_threads: int, times: Mapping[tuple[str, int], float],
-             h2d_gbps: float) -> Any:
+             h2d_gbps: float, lanes: int) -> Any:
     """``strategy.Cluster`` from probe times per (path, size), inverted through the ring
-    all-reduce model per scope and the push/pull model for the servers."""
+    all-reduce model per scope and the push/pull model for the servers; ``lanes``: the
+    executor's lanes per worker."""
     from byteps_espresso.strategy import Cluster
 
     lat: dict[str, float] = {}
@@ -220,7 +221,8 @@ def _cluster(topo: Any, servers: int, cpu_threads: int, times: Mapping[tuple[str
                    intra_gbps=gbps["intra"], intra_latency_us=lat["intra"],
                    inter_gbps=gbps["inter"], inter_latency_us=lat["inter"],
                    servers=servers, server_gbps=server_gbps, cpu_threads=cpu_threads,
-                   h2d_gbps=h2d_gbps, intra_link="measured", server_latency_us=server_lat)
+                   h2d_gbps=h2d_gbps, intra_link="measured", server_latency_us=server_lat,
+                   lanes=lanes)
 
 
 def _copy_gbps(device: torch.device) -> float:
@@ -237,7 +239,7 @@ def measure_cluster(session: Session) -> Any:
     """
     rt = session.runtime
     return _cluster(rt.topology, rt.cfg.num_servers, rt.cfg.cpu_threads,
-                    _paused_link_times(session), _copy_gbps(rt.device))
+                    _paused_link_times(session), _copy_gbps(rt.device), len(rt.transports))
 
 
 # ---- compressor costs ------------------------------------------------------------------------
@@ -312,6 +314,7 @@ class LaneProbes:
     def __init__(self, session: Session, codec: CodecPair | None, numels: Sequence[int]) -> None:
         rt = session.runtime
         self.topology = rt.topology
+        self.lanes = len(rt.transports)
         self.device = rt.device
         self.servers = rt.cfg.num_servers
         self.cpu_threads = rt.cfg.cpu_threads
@@ -407,7 +410,8 @@ class LaneProbes:
     def cluster(self, h2d_gbps: float) -> Any:
         """``strategy.Cluster`` from the medians of the probes."""
         medians = {key: statistics.median(us) for key, us in self.links.items()}
-        return _cluster(self.topology, self.servers, self.cpu_threads, medians, h2d_gbps)
+        return _cluster(self.topology, self.servers, self.cpu_threads, medians, h2d_gbps,
+                        self.lanes)
 
     def costs(self, numels: Sequence[int]) -> Any:
         """``strategy.CompressorCosts`` fitted to the median timings in the lanes, plus a

@@ -11,16 +11,23 @@ Example:
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from byteps_espresso.strategy.workload import read_json
 
-__all__ = ["INTRA_PRESETS", "Cluster", "ClusterError", "LinkPreset"]
+__all__ = ["INTRA_PRESETS", "Cluster", "ClusterError", "LinkPreset", "lane_of"]
 
 
 class ClusterError(ValueError):
     """A cluster description is malformed; the message names the field (and file)."""
+
+
+def lane_of(name: str, lanes: int) -> int:
+    """The executor lane of tensor ``name`` among ``lanes``: a hash of the name, the same on
+    every rank and in the planner (CRC-32, stable across processes, unlike ``hash``)."""
+    return zlib.crc32(name.encode()) % lanes
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,10 @@ class Cluster:
         server_latency_us: one-way latency of a push or a pull through the servers (None:
             ``inter_latency_us``). The PS path has its own transport, so a measured profile
             sets it apart from the collectives' per-hop latency.
+        lanes: the executor's lanes per worker (None: no lane limit). A lane runs one
+            tensor's Option at a time, start to finish, in submission order, and a tensor's
+            lane is :func:`lane_of` its name; a profile measured by the runtime sets it, so the
+            timeline holds each Option's tasks behind the previous Option of its lane.
     """
 
     machines: int
@@ -91,6 +102,7 @@ class Cluster:
     server_threads: int = DEFAULT_SERVER_THREADS
     intra_link: str = "custom"
     server_latency_us: float | None = None
+    lanes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("machines", "gpus_per_machine", "cpu_threads", "server_threads"):
@@ -112,6 +124,10 @@ class Cluster:
                                 or not lat >= 0):
             raise ClusterError(f"field 'server_latency_us' must be a number >= 0 or null, "
                                f"got {lat!r}")
+        if self.lanes is not None and (isinstance(self.lanes, bool)
+                                       or not isinstance(self.lanes, int) or self.lanes < 1):
+            raise ClusterError(f"field 'lanes' must be an integer >= 1 or null, got "
+                               f"{self.lanes!r}")
         if self.servers and not self.server_gbps > 0:
             raise ClusterError("field 'server_gbps' must be > 0 when 'servers' > 0")
 

@@ -10,12 +10,21 @@ Collective Communication Operations in MPICH" (IJHPCA 2005), for a group of ``p`
     Allgather (ring, shard s)      (p-1) a +   (p-1)   s / B
     AllgatherC (payload c)         (p-1) a +   (p-1)   c / B
     AlltoallC (pairwise, chunk c)  (p-1) a +   (p-1)   c / B
-    Reduce (Rabenseifner)       2 log2(p) a + 2 (p-1)/p n / B
-    Broadcast(C) (van de Geijn) (log2(p) + p-1) a + 2 (p-1)/p n / B
+    Reduce                      min(2 log2(p) a + 2 (p-1)/p n / B,  (Rabenseifner)
+                                    log2(p) (a + n / B))             (binomial tree)
+    Broadcast(C)                min((log2(p) + p-1) a + 2 (p-1)/p n / B,  (van de Geijn)
+                                    log2(p) (a + n / B))             (binomial tree)
     GatherC (binomial, to root)  log2(p) a +   (p-1)   c / B_root
     PushPull(C) (PS)      per direction a + max(k n / B_nic, W n / (S B_server)), twice,
                           plus the servers' aggregation (W pushers, S servers, k pushers
                           per machine)
+
+Rooted collectives take the cheaper of the long-message algorithm and the binomial tree, as
+collective libraries choose by size (Thakur et al. give both): for small messages and groups
+the tree's log2(p) hops win. The executor's own collectives are trees for small groups: gloo's
+broadcast is a binomial tree (gloo/broadcast.cc) and ``Reduce`` is a gather to the root (one
+hop for p = 2). With the long-message formulas alone, a Reduce -> PushPull -> Broadcast plan on
+2 x 2 workers was predicted at 63.3 ms and ran at 49.1 ms (benchmarks/calibrate.py's data).
 
 Bandwidth ``B`` per scope: ``intra`` the intra link; ``inter`` the machine NIC divided by the
 ``k`` inter groups that use it at once (all local ranks after a divisible intra step, only
@@ -320,24 +329,34 @@ def _alltoall_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndar
     return [(c.r, (c.p - 1) * c.lat + (c.p - 1) * payload / c.bw)]
 
 
+def _tree(c: _Comm, nbytes: np.ndarray) -> np.ndarray:
+    """A binomial tree over the group: log2(p) hops, each carrying all ``nbytes``."""
+    return _log2(c.p) * (c.lat + nbytes / c.bw)
+
+
 def _reduce(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
     st.push("reduce", c.scope)
     st.active = 1
-    return [(c.r, 2 * _log2(c.p) * c.lat + 2 * (c.p - 1) / c.p * c.dense / c.bw)]
+    long = 2 * _log2(c.p) * c.lat + 2 * (c.p - 1) / c.p * c.dense / c.bw
+    return [(c.r, np.minimum(long, _tree(c, c.dense)))]
+
+
+def _broadcast_time(c: _Comm, nbytes: np.ndarray) -> np.ndarray:
+    long = (_log2(c.p) + c.p - 1) * c.lat + 2 * (c.p - 1) / c.p * nbytes / c.bw
+    return np.minimum(long, _tree(c, nbytes))
 
 
 def _broadcast(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
     _, _, active, _ = st.pop()
     st.active = active
-    return [(c.r, (_log2(c.p) + c.p - 1) * c.lat + 2 * (c.p - 1) / c.p * c.dense / c.bw)]
+    return [(c.r, _broadcast_time(c, c.dense))]
 
 
 def _broadcast_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
     _, _, active, _ = st.pop()
     st.active = active
     st.pending = (c.e, 1)
-    payload = pr.sizes(c.e)
-    return [(c.r, (_log2(c.p) + c.p - 1) * c.lat + 2 * (c.p - 1) / c.p * payload / c.bw)]
+    return [(c.r, _broadcast_time(c, pr.sizes(c.e)))]
 
 
 def _gather_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:

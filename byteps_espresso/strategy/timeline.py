@@ -12,6 +12,11 @@ Model (one representative worker per machine; all workers are symmetric):
   use an idle gap before an earlier tensor's later task). Resources: ``gpu``, ``cpu`` (the
   host thread pool, d2h/h2d copies included), ``intra`` link, ``inter`` link (machine NIC;
   also flat collectives across machines), ``server`` (PS aggregation).
+- Lanes, when the cluster sets ``lanes`` (a profile measured by the runtime does): the
+  executor runs each tensor's Option start to finish on one lane thread
+  (:func:`~byteps_espresso.strategy.cluster.lane_of` its name), one Option at a time in
+  submission order, so a tensor's first task starts no earlier than the end of the previous
+  Option on its lane. Without ``lanes`` (the presets), only the resources order the tasks.
 - Iteration time = forward time + max(end of backward, end of the last task).
 
 The scheduling kernel is compiled with numba (cached on disk); the search evaluates
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from byteps_espresso.strategy.cluster import lane_of
 from byteps_espresso.strategy.costs import GPU, RESOURCES, Pricer
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.workload import Workload
@@ -111,7 +117,7 @@ def _backward(starts, ends, count, t, work):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0917
+def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0917
              cat_res, cat_dur, forward, best_t, best_s, tol, record, task_start, task_end, ready,
              done):  # pragma: no cover - compiled
     """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]).
@@ -132,6 +138,8 @@ def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, c
         rest -= gaps[i]
         bwd = _backward(starts, ends, count, bwd, gaps[i])
         t = bwd
+        if lane[i] >= 0:  # the lane runs one Option at a time, in submission order
+            t = max(t, acc[3 + lane[i]])
         o = ok if i == oi else choice[i]
         u = size_idx[i]
         if record:
@@ -147,6 +155,8 @@ def _advance(starts, ends, count, acc, gaps, size_idx, choice, j0, j1, oi, ok, c
                 task_end[i, j] = t
         if record:
             done[i] = t
+        if lane[i] >= 0:
+            acc[3 + lane[i]] = t
         sdone += t
         last = max(last, t)
         low = forward + max(bwd + rest, last)
@@ -170,40 +180,41 @@ def _capacity(choice, cat_len):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _schedule_state(n_res, cap):  # pragma: no cover - compiled
-    """Empty per-resource busy intervals (starts, ends, count) and the accumulators."""
+def _schedule_state(n_res, cap, lane):  # pragma: no cover - compiled
+    """Empty per-resource busy intervals (starts, ends, count) and the accumulators: backward
+    end, last task end, sum of done times, then each lane's free time."""
     return (np.empty((n_res, cap)), np.empty((n_res, cap)), np.zeros(n_res, dtype=np.int64),
-            np.zeros(3))
+            np.zeros(3 + max(lane.max() + 1, 0)))
 
 
 @numba.njit(cache=True)
-def _simulate(gaps, size_idx, choice, cat_len, cat_res, cat_dur, n_res, record,  # noqa: PLR0917
+def _simulate(gaps, size_idx, lane, choice, cat_len, cat_res, cat_dur, n_res, record,  # noqa: PLR0917
               task_start, task_end, ready, done):  # pragma: no cover - compiled
     cap = _capacity(choice, cat_len)
-    starts, ends, count, acc = _schedule_state(n_res, cap)
-    _advance(starts, ends, count, acc, gaps, size_idx, choice, 0, gaps.shape[0], -1, 0,
+    starts, ends, count, acc = _schedule_state(n_res, cap, lane)
+    _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, 0, gaps.shape[0], -1, 0,
              cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, record, task_start, task_end,
              ready, done)
     return acc[0], acc[1], acc[2]
 
 
 @numba.njit(cache=True)
-def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
+def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
              tol):  # pragma: no cover - compiled
     """Best candidate option for tensor i, others fixed: lexicographic (iteration time,
     sum of done times); the prefix before i is simulated once and copied per candidate."""
     cap = _capacity(choice, cat_len)
-    starts, ends, count, acc = _schedule_state(n_res, cap)
+    starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     dummy = np.zeros((1, 1))
     dummy1 = np.zeros(1)
     n = gaps.shape[0]
-    _advance(starts, ends, count, acc, gaps, size_idx, choice, 0, i, -1, 0, cat_len, cat_res,
+    _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, 0, i, -1, 0, cat_len, cat_res,
              cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, dummy1, dummy1)
     width = count.max()
     s2 = np.empty((n_res, cap))
     e2 = np.empty((n_res, cap))
     c2 = np.empty(n_res, dtype=np.int64)
-    a2 = np.empty(3)
+    a2 = np.empty(acc.shape[0])
     best_k = -1
     best_t = np.inf
     best_s = np.inf
@@ -212,7 +223,7 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
         e2[:, :width] = ends[:, :width]
         c2[:] = count
         a2[:] = acc
-        ok = _advance(s2, e2, c2, a2, gaps, size_idx, choice, i, n, i, cands[c], cat_len,
+        ok = _advance(s2, e2, c2, a2, gaps, size_idx, lane, choice, i, n, i, cands[c], cat_len,
                       cat_res, cat_dur, forward, best_t, best_s, tol, False, dummy, dummy,
                       dummy1, dummy1)
         if not ok:
@@ -226,15 +237,15 @@ def _best_of(gaps, size_idx, choice, i, cands, cat_len, cat_res, cat_dur, n_res,
 
 
 @numba.njit(cache=True)
-def _time_below(gaps, size_idx, work, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
+def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
                 bound):  # pragma: no cover - compiled
     """Iteration time of ``work`` if it is below ``bound``, else inf (the run stops as soon as
     its lower bound reaches ``bound``)."""
     cap = _capacity(work, cat_len)
-    starts, ends, count, acc = _schedule_state(n_res, cap)
+    starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     dummy = np.zeros((1, 1))
     dummy1 = np.zeros(1)
-    ok = _advance(starts, ends, count, acc, gaps, size_idx, work, 0, gaps.shape[0], -1, 0,
+    ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, 0, gaps.shape[0], -1, 0,
                   cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0, False, dummy, dummy,
                   dummy1, dummy1)
     if ok:
@@ -245,7 +256,7 @@ def _time_below(gaps, size_idx, work, cat_len, cat_res, cat_dur, n_res, forward,
 
 
 @numba.njit(cache=True)
-def _best_group(gaps, size_idx, choice, members, cands, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
+def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
                 forward, current, tol):  # pragma: no cover - compiled
     """The candidate that, given to every tensor in ``members`` (others as in choice), gives
     an iteration time below current - tol, the lowest such; (-1, current) if none does."""
@@ -255,7 +266,7 @@ def _best_group(gaps, size_idx, choice, members, cands, cat_len, cat_res, cat_du
     for c in range(cands.shape[0]):
         for m in range(members.shape[0]):
             work[members[m]] = cands[c]
-        t = _time_below(gaps, size_idx, work, cat_len, cat_res, cat_dur, n_res, forward,
+        t = _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, forward,
                         best_t - tol)
         if t < best_t - tol:
             best_k = cands[c]
@@ -264,14 +275,14 @@ def _best_group(gaps, size_idx, choice, members, cands, cat_len, cat_res, cat_du
 
 
 @numba.njit(cache=True)
-def _best_row(gaps, size_idx, rows, cat_len, cat_res, cat_dur, n_res, forward, current,  # noqa: PLR0917
+def _best_row(gaps, size_idx, lane, rows, cat_len, cat_res, cat_dur, n_res, forward, current,  # noqa: PLR0917
               tol):  # pragma: no cover - compiled
     """The first row (a strategy) of the lowest iteration time below current - tol, taken in
     order as a running best; (-1, current) if none is below."""
     best_r = -1
     best_t = current
     for r in range(rows.shape[0]):
-        t = _time_below(gaps, size_idx, rows[r], cat_len, cat_res, cat_dur, n_res, forward,
+        t = _time_below(gaps, size_idx, lane, rows[r], cat_len, cat_res, cat_dur, n_res, forward,
                         best_t - tol)
         if t < best_t - tol:
             best_r = r
@@ -280,7 +291,7 @@ def _best_row(gaps, size_idx, rows, cat_len, cat_res, cat_dur, n_res, forward, c
 
 
 @numba.njit(cache=True)
-def _exhaustive(gaps, size_idx, allowed, n_allowed, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
+def _exhaustive(gaps, size_idx, lane, allowed, n_allowed, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
                 forward):  # pragma: no cover - compiled
     """Every combination of allowed[i, :n_allowed[i]]; returns (best time, best choice)."""
     n = gaps.shape[0]
@@ -293,7 +304,7 @@ def _exhaustive(gaps, size_idx, allowed, n_allowed, cat_len, cat_res, cat_dur, n
     while True:
         for i in range(n):
             choice[i] = allowed[i, digit[i]]
-        bwd, last, _ = _simulate(gaps, size_idx, choice, cat_len, cat_res, cat_dur, n_res,
+        bwd, last, _ = _simulate(gaps, size_idx, lane, choice, cat_len, cat_res, cat_dur, n_res,
                                  False, dummy, dummy, dummy1, dummy1)
         t = forward + max(bwd, last)
         if t < best - 1e-9:
@@ -362,6 +373,10 @@ class Evaluator:
         except KeyError as exc:
             raise ValueError(f"the pricer lacks tensor size {exc.args[0]}") from None
         self.gaps = np.array([t.ready_gap_us for t in workload.tensors], dtype=np.float64)
+        lanes = pricer.cluster.lanes
+        # Each tensor's executor lane, or -1 everywhere when the cluster sets no lane count.
+        self.lane = np.array([lane_of(t.name, lanes) if lanes else -1
+                              for t in workload.tensors], dtype=np.int64)
         self.forward_us = workload.forward_time_us
         self.options: list[Option] = []
         self.index: dict[Option, int] = {}
@@ -402,7 +417,7 @@ class Evaluator:
         te = np.zeros((n, width)) if record else np.zeros((1, 1))
         ready = np.zeros(n)
         done = np.zeros(n)
-        bwd, last, _ = _simulate(self.gaps, self.size_idx, choice, self._len, self._res,
+        bwd, last, _ = _simulate(self.gaps, self.size_idx, self.lane, choice, self._len, self._res,
                                  self._dur, len(RESOURCES), record, ts, te, ready, done)
         self.calls += 1
         return bwd, last, ts, te, ready, done
@@ -414,7 +429,7 @@ class Evaluator:
         for i, a in enumerate(allowed):
             table[i, : len(a)] = a
         counts = np.array([len(a) for a in allowed], dtype=np.int64)
-        best, choice = _exhaustive(self.gaps, self.size_idx, table, counts, self._len,
+        best, choice = _exhaustive(self.gaps, self.size_idx, self.lane, table, counts, self._len,
                                    self._res, self._dur, len(RESOURCES), self.forward_us)
         self.calls += int(np.prod(counts.astype(np.float64)))
         return float(best), choice
@@ -425,9 +440,9 @@ class Evaluator:
         lowest (iteration time, sum of synchronized times); put the current choice first so
         that ties keep it. Returns (index, iteration time)."""
         cands = np.asarray(candidates, dtype=np.int64)
-        k, t, _ = _best_of(self.gaps, self.size_idx, np.asarray(choice, dtype=np.int64), i,
-                           cands, self._len, self._res, self._dur, len(RESOURCES),
-                           self.forward_us, tol)
+        k, t, _ = _best_of(self.gaps, self.size_idx, self.lane,
+                           np.asarray(choice, dtype=np.int64), i, cands, self._len, self._res,
+                           self._dur, len(RESOURCES), self.forward_us, tol)
         self.calls += len(cands)
         return int(k), float(t)
 
@@ -435,25 +450,29 @@ class Evaluator:
     def warm_up() -> None:
         """Load (or compile) the numba kernels now, so timings measure the search only."""
         one = np.zeros(1, dtype=np.int64)
+        no_lane = np.full(1, -1, dtype=np.int64)
         res = np.zeros((1, 1), dtype=np.int64)
         dur = np.ones((1, 1, 1))
-        _simulate(np.ones(1), one, one, np.ones(1, dtype=np.int64), res, dur, len(RESOURCES),
-                  True, np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), np.zeros(1))
-        _best_of(np.ones(1), one, one, 0, one, np.ones(1, dtype=np.int64), res, dur,
-                 len(RESOURCES), 0.0, 1e-6)
-        _best_group(np.ones(1), one, one, one, one, np.ones(1, dtype=np.int64), res, dur,
-                    len(RESOURCES), 0.0, np.inf, 1e-6)
-        _best_row(np.ones(1), one, np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64),
-                  res, dur, len(RESOURCES), 0.0, np.inf, 1e-6)
-        _exhaustive(np.ones(1), one, np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64),
-                    np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0)
+        for lane in (no_lane, one):
+            _simulate(np.ones(1), one, lane, one, np.ones(1, dtype=np.int64), res, dur,
+                      len(RESOURCES), True, np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1),
+                      np.zeros(1))
+            _best_of(np.ones(1), one, lane, one, 0, one, np.ones(1, dtype=np.int64), res, dur,
+                     len(RESOURCES), 0.0, 1e-6)
+            _best_group(np.ones(1), one, lane, one, one, one, np.ones(1, dtype=np.int64), res,
+                        dur, len(RESOURCES), 0.0, np.inf, 1e-6)
+            _best_row(np.ones(1), one, lane, np.zeros((1, 1), dtype=np.int64),
+                      np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0, np.inf, 1e-6)
+            _exhaustive(np.ones(1), one, lane, np.zeros((1, 1), dtype=np.int64),
+                        np.ones(1, dtype=np.int64), np.ones(1, dtype=np.int64), res, dur,
+                        len(RESOURCES), 0.0)
 
     def best_group(self, choice: np.ndarray, members: np.ndarray, candidates: np.ndarray,
                    current: float, tol: float = 1e-6) -> tuple[int, float]:
         """The candidate option that, given to all ``members`` at once, gives the shortest
         iteration below ``current - tol``; returns (index, time), or (-1, current)."""
         cands = np.asarray(candidates, dtype=np.int64)
-        k, t = _best_group(self.gaps, self.size_idx, np.asarray(choice, dtype=np.int64),
+        k, t = _best_group(self.gaps, self.size_idx, self.lane, np.asarray(choice, dtype=np.int64),
                            np.asarray(members, dtype=np.int64), cands, self._len, self._res,
                            self._dur, len(RESOURCES), self.forward_us, current, tol)
         self.calls += len(cands)
@@ -465,7 +484,7 @@ class Evaluator:
         ``current - tol``; returns (row, time), or (-1, current). The same answer as
         evaluating the rows in order and keeping a running best, in one call."""
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        r, t = _best_row(self.gaps, self.size_idx, rows, self._len, self._res, self._dur,
+        r, t = _best_row(self.gaps, self.size_idx, self.lane, rows, self._len, self._res, self._dur,
                          len(RESOURCES), self.forward_us, current, tol)
         self.calls += len(rows)
         return int(r), float(t)
@@ -473,9 +492,9 @@ class Evaluator:
     def iteration_us(self, choice: np.ndarray) -> float:
         """Iteration time of ``choice`` (option index per tensor), microseconds."""
         d2, d1 = self._dummy
-        bwd, last, _ = _simulate(self.gaps, self.size_idx, np.asarray(choice, dtype=np.int64),
-                                 self._len, self._res, self._dur, len(RESOURCES), False, d2, d2,
-                                 d1, d1)
+        bwd, last, _ = _simulate(self.gaps, self.size_idx, self.lane,
+                                 np.asarray(choice, dtype=np.int64), self._len, self._res,
+                                 self._dur, len(RESOURCES), False, d2, d2, d1, d1)
         self.calls += 1
         return self.forward_us + max(bwd, last)
 

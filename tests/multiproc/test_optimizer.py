@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from byteps_espresso.worker.runtime import DEFAULT_LANES
 
 WORLD = 4
 _spec = importlib.util.spec_from_file_location(
@@ -89,6 +90,7 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
     cluster_json = json.loads((out / "cluster.json").read_text())
     assert cluster_json["intra_link"] == "measured"
     assert cluster_json["server_latency_us"] is not None and cluster_json["server_gbps"] > 0
+    assert cluster_json["lanes"] == DEFAULT_LANES  # the timeline holds Options behind their lane
     costs = json.loads((out / "costs.json").read_text())
     assert measured in costs["note"]
     assert set(costs["compressors"]["randomk"]) >= (

@@ -169,3 +169,56 @@ def test_server_latency_must_be_a_number(bad):
 
     with pytest.raises(ClusterError, match="server_latency_us"):
         CLUSTER.with_(server_latency_us=bad)
+
+
+def _named_timeline(named, options, cluster):
+    wl = Workload(tuple(TensorProfile(name, n, g) for name, n, g in named), F)
+    pricer = Pricer(cluster, "fp16", FP16, COSTS, sorted({n for _, n, _ in named}))
+    ev = Evaluator(wl, pricer, list(dict.fromkeys(options)))
+    choice = np.array(ev.add(options))
+    tl = ev.timeline(choice)
+    assert ev.iteration_us(choice) == pytest.approx(tl.iteration_us)
+    return tl
+
+
+def test_a_lane_runs_one_option_at_a_time():
+    from byteps_espresso.strategy.cluster import lane_of
+
+    laned = CLUSTER.with_(lanes=2)
+    assert lane_of("t0", 2) == lane_of("t1", 2) != lane_of("t4", 2)
+    # Same lane: tensor 1's Allreduce (ready at 11) may not backfill the link before tensor
+    # 0's Option ends, as it does without lanes (test_later_tensor_backfills_an_idle_gap).
+    same = _named_timeline([("t0", 1000, 10.0), ("t1", 250, 1.0)], [CPU_COMP, DENSE], laned)
+    assert spans(same, 1)[0][1] == pytest.approx(same.done_us[0])
+    assert same.iteration_us == pytest.approx(F + same.done_us[0] + 1.0)
+    # Other lanes: the two Options overlap as before.
+    other = _named_timeline([("t0", 1000, 10.0), ("t4", 250, 1.0)], [CPU_COMP, DENSE], laned)
+    assert spans(other, 1)[0][1] < spans(other, 0)[1][1]
+    unlaned = _named_timeline([("t0", 1000, 10.0), ("t1", 250, 1.0)], [CPU_COMP, DENSE],
+                              CLUSTER)
+    assert spans(unlaned, 1) == spans(other, 1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_lanes_must_be_a_positive_integer(bad):
+    from byteps_espresso.strategy import ClusterError
+
+    with pytest.raises(ClusterError, match="lanes"):
+        CLUSTER.with_(lanes=bad)
+    assert Cluster.from_dict(CLUSTER.with_(lanes=3).to_dict()).lanes == 3
+
+
+def test_rooted_collectives_take_the_cheaper_of_tree_and_long_message():
+    def priced(p, lat, numel):
+        cluster = Cluster(machines=1, gpus_per_machine=p, intra_gbps=8.0,
+                          intra_latency_us=lat, inter_gbps=8.0, servers=0)
+        return Pricer(cluster, "fp16", FP16, COSTS, [numel]).tasks(
+            Option.parse("Reduce(intra) -> Broadcast(intra)")).duration[0]
+
+    # 2 members, 10 us per hop, 1000 elements (4000 bytes at 1000 bytes/us): a binomial
+    # tree is one hop each, 10 + 4 us, against 2 x 10 + 4 us for the long-message forms.
+    np.testing.assert_allclose(priced(2, 10.0, 1000), [14.0, 14.0])
+    # 8 members, 1 us per hop, 10^6 elements: log2(8) = 3 full copies on a tree (12003 us)
+    # lose to Rabenseifner's 2 x 3 x 1 + 2 x 7/8 x 4000 = 7006 us and van de Geijn's
+    # (3 + 7) x 1 + 7000 = 7010 us.
+    np.testing.assert_allclose(priced(8, 1.0, 10**6), [7006.0, 7010.0])
