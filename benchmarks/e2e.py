@@ -13,8 +13,9 @@ Each strategy runs ``--repeats`` times, interleaved with the others (so slow pha
 shared, noisy machine hit every strategy alike). Measured: the median iteration time over
 the epochs after the first (the first profiles and plans), median over repeats; throughput
 is the global batch over that time. Predicted: the planner's iteration time for the strategy
-the run used (``predicted_ms`` written by rank 0; fp32's from the Espresso run's ``fp32``
-baseline), median over repeats. Prints a table and writes benchmarks/results/e2e.json.
+the run used (``predicted_ms`` written by rank 0; fp32's: BytePS' uncompressed path on every
+tensor priced on the Espresso run's measured profile), median over repeats. Prints a table
+and writes benchmarks/results/e2e.json.
 Needs root (network namespaces).
 
     sudo .venv/bin/python benchmarks/e2e.py
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 
 from byteps_espresso.deploy.demo import RunResult, run_training
+from train import fp32_prediction  # benchmarks/train.py
 
 STRATEGIES = ("fp32", "espresso", "all-gpu", "cpu-only")
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,12 +81,16 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
         for strategy in args.strategies:
             print(f"-- {gbps:g} Gbit/s: {strategy} (round {rep + 1}/{args.repeats})",
                   flush=True)
+            name = f"{gbps:g}gbps-{strategy}-{rep}"
+            env = dict(os.environ)
+            if strategy == "espresso":
+                env["ESPRESSO_PROFILE_OUT"] = str(out / f"{name}-profile")
             runs[strategy].append(run_training(
-                f"{gbps:g}gbps-{strategy}-{rep}", _cluster(gbps, args),
-                _train_args(strategy, args), out, env=dict(os.environ), live=args.verbose,
-                timeout_s=args.timeout_s))
-    fp32_predicted = [(r.metrics.get("baselines_ms") or {}).get("fp32")
-                      for r in runs.get("espresso", [])]
+                name, _cluster(gbps, args), _train_args(strategy, args), out, env=env,
+                live=args.verbose, timeout_s=args.timeout_s))
+    fp32_predicted = [fp32_prediction(out / f"{gbps:g}gbps-espresso-{rep}-profile",
+                                      args.compressor, {"ratio": args.ratio})
+                      for rep in range(len(runs.get("espresso", [])))]
     rows = []
     for strategy, done in runs.items():
         predicted = fp32_predicted if strategy == "fp32" else [

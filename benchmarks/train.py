@@ -9,7 +9,8 @@ host (loopback), once per strategy:
 
 For each it records samples/s and the median time per iteration over the epochs after the
 first (which holds the profiling iterations), and the planner's predicted iteration time
-(for fp32: the ``fp32`` baseline of the espresso run's plan). Prints a table; writes JSON to
+(for fp32: BytePS' uncompressed path on every tensor, priced on the espresso run's measured
+profile; see :func:`fp32_prediction`). Prints a table; writes JSON to
 benchmarks/results/train.json.
 
 Usage: python benchmarks/train.py [--quick] [--compressor randomk --ratio 0.01]
@@ -28,6 +29,11 @@ import time
 from pathlib import Path
 
 from byteps_espresso.deploy.launch import free_port_pair  # p and p + 1 both free
+from byteps_espresso.worker.session import fp32_option
+from byteps_espresso.worker.topology import Topology
+
+from byteps_espresso.strategy import Cluster, CompressorCosts, Constraints, Workload
+from byteps_espresso.strategy.context import PlanContext
 
 REPO = Path(__file__).resolve().parents[1]
 MACHINES, LOCAL, SERVERS = 2, 2, 1
@@ -85,6 +91,19 @@ def run_job(train_args: list[str], extra_env: dict[str, str], timeout: float) ->
             log.close()
 
 
+def fp32_prediction(profile: Path, compressor: str, params: dict) -> float:
+    """The model's iteration time (ms) for ``Compression.none`` -- BytePS' uncompressed path
+    on every tensor, which is what the fp32 run executes -- on the profile the Espresso run
+    measured (``ESPRESSO_PROFILE_OUT``). The plan's ``fp32`` baseline may be another
+    uncompressed path (the cheapest one under the model), so it is not used here."""
+    workload = Workload.load(profile / "workload.json")
+    cluster = Cluster.load(profile / "cluster.json")
+    costs = CompressorCosts.load(profile / "costs.json")
+    option = fp32_option(Topology(cluster.machines, cluster.gpus_per_machine), cluster.servers)
+    ctx = PlanContext(workload, cluster, compressor, params, costs, Constraints())
+    return ctx.iteration_us(ctx.index([option] * len(workload.tensors))) / 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
@@ -100,13 +119,17 @@ def main() -> None:
             ("all-gpu", ["--compression", "espresso", "--algorithm", "all-gpu"]),
             ("cpu-only", ["--compression", "espresso", "--algorithm", "cpu-only"])]
     results = {}
+    fp32_pred = None
     with tempfile.TemporaryDirectory() as tmp:
         for label, flags in runs:
             metrics = Path(tmp) / f"{label}.json"
             train_args = [*common, *flags, "--compressor", args.compressor, "--ratio",
                           str(args.ratio), "--metrics-out", str(metrics)]
             t0 = time.perf_counter()
-            run_job(train_args, {"ESPRESSO_PROFILE_STEPS": "8"}, timeout=900)
+            env = {"ESPRESSO_PROFILE_STEPS": "8"}
+            if label == "espresso":
+                env["ESPRESSO_PROFILE_OUT"] = str(Path(tmp) / "profile")
+            run_job(train_args, env, timeout=900)
             data = json.loads(metrics.read_text())
             later = data["history"][1:]
             results[label] = {
@@ -116,7 +139,9 @@ def main() -> None:
                 "final_loss": data["history"][-1]["loss"], "wall_s": time.perf_counter() - t0,
             }
             print(f"{label}: {results[label]}", flush=True)
-    fp32_pred = (results["espresso"]["baselines_ms"] or {}).get("fp32")
+            if label == "espresso":
+                fp32_pred = fp32_prediction(Path(tmp) / "profile", args.compressor,
+                                            {"ratio": args.ratio})
     results["fp32"]["predicted_ms"] = fp32_pred
     print(f"\n{'strategy':10} {'samples/s':>10} {'ms/iter':>9} {'predicted':>10} {'error':>7}"
           f" {'speedup':>8} {'loss':>7}")
