@@ -195,7 +195,7 @@ def _paused_link_times(session: Session) -> dict[tuple[str, int], float]:
 
 
 def _cluster(topo: Any, servers: int, cpu_threads: int, times: Mapping[tuple[str, int], float],
-             h2d_gbps: float, lanes: int) -> Any:
+             h2d_gbps: float, *, lanes: int) -> Any:
     """``strategy.Cluster`` from probe times per (path, size), inverted through the ring
     all-reduce model per scope and the push/pull model for the servers; ``lanes``: the
     executor's lanes per worker."""
@@ -239,7 +239,7 @@ def measure_cluster(session: Session) -> Any:
     """
     rt = session.runtime
     return _cluster(rt.topology, rt.cfg.num_servers, rt.cfg.cpu_threads,
-                    _paused_link_times(session), _copy_gbps(rt.device), len(rt.transports))
+                    _paused_link_times(session), _copy_gbps(rt.device), lanes=len(rt.transports))
 
 
 # ---- compressor costs ------------------------------------------------------------------------
@@ -411,7 +411,7 @@ class LaneProbes:
         """``strategy.Cluster`` from the medians of the probes."""
         medians = {key: statistics.median(us) for key, us in self.links.items()}
         return _cluster(self.topology, self.servers, self.cpu_threads, medians, h2d_gbps,
-                        self.lanes)
+                        lanes=self.lanes)
 
     def costs(self, numels: Sequence[int]) -> Any:
         """``strategy.CompressorCosts`` fitted to the median timings in the lanes, plus a
