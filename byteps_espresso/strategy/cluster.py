@@ -30,6 +30,21 @@ def lane_of(name: str, lanes: int) -> int:
     return zlib.crc32(name.encode()) % lanes
 
 
+def _check(name: str, value: Any, *, low: float, integer: bool = False, strict: bool = False,
+           optional: bool = False) -> None:
+    """Raise ClusterError unless ``value`` is a number (an integer if ``integer``) >= ``low``
+    (> if ``strict``), or None when ``optional``."""
+    if value is None and optional:
+        return
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds) \
+            or not (value > low if strict else value >= low):
+        what = "an integer" if integer else "a number"
+        bound = f"{'>' if strict else '>='} {low:g}"
+        raise ClusterError(f"field {name!r} must be {what} {bound}{' or null' if optional else ''}"
+                           f", got {value!r}")
+
+
 @dataclass(frozen=True)
 class LinkPreset:
     """An intra-machine link: effective per-GPU bandwidth (Gbit/s) and per-hop latency (us)."""
@@ -106,28 +121,14 @@ class Cluster:
 
     def __post_init__(self) -> None:
         for name in ("machines", "gpus_per_machine", "cpu_threads", "server_threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ClusterError(f"field {name!r} must be an integer >= 1, got {value!r}")
-        if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 0:
-            raise ClusterError(f"field 'servers' must be an integer >= 0, got {self.servers!r}")
+            _check(name, getattr(self, name), integer=True, low=1)
+        _check("servers", self.servers, integer=True, low=0)
         for name in ("intra_gbps", "inter_gbps", "h2d_gbps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ClusterError(f"field {name!r} must be a number > 0, got {value!r}")
+            _check(name, getattr(self, name), low=0, strict=True)
         for name in ("intra_latency_us", "inter_latency_us", "server_gbps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ClusterError(f"field {name!r} must be a number >= 0, got {value!r}")
-        lat = self.server_latency_us
-        if lat is not None and (isinstance(lat, bool) or not isinstance(lat, int | float)
-                                or not lat >= 0):
-            raise ClusterError(f"field 'server_latency_us' must be a number >= 0 or null, "
-                               f"got {lat!r}")
-        if self.lanes is not None and (isinstance(self.lanes, bool)
-                                       or not isinstance(self.lanes, int) or self.lanes < 1):
-            raise ClusterError(f"field 'lanes' must be an integer >= 1 or null, got "
-                               f"{self.lanes!r}")
+            _check(name, getattr(self, name), low=0)
+        _check("server_latency_us", self.server_latency_us, low=0, optional=True)
+        _check("lanes", self.lanes, integer=True, low=1, optional=True)
         if self.servers and not self.server_gbps > 0:
             raise ClusterError("field 'server_gbps' must be > 0 when 'servers' > 0")
 
