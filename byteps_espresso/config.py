@@ -46,6 +46,13 @@ def _int(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _optional_int(low: int) -> Callable[[str], int | None]:
+    def parse(text: str) -> int | None:
+        return _int(low)(text) if text.strip() else None
+
+    return parse
+
+
 def _float(low: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = float(text)
@@ -131,6 +138,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CUDA_VISIBLE_DEVICES", "visible_devices", _optional, None,
              "GPUs the launcher hands out, one per training process, which each get one "
              "of them (default: every GPU `nvidia-smi -L` lists; none: CPU training)."),
+    Variable("OMP_NUM_THREADS", "intra_op_threads", _optional_int(1), None,
+             "torch intra-op threads per training process (default: this machine's cores / "
+             "`BYTEPS_LOCAL_SIZE`, at least 1, as torchrun does)."),
     Variable("BYTEPS_PARTITION_BYTES", "partition_bytes", _int(1024), 4_096_000,
              "Largest PS key in bytes; bigger tensors are split into several keys "
              "(BytePS default 4096000)."),
@@ -182,6 +192,7 @@ class Config:
     local_rank: int = 0
     local_size: int = 1
     visible_devices: str | None = None
+    intra_op_threads: int | None = None
     partition_bytes: int = 4_096_000
     server_threads: int = 4
     bind_all: bool = False

@@ -239,7 +239,7 @@ def measure_cluster(session: Session) -> Any:
     """
     rt = session.runtime
     return _cluster(rt.topology, rt.cfg.num_servers, rt.cfg.cpu_threads,
-                    _paused_link_times(session), _copy_gbps(rt.device), lanes=len(rt.transports))
+                    _paused_link_times(session), _copy_gbps(rt.device), lanes=rt.lanes)
 
 
 # ---- compressor costs ------------------------------------------------------------------------
@@ -314,7 +314,7 @@ class LaneProbes:
     def __init__(self, session: Session, codec: CodecPair | None, numels: Sequence[int]) -> None:
         rt = session.runtime
         self.topology = rt.topology
-        self.lanes = len(rt.transports)
+        self.lanes = rt.lanes
         self.device = rt.device
         self.servers = rt.cfg.num_servers
         self.cpu_threads = rt.cfg.cpu_threads

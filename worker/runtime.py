@@ -96,7 +96,7 @@ class Runtime:
         # the processes of one machine oversubscribe its cores).
         threads = max(1, cfg.cpu_threads // cfg.local_size)
         _set_numba_threads(threads)
-        torch.set_num_threads(intra_op_threads(cfg.local_size))
+        torch.set_num_threads(intra_op_threads(cfg.local_size, cfg.intra_op_threads))
         self.cpu_pool = ThreadPoolExecutor(threads, thread_name_prefix="espresso-cpu")
         self._engines: list[Engine] = []
         self._counters: dict[str, int] = {}  # iterations per tensor, shared by the engines
@@ -104,6 +104,11 @@ class Runtime:
                  "%d intra-op threads", self.topology.rank, self.topology.world_size,
                  self.topology.machine_id, self.topology.local_rank, self.device, self.backend,
                  lanes, cfg.num_servers, torch.get_num_threads())
+
+    @property
+    def lanes(self) -> int:
+        """Independent communication lanes (one set of process groups, one engine thread each)."""
+        return len(self.transports)
 
     def engine(self, codec: CodecPair | None = None) -> Engine:
         """An asynchronous engine running Options with ``codec`` on every lane."""
@@ -165,11 +170,11 @@ class Runtime:
             self._store, self._store_socket = None, None
 
 
-def intra_op_threads(local_size: int) -> int:
+def intra_op_threads(local_size: int, requested: int | None = None) -> int:
     """torch's intra-op threads for one of the ``local_size`` workers sharing this machine.
 
-    ``OMP_NUM_THREADS``, when set, is the user's choice; it is re-applied through the API
-    because with the variable set and the count never set through ``torch.set_num_threads``,
+    ``requested`` (``OMP_NUM_THREADS``, when set) is the user's choice. It is applied through
+    the API because with the variable set and the count never set through ``set_num_threads``,
     2 machines x 2 workers on 2 cores ran about 10x slower (fp32: 710.8 against 64.1 ms per
     iteration). Otherwise each worker gets its share of the cores this process may run on,
     as torchrun sets ``OMP_NUM_THREADS=1`` when it starts several processes per node: with
@@ -179,8 +184,8 @@ def intra_op_threads(local_size: int) -> int:
     Reduce -> PushPull -> Broadcast (local rank 1 used 13-16 s of CPU against 6 s for rank 0,
     spinning in libgomp); 1 thread each 66 and 45-50 ms.
     """
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
+    if requested is not None:
+        return requested
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_size))
 
 
