@@ -29,16 +29,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from byteps_espresso.worker.profiler import read_profile
 from train import REPO, run_job  # benchmarks/train.py: one job's processes on loopback
 
-from byteps_espresso.strategy import (
-    Cluster,
-    CompressorCosts,
-    Constraints,
-    Strategy,
-    Workload,
-    plan,
-)
+from byteps_espresso.strategy import Constraints, Strategy, plan
 from byteps_espresso.strategy.context import PlanContext
 
 ALGORITHMS = ("espresso", "fp32", "all-gpu", "hipress", "cpu-only")
@@ -63,9 +57,7 @@ def profile(args: argparse.Namespace, tmp: Path) -> Path:
 
 def candidates(prof: Path, args: argparse.Namespace) -> dict[str, Strategy]:
     """The strategies to measure, planned on the captured profile."""
-    workload = Workload.load(prof / "workload.json")
-    cluster = Cluster.from_dict(json.loads((prof / "cluster.json").read_text()))
-    costs = CompressorCosts.load(prof / "costs.json")
+    workload, cluster, costs = read_profile(prof)
     params = {"ratio": args.ratio}
     out = {name: plan(workload, cluster, args.compressor, params, algorithm=name, costs=costs)
            for name in ALGORITHMS}

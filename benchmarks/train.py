@@ -29,10 +29,11 @@ import time
 from pathlib import Path
 
 from byteps_espresso.deploy.launch import free_port_pair  # p and p + 1 both free
+from byteps_espresso.worker.profiler import read_profile
 from byteps_espresso.worker.session import fp32_option
 from byteps_espresso.worker.topology import Topology
 
-from byteps_espresso.strategy import Cluster, CompressorCosts, Constraints, Workload
+from byteps_espresso.strategy import Constraints
 from byteps_espresso.strategy.context import PlanContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,9 +97,7 @@ def fp32_prediction(profile: Path, compressor: str, params: dict) -> float:
     on every tensor, which is what the fp32 run executes -- on the profile the Espresso run
     measured (``ESPRESSO_PROFILE_OUT``). The plan's ``fp32`` baseline may be another
     uncompressed path (the cheapest one under the model), so it is not used here."""
-    workload = Workload.load(profile / "workload.json")
-    cluster = Cluster.load(profile / "cluster.json")
-    costs = CompressorCosts.load(profile / "costs.json")
+    workload, cluster, costs = read_profile(profile)
     option = fp32_option(Topology(cluster.machines, cluster.gpus_per_machine), cluster.servers)
     ctx = PlanContext(workload, cluster, compressor, params, costs, Constraints())
     return ctx.iteration_us(ctx.index([option] * len(workload.tensors))) / 1e3

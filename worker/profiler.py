@@ -50,7 +50,8 @@ from byteps_espresso.worker.session import Session
 from byteps_espresso.strategy.options import Device, Option, Scope
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
-           "measure_cluster", "measure_costs", "ready_offsets", "workload_from_offsets",
+           "measure_cluster", "measure_costs", "read_profile", "ready_offsets",
+           "workload_from_offsets",
            "workload_from_ready_times"]
 
 log = logging.getLogger(__name__)
@@ -497,6 +498,20 @@ def _write_profile(out: Path, workload: Any, cluster: Any, costs: Any, strategy:
     costs.save(out / "costs.json")
     strategy.save(out / "strategy.json")
     log.info("wrote the measured workload, cluster, costs and strategy to %s", out)
+
+
+def read_profile(folder: str | Path) -> tuple[Any, Any, Any]:
+    """The measured ``(Workload, Cluster, CompressorCosts)`` that rank 0 wrote to
+    ``ESPRESSO_PROFILE_OUT``, to price other strategies on the same profile.
+
+    Raises:
+        WorkloadError, ClusterError, CostsError: a missing or malformed file (named).
+    """
+    from byteps_espresso.strategy import Cluster, CompressorCosts, Workload
+
+    folder = Path(folder)
+    return (Workload.load(folder / "workload.json"), Cluster.load(folder / "cluster.json"),
+            CompressorCosts.load(folder / "costs.json"))
 
 
 @dataclass(frozen=True)

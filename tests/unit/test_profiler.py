@@ -56,3 +56,19 @@ def test_backward_order_comes_from_the_ready_times_and_gaps_never_go_negative():
 def test_no_complete_iteration_is_a_clear_error():
     with pytest.raises(ValueError, match="ESPRESSO_PROFILE_STEPS"):
         workload_from_offsets(np.full((2, 3), np.nan), list(NUMEL), NUMEL)
+
+
+def test_a_written_profile_reads_back(tmp_path):
+    from byteps_espresso.worker.profiler import _write_profile, read_profile
+
+    from byteps_espresso.strategy import Cluster, CompressorCosts, Workload, plan
+
+    workload = Workload.builtin("lstm")
+    cluster = Cluster.preset(2, 2, "pcie", 10.0, lanes=2)
+    costs = CompressorCosts.default()
+    strategy = plan(workload, cluster, "randomk", {"ratio": 0.01}, costs=costs)
+    _write_profile(tmp_path, workload, cluster, costs, strategy)
+    got = read_profile(tmp_path)
+    assert got[0].to_dict() == workload.to_dict()
+    assert got[1] == cluster
+    assert got[2].to_dict() == costs.to_dict()
