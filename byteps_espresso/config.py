@@ -166,6 +166,10 @@ VARIABLES: tuple[Variable, ...] = (
              "Strategy JSON planned offline (`espresso plan`); skips start-up planning."),
     Variable("ESPRESSO_PROFILE_STEPS", "profile_steps", _int(0), 5,
              "Uncompressed iterations profiled before planning."),
+    Variable("ESPRESSO_TRIAL_STEPS", "trial_steps", _int(0), 6,
+             "Iterations each finalist strategy runs after planning (the first is a "
+             "warm-up; the fastest measured is kept). Below 2: use the planned strategy "
+             "at once."),
     Variable("ESPRESSO_PROFILE_OUT", "profile_out", _optional, None,
              "Directory where rank 0 writes the measured workload and planned strategy."),
     Variable("ESPRESSO_CPU_THREADS", "cpu_threads", _int(1, 1024), 2,
@@ -202,6 +206,7 @@ class Config:
     compressor: str | None = None
     strategy_path: str | None = None
     profile_steps: int = 5
+    trial_steps: int = 6
     profile_out: str | None = None
     cpu_threads: int = 2
     seed: int = 0

@@ -110,22 +110,29 @@ def run_training(name: str, cluster: Sequence[str], train: Sequence[str], out: P
 
 def draw_predicted_timeline(profile: Path, picture: Path, compressor: str,
                             params: dict) -> Path:
-    """Re-plan from the measured profile and draw Espresso's timeline above fp32's.
+    """Draw the predicted timeline of the strategy in use (``strategy.json``: the planned one,
+    or the finalist the trials kept) above fp32's, priced on the measured profile.
 
     Returns:
         the picture's path.
     """
-    from byteps_espresso.strategy import Cluster, CompressorCosts, Workload
-    from byteps_espresso.strategy.planner import plan_with_timelines
+    from byteps_espresso.worker.profiler import read_profile
+
+    from byteps_espresso.strategy import Constraints, Strategy
+    from byteps_espresso.strategy.baselines import get
+    from byteps_espresso.strategy.context import PlanContext
     from byteps_espresso.strategy.plot import draw_timelines
 
-    workload = Workload.load(profile / "workload.json")
-    cluster = Cluster.load(profile / "cluster.json")
-    costs = CompressorCosts.load(profile / "costs.json")
-    _, timelines = plan_with_timelines(workload, cluster, compressor, params, costs=costs)
+    workload, cluster, costs = read_profile(profile)
+    strategy = Strategy.load(profile / "strategy.json")
+    ctx = PlanContext(workload, cluster, compressor, params, costs, Constraints())
+    fp32 = get("fp32").run(ctx)
+    chosen = ctx.index([strategy.options[name] for name in workload.names])
+    timelines = {"chosen": ctx.evaluator.timeline(chosen),
+                 "fp32": ctx.evaluator.timeline(fp32.choice)}
     draw_timelines(timelines, picture, title=f"examples/train.py on {cluster.machines} x "
                    f"{cluster.gpus_per_machine} workers: predicted iteration, {compressor} "
-                   f"{params}")
+                   f"{params}, {strategy.algorithm}")
     return picture
 
 
@@ -190,11 +197,19 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
 
 def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compressor: str,
             params: dict) -> None:
+    from byteps_espresso.worker.trials import table
+
     from byteps_espresso.strategy import Strategy
 
     strategy = Strategy.load(profile / "strategy.json")
-    print("\n== planned strategy (rank 0, from the profiled first iterations) ==")
+    print("\n== strategy in use (rank 0, planned from the profiled first iterations) ==")
     print(strategy.summary())
+    trials = profile / "trials.json"
+    if trials.exists():
+        data = json.loads(trials.read_text())
+        print(f"\n== measured trials ({data['steps']} iterations each, the first a warm-up) ==")
+        print(table([(f["algorithm"], f["predicted_ms"], f["measured_ms"])
+                     for f in data["finalists"]], data["kept"]))
     picture = draw_predicted_timeline(profile, out.resolve() / "timeline.png", compressor,
                                       params)
     speedup = esp.samples_per_s / fp32.samples_per_s

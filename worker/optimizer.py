@@ -13,6 +13,9 @@ order, or the profiled backward order once a strategy is planned): a gradient th
 ready early waits until the ones before it are handed over. ``step()`` hands over whatever is
 left (zeros for parameters that got no gradient), so every rank submits the same tensors.
 
+With ``Compression.espresso`` the planner's finalists may then be measured for a few iterations
+each before one is kept (``worker.trials``, ``ESPRESSO_TRIAL_STEPS``).
+
 Compression choices:
     ``Compression.none``     uncompressed, hierarchical like BytePS (``fp32_option``).
     ``Compression.fp16``     every gradient as float16 payloads.
@@ -34,10 +37,11 @@ import torch
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.executor import Engine, Handle
 from byteps_espresso.worker.session import Session, current
+from byteps_espresso.worker.trials import Trials
 
 from byteps_espresso.strategy.options import Option
 
-__all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "StartupProfile"]
+__all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "Plan", "StartupProfile"]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +64,24 @@ class CompressionSpec(abc.ABC):
 
     @abc.abstractmethod
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
-             profile: Any | None) -> tuple[dict[str, Option], list[str] | None]:
-        """Options per tensor name, and optionally a new submission order (backward order)."""
+             profile: Any | None) -> Plan:
+        """Options per tensor name, optionally a new submission order and finalists to try."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :meth:`CompressionSpec.plan` decided.
+
+    Attributes:
+        options: tensor name -> Option.
+        order: a new submission order (the backward order), or None to keep the current one.
+        finalists: Strategies to measure before keeping one (``worker.trials``), the planned
+            one (``options``) first; empty: no trials.
+    """
+
+    options: dict[str, Option]
+    order: list[str] | None = None
+    finalists: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -104,9 +124,9 @@ class _Uniform(CompressionSpec):
         return Option.parse("Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)")
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
-             profile: Any | None) -> tuple[dict[str, Option], list[str] | None]:
+             profile: Any | None) -> Plan:
         option = self.option(session)
-        return {name: option for name, _ in tensors}, None
+        return Plan({name: option for name, _ in tensors})
 
 
 class Compression:
@@ -188,12 +208,14 @@ class _Sync:
         self.iteration = 0
         self.ready_times: list[dict[str, float]] = []
         self.starts: list[float] = [time.perf_counter()]  # iteration i began at starts[i]
+        self.ended = self.starts[0]  # when the last synchronize() returned
         self.codec = compression.codec(self.session)
         self.engine: Engine = self.session.plain
         self.options: dict[str, Option] | None = None
         self.world = self.session.runtime.topology.world_size
         self._profile_steps = compression.profile_steps(self.session)
         self.probes = None
+        self.trials: Trials | None = None
         if self._profile_steps == 0:
             self._apply_plan(None)
         else:
@@ -264,19 +286,41 @@ class _Sync:
             self.starts.append(time.perf_counter())
             if self.iteration >= self._profile_steps:
                 self._apply_plan(StartupProfile(self.ready_times, self.starts, self.probes))
+        elif self.trials is not None:
+            self._trial_step()
+        self.ended = time.perf_counter()
 
-    def _apply_plan(self, profile: Any | None) -> None:
-        tensors = [(name, self.numel[name]) for name in self.order]
-        options, order = self.compression.plan(self.session, tensors, profile)
+    def _trial_step(self) -> None:
+        """Record the finalist's iteration; move to the next one, or keep the fastest."""
+        trials = self.trials
+        assert trials is not None
+        trials.record(time.perf_counter() - self.ended)
+        if not trials.done:
+            self.options = self._checked(trials.current.options)
+            return
+        kept = trials.choose(self.session)
+        self.session.strategy = kept
+        self.options = self._checked(kept.options)
+        self.trials = None
+
+    def _checked(self, options: dict[str, Option]) -> dict[str, Option]:
         missing = [name for name in self.order if name not in options]
         if missing:
             raise ValueError(f"the strategy has no Option for {len(missing)} parameter(s), e.g. "
                              f"{missing[:3]}; plan it for this model's named_parameters")
-        if order is not None:
-            if sorted(order) != sorted(self.order):
+        return options
+
+    def _apply_plan(self, profile: Any | None) -> None:
+        tensors = [(name, self.numel[name]) for name in self.order]
+        plan = self.compression.plan(self.session, tensors, profile)
+        if plan.order is not None:
+            if sorted(plan.order) != sorted(self.order):
                 raise ValueError("a planned tensor order must name every parameter once")
-            self.order = list(order)
-        self.options = options
+            self.order = list(plan.order)
+        self.options = self._checked(plan.options)
+        steps = self.session.runtime.cfg.trial_steps
+        if plan.finalists and steps >= 2:
+            self.trials = Trials(plan.finalists, steps)
         if self.codec is not None:
             self.engine = self.session.runtime.engine(self.codec)
 

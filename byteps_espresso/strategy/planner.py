@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from byteps_espresso.strategy import baselines
@@ -22,12 +23,44 @@ from byteps_espresso.strategy.timeline import Timeline
 from byteps_espresso.strategy.tree import Constraints
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["REPORTED_BASELINES", "plan", "plan_with_timelines"]
+__all__ = ["REPORTED_BASELINES", "RUNNABLE_BASELINES", "plan", "plan_finalists",
+           "plan_with_timelines"]
 
 log = logging.getLogger(__name__)
 
 # Baselines reported next to every plan (bruteforce only on request: it refuses large inputs).
 REPORTED_BASELINES = ("fp32", "all-gpu", "hipress", "cpu-only", "upper-bound")
+# The reported baselines that are strategies one can run (upper-bound is a bound).
+RUNNABLE_BASELINES = ("fp32", "all-gpu", "hipress", "cpu-only")
+
+
+def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str, Any] | None,
+         *, algorithm: str, constraints: Constraints | None, costs: CompressorCosts | None,
+         baseline_names: tuple[str, ...]) \
+        -> tuple[Strategy, baselines.Solution, dict[str, baselines.Solution]]:
+    """The algorithm's Strategy and Solution, and the Solution of every available baseline."""
+    params = dict(params or {})
+    ctx = PlanContext(workload, cluster, compressor, params, costs,
+                      constraints or Constraints())
+    algo = baselines.get(algorithm)
+    ctx.prepare()  # the cost model for this workload's sizes; not part of the search time
+    t0 = time.perf_counter()
+    solution = algo.run(ctx)
+    search_ms = (time.perf_counter() - t0) * 1e3
+    others: dict[str, baselines.Solution] = {}
+    for name in baseline_names:
+        if name == algorithm:
+            others[name] = solution
+            continue
+        try:
+            others[name] = baselines.get(name).run(ctx)
+        except baselines.BaselineUnavailable as exc:
+            log.info("baseline %s skipped: %s", name, exc)
+    reported = {name: sol.iteration_us / 1e3 for name, sol in others.items()}
+    options = dict(zip(workload.names, solution.options, strict=True))
+    strategy = Strategy(options, solution.iteration_us / 1e3, reported, algorithm, search_ms,
+                        workload, cluster, compressor, params, ctx.constraints)
+    return strategy, solution, others
 
 
 def plan_with_timelines(workload: Workload, cluster: Cluster, compressor: str = "randomk",
@@ -38,34 +71,44 @@ def plan_with_timelines(workload: Workload, cluster: Cluster, compressor: str = 
         -> tuple[Strategy, dict[str, Timeline]]:
     """Like :func:`plan`, also returning the timelines of the chosen strategy ("chosen") and
     of the fp32 baseline ("fp32", when available)."""
-    params = dict(params or {})
-    ctx = PlanContext(workload, cluster, compressor, params, costs,
-                      constraints or Constraints())
-    algo = baselines.get(algorithm)
-    ctx.prepare()  # the cost model for this workload's sizes; not part of the search time
-    t0 = time.perf_counter()
-    solution = algo.run(ctx)
-    search_ms = (time.perf_counter() - t0) * 1e3
+    strategy, solution, others = _run(workload, cluster, compressor, params,
+                                      algorithm=algorithm, constraints=constraints, costs=costs,
+                                      baseline_names=baseline_names)
     timelines = {"chosen": solution.ctx.evaluator.timeline(solution.choice)}
-    reported: dict[str, float] = {}
-    for name in baseline_names:
-        if name == algorithm:
-            reported[name] = solution.iteration_us / 1e3
-            if name == "fp32":
-                timelines["fp32"] = timelines["chosen"]
-            continue
-        try:
-            sol = baselines.get(name).run(ctx)
-        except baselines.BaselineUnavailable as exc:
-            log.info("baseline %s skipped: %s", name, exc)
-            continue
-        reported[name] = sol.iteration_us / 1e3
-        if name == "fp32":
-            timelines["fp32"] = sol.ctx.evaluator.timeline(sol.choice)
-    options = dict(zip(workload.names, solution.options, strict=True))
-    strategy = Strategy(options, solution.iteration_us / 1e3, reported, algorithm, search_ms,
-                        workload, cluster, compressor, params, ctx.constraints)
+    if "fp32" in others:
+        fp32 = others["fp32"]
+        timelines["fp32"] = (timelines["chosen"] if fp32 is solution
+                             else fp32.ctx.evaluator.timeline(fp32.choice))
     return strategy, timelines
+
+
+def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "randomk",
+                   params: dict[str, Any] | None = None, *, within: float,
+                   algorithm: str = "espresso", constraints: Constraints | None = None,
+                   costs: CompressorCosts | None = None) -> list[Strategy]:
+    """The planned strategy first, then every runnable baseline predicted within ``within``
+    times its iteration time, fastest first, each option set once.
+
+    For measured trials (``worker.trials``): where the model's error may exceed the gap
+    between strategies, running the finalists for a few iterations decides between them.
+    Each finalist is a Strategy of its own (``algorithm`` names the baseline) with the same
+    reported baselines.
+    """
+    strategy, _, others = _run(workload, cluster, compressor, params, algorithm=algorithm,
+                               constraints=constraints, costs=costs,
+                               baseline_names=REPORTED_BASELINES)
+    out = [strategy]
+    seen = {tuple(map(str, strategy.options.values()))}
+    limit = strategy.predicted_ms * within
+    for name, sol in sorted(others.items(), key=lambda kv: kv[1].iteration_us):
+        options = dict(zip(workload.names, sol.options, strict=True))
+        key = tuple(map(str, options.values()))
+        if name not in RUNNABLE_BASELINES or key in seen or sol.iteration_us / 1e3 > limit:
+            continue
+        seen.add(key)
+        out.append(replace(strategy, options=options, predicted_ms=sol.iteration_us / 1e3,
+                           algorithm=name))
+    return out
 
 
 def plan(workload: Workload, cluster: Cluster, compressor: str = "randomk",

@@ -18,13 +18,18 @@ def test_demo_trains_both_ways_and_reports(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DMLC_", "BYTEPS_", "ESPRESSO_", "CUDA_VISIBLE"))}
     env["ESPRESSO_PROFILE_STEPS"] = "2"
+    env["ESPRESSO_TRIAL_STEPS"] = "2"  # 2 + up to 5 x 2 trial steps fit in the 16
     result = subprocess.run(
         [sys.executable, "-m", "byteps_espresso.deploy.demo", "--epochs", "2",
-         "--steps-per-epoch", "6", "--out", str(out)],
+         "--steps-per-epoch", "8", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     text = result.stdout
-    assert "== planned strategy" in text and "predicted iteration" in text
+    assert "== strategy in use" in text and "predicted iteration" in text
+    trials = out / "profile" / "trials.json"
+    if trials.exists():  # more than one finalist: the report shows what was measured
+        kept = json.loads(trials.read_text())["kept"]
+        assert "== measured trials" in text and f"{kept}" in text.split("<- kept")[0]
     assert "espresso throughput vs fp32:" in text
     picture = Path(text.split("predicted-timeline picture: ")[1].split()[0])
     assert picture.is_file() and picture.stat().st_size > 10_000

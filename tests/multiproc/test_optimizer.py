@@ -99,3 +99,34 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
     assert sorted(t["name"] for t in workload["tensors"]) == ["0.bias", "0.weight", "2.bias",
                                                               "2.weight"]
     assert all(t["ready_gap_us"] >= 0 for t in workload["tensors"])
+
+
+@pytest.mark.timeout(200)
+def test_trials_switch_strategies_in_step_and_every_rank_keeps_the_same(tmp_path, cluster):
+    """2 profiled steps, then every runnable baseline (up to 5 finalists) for 2 steps each,
+    then the kept one: the ranks' parameters stay bit-identical through every switch, the
+    profiled steps equal the single-process result, and every rank keeps the finalist
+    trials.json names, the fastest measured."""
+    out = tmp_path / "profile"
+    steps = 2 + 2 * 5 + 2
+    env = {"ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "2",
+           "ESPRESSO_PROFILE_OUT": str(out)}
+    with cluster.ps_job(servers=1) as root:
+        cluster.run_workers("optimizer_worker.py",
+                            [str(tmp_path), "espresso-trials", "1", str(steps)],
+                            root_port=root, servers=1, timeout=150, extra_env=env)
+    expected = _expected(1, 2)
+    for step in range(steps):
+        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
+        for r in range(1, WORLD):
+            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+        if step < 2:
+            np.testing.assert_allclose(got[0], expected[step], rtol=1e-5, atol=1e-5)
+    trials = json.loads((out / "trials.json").read_text())
+    finalists = trials["finalists"]
+    assert finalists[0]["algorithm"] == "espresso" and len(finalists) >= 2
+    assert all(len(f["iteration_ms"]) == 2 for f in finalists)
+    measured = [f["measured_ms"] for f in finalists]
+    assert trials["kept"] == finalists[measured.index(min(measured))]["algorithm"]
+    assert {(tmp_path / f"kept_{r}.txt").read_text() for r in range(WORLD)} == {trials["kept"]}
+    assert json.loads((out / "strategy.json").read_text())["algorithm"] == trials["kept"]

@@ -1,10 +1,12 @@
 """Worker of test_optimizer: trains a small model with the drop-in API, saves parameters.
 
 Usage: optimizer_worker.py OUT_DIR COMPRESSION PASSES STEPS. COMPRESSION is a name of
-``bps.Compression`` or ``espresso`` (random-k planned after ESPRESSO_PROFILE_STEPS uncompressed
-iterations). Each rank's batches are drawn
+``bps.Compression``, ``espresso`` (random-k planned after ESPRESSO_PROFILE_STEPS uncompressed
+iterations) or ``espresso-trials`` (the same, with every runnable baseline a finalist of the
+measured trials). Each rank's batches are drawn
 from a generator seeded by (rank, step, pass), so the test recomputes them. After every step
-the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle).
+the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle); at the end
+the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt.
 """
 
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from byteps_espresso.worker import profiler
 
 import byteps_espresso.torch as bps
 
@@ -40,8 +43,10 @@ def main() -> None:
                     p.add_(0.5)
         bps.broadcast_parameters(net.state_dict(), root_rank=0)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        spec = (bps.Compression.espresso("randomk", ratio=0.5) if compression == "espresso"
-                else getattr(bps.Compression, compression))
+        if compression == "espresso-trials":
+            profiler._TRIAL_WITHIN = float("inf")  # every baseline a finalist, however slow
+        spec = (bps.Compression.espresso("randomk", ratio=0.5)
+                if compression.startswith("espresso") else getattr(bps.Compression, compression))
         opt = bps.DistributedOptimizer(opt, named_parameters=net.named_parameters(),
                                        compression=spec,
                                        backward_passes_per_step=passes)
@@ -60,6 +65,8 @@ def main() -> None:
             time.sleep(0.001)
         total = bps.synchronize(h)
         np.save(out / f"ranks_{bps.rank()}.npy", total.numpy(), allow_pickle=False)
+        strategy = bps.planned_strategy()
+        (out / f"kept_{bps.rank()}.txt").write_text(strategy.algorithm if strategy else "-")
     finally:
         bps.shutdown()
 

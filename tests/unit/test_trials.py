@@ -1,0 +1,159 @@
+"""Measured trials of the planner's finalists: which are tried, how they are timed, which is kept.
+
+``Trials.choose`` runs over the in-memory transport with ranks as threads, so the exchange of
+medians (the slowest rank's count) is the real collective code path.
+"""
+
+import json
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from byteps_espresso.worker.local_transport import LocalHub
+from byteps_espresso.worker.trials import Trials, slowest_across_ranks
+
+from byteps_espresso.strategy import Cluster, Strategy, Workload
+from byteps_espresso.strategy.planner import RUNNABLE_BASELINES, plan, plan_finalists
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return Workload.builtin("resnet50"), Cluster.preset(2, 2, "pcie", 10)
+
+
+@pytest.fixture(scope="module")
+def every(inputs):
+    """Every runnable baseline is a finalist (no baseline is 1000x slower here)."""
+    return plan_finalists(*inputs, "randomk", {"ratio": 0.01}, within=1000.0)
+
+
+def test_finalists_start_with_the_plan_then_the_baselines_fastest_first(inputs, every):
+    planned = plan(*inputs, "randomk", {"ratio": 0.01})
+    assert every[0].algorithm == "espresso"
+    assert every[0].options == planned.options
+    assert every[0].predicted_ms == pytest.approx(planned.predicted_ms)
+    rest = every[1:]
+    assert {s.algorithm for s in rest} <= set(RUNNABLE_BASELINES)
+    assert [s.predicted_ms for s in rest] == sorted(s.predicted_ms for s in rest)
+    for s in rest:  # each priced as the plan reports it, with its own options
+        assert s.predicted_ms == pytest.approx(planned.baselines[s.algorithm])
+    assert len({tuple(map(str, s.options.values())) for s in every}) == len(every)
+    assert "upper-bound" not in {s.algorithm for s in every}  # a bound, not a strategy
+
+
+def test_finalists_are_the_baselines_predicted_within_the_factor(inputs, every):
+    within = 1.1
+    some = plan_finalists(*inputs, "randomk", {"ratio": 0.01}, within=within)
+    limit = every[0].predicted_ms * within
+    assert [s.algorithm for s in some] == [
+        s.algorithm for s in every if s is every[0] or s.predicted_ms <= limit]
+    assert len(some) < len(every)  # fp32 is about 2x the plan on this cluster
+    only = plan_finalists(*inputs, "randomk", {"ratio": 0.01}, within=0.0)
+    assert [s.algorithm for s in only] == ["espresso"]
+
+
+def test_each_finalist_runs_its_steps_and_the_warm_up_is_not_counted(every):
+    trials = Trials(every[:2], steps=3)
+    assert trials.current is every[0]
+    for s in (0.500, 0.010, 0.030):  # a 500 ms warm-up (new keys), then 10 and 30 ms
+        trials.record(s)
+    assert trials.current is every[1] and not trials.done
+    for s in (0.040, 0.020, 0.020):
+        trials.record(s)
+    assert trials.done
+    np.testing.assert_allclose(trials.medians_ms(), [20.0, 20.0])
+    with pytest.raises(RuntimeError, match="choose"):
+        trials.record(0.01)
+
+
+@pytest.mark.parametrize(("finalists", "steps", "match"),
+                         [(1, 3, "two finalists"), (2, 1, "ESPRESSO_TRIAL_STEPS")])
+def test_bad_trials_say_what_to_change(every, finalists, steps, match):
+    with pytest.raises(ValueError, match=match):
+        Trials(every[:finalists], steps)
+
+
+def _session(hub: LocalHub, rank: int, out):
+    runtime = SimpleNamespace(transports=[hub.transport(rank)],
+                              topology=SimpleNamespace(rank=rank, world_size=WORLD),
+                              cfg=SimpleNamespace(profile_out=out))
+    return SimpleNamespace(runtime=runtime)
+
+
+def _on_every_rank(fn):
+    hub = LocalHub(2, 2, timeout_s=20.0)
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(hub, rank)
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    assert len(results) == WORLD
+    return results
+
+
+def test_every_rank_keeps_the_finalist_fastest_on_its_slowest_rank(tmp_path, every):
+    finalists = every[:3]
+    # Per rank, per finalist, ms after the warm-up. Rank 0 alone would keep finalist 0; the
+    # slowest rank per finalist reads 40, 25 and 30 ms, so finalist 1 is kept everywhere.
+    ms = {0: [10, 25, 30], 1: [40, 12, 11], 2: [12, 12, 12], 3: [11, 11, 30]}
+
+    def run(hub, rank):
+        trials = Trials(finalists, steps=2)
+        for t in ms[rank]:
+            trials.record(1.0)  # warm-up
+            trials.record(t / 1e3)
+        session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
+        return trials.choose(session).algorithm
+
+    kept = _on_every_rank(run)
+    assert set(kept.values()) == {finalists[1].algorithm}
+    written = json.loads((tmp_path / "trials.json").read_text())
+    assert written["kept"] == finalists[1].algorithm
+    assert [f["measured_ms"] for f in written["finalists"]] == pytest.approx([40, 25, 30])
+    assert [f["algorithm"] for f in written["finalists"]] == [s.algorithm for s in finalists]
+    assert all(len(f["iteration_ms"]) == 2 for f in written["finalists"])
+    saved = Strategy.load(tmp_path / "strategy.json")
+    assert saved.options == finalists[1].options and saved.algorithm == finalists[1].algorithm
+
+
+def test_a_tie_keeps_the_planned_strategy(every):
+    def run(hub, rank):
+        trials = Trials(every[:2], steps=2)
+        for _ in range(2):
+            trials.record(0.5)
+            trials.record(0.02)
+        return trials.choose(_session(hub, rank, None)).algorithm
+
+    assert set(_on_every_rank(run).values()) == {"espresso"}
+
+
+def test_choosing_before_every_finalist_ran_is_an_error(every):
+    trials = Trials(every[:2], steps=2)
+    trials.record(0.1)
+    with pytest.raises(RuntimeError, match="still being measured"):
+        trials.choose(None)
+
+
+def test_slowest_across_ranks_is_the_elementwise_maximum():
+    def run(hub, rank):
+        values = np.array([[rank, -rank], [np.nan if rank == 2 else 1.0, 0.5]])
+        return slowest_across_ranks(_session(hub, rank, None), values)
+
+    for got in _on_every_rank(run).values():
+        assert got.shape == (2, 2)
+        np.testing.assert_array_equal(got[0], [3.0, 0.0])
+        assert np.isnan(got[1, 0]) and got[1, 1] == 0.5

@@ -1,0 +1,137 @@
+"""Measured trials: run the planner's finalists for a few iterations each, keep the fastest.
+
+The planner ranks strategies with a cost model fitted to a short profile. Where the model's
+error is larger than the gap between the best strategies (BENCHMARKS.md, "End-to-end": 13-49%
+for compressed strategies on a host whose two cores four workers and a server share, while
+the best three strategies were within 25% of each other) the ranking among the finalists is
+better decided by running them, as Horovod's autotuner measures candidate settings instead of
+trusting a model. After planning, every finalist of :func:`strategy.planner.plan_finalists`
+(the planned strategy first, then the baselines predicted within a factor of it) trains for
+``ESPRESSO_TRIAL_STEPS`` iterations; the first of them is a warm-up (new PS keys, fresh
+error-feedback state) and the median of the rest is the finalist's measured iteration time.
+
+Every rank runs the same finalist in the same iterations (the switch is keyed to the
+iteration count, so collectives stay in the same order everywhere). At the end the ranks
+exchange their medians, take the slowest rank's per finalist (an iteration is over when the
+last worker's gradients are in) and all keep the same one: the first minimum, so a tie keeps
+the planned strategy. Rank 0 logs the measured table and, with ``ESPRESSO_PROFILE_OUT``,
+writes ``trials.json`` and replaces ``strategy.json`` with the strategy kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from byteps_espresso.worker.session import Session
+
+from byteps_espresso.strategy.options import Scope
+from byteps_espresso.strategy.workload import atomic_write_text
+
+__all__ = ["Trials", "slowest_across_ranks", "table"]
+
+log = logging.getLogger(__name__)
+
+
+def slowest_across_ranks(session: Session, values: np.ndarray) -> np.ndarray:
+    """The element-wise maximum of every rank's ``values`` (same shape on every rank; all
+    ranks call it while the engine's lanes are idle). NaN anywhere stays NaN."""
+    transport = session.runtime.transports[0]
+    world = session.runtime.topology.world_size
+    mine = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64).reshape(-1))
+    every = transport.allgather(Scope.FLAT, mine, [mine.numel()] * world)
+    return every.reshape(world, *np.shape(values)).numpy().max(axis=0)
+
+
+def table(rows: Sequence[tuple[str, float, float]], kept: str) -> str:
+    """The trials as text: (algorithm, predicted ms, measured ms) per finalist."""
+    lines = [f"{'finalist':<12} {'predicted':>10} {'measured':>9}"]
+    for algorithm, predicted, measured in rows:
+        mark = "  <- kept" if algorithm == kept else ""
+        lines.append(f"{algorithm:<12} {predicted:>8.2f}ms {measured:>7.2f}ms{mark}")
+    return "\n".join(lines)
+
+
+class Trials:
+    """The finalists and their measured iteration times, one finalist at a time.
+
+    Args:
+        finalists: Strategies, the planned one first.
+        steps: iterations per finalist, the first a warm-up (at least 2).
+
+    Raises:
+        ValueError: fewer than two finalists or steps < 2.
+    """
+
+    def __init__(self, finalists: Sequence[Any], steps: int) -> None:
+        if len(finalists) < 2:
+            raise ValueError("trials need at least two finalists")
+        if steps < 2:
+            raise ValueError(f"trials need at least 2 steps per finalist (one warm-up), got "
+                             f"{steps}; set ESPRESSO_TRIAL_STEPS >= 2, or below 2 to skip them")
+        self.finalists = list(finalists)
+        self.steps = steps
+        self.times_ms: list[list[float]] = [[] for _ in self.finalists]
+        self.index = 0
+
+    @property
+    def current(self) -> Any:
+        """The finalist the next iteration runs."""
+        return self.finalists[self.index]
+
+    @property
+    def done(self) -> bool:
+        """Whether every finalist has had its iterations."""
+        return self.index >= len(self.finalists)
+
+    def record(self, seconds: float) -> None:
+        """One iteration of :attr:`current` took ``seconds``; moves on after ``steps`` of them."""
+        if self.done:
+            raise RuntimeError("every finalist has been measured; call choose()")
+        self.times_ms[self.index].append(seconds * 1e3)
+        if len(self.times_ms[self.index]) == self.steps:
+            self.index += 1
+
+    def medians_ms(self) -> np.ndarray:
+        """Per finalist, the median iteration time after the warm-up (NaN if not measured)."""
+        return np.array([statistics.median(t[1:]) if len(t) > 1 else np.nan
+                         for t in self.times_ms])
+
+    def choose(self, session: Session) -> Any:
+        """The finalist with the smallest slowest-rank median (all ranks call it; every rank
+        gets the same one). Rank 0 logs the table and writes the files described above."""
+        if not self.done:
+            raise RuntimeError(f"finalist {self.index + 1} of {len(self.finalists)} is still "
+                               "being measured")
+        measured = slowest_across_ranks(session, self.medians_ms())
+        kept = int(np.argmin(measured))  # the first minimum: a tie keeps the planned strategy
+        rt = session.runtime
+        if rt.topology.rank == 0:
+            log.info("trials (median of %d iterations after a warm-up, slowest rank):\n%s",
+                     self.steps - 1, self.table(measured, kept))
+            if rt.cfg.profile_out:
+                self._write(Path(rt.cfg.profile_out), measured, kept)
+        return self.finalists[kept]
+
+    def table(self, measured: np.ndarray, kept: int) -> str:
+        return table([(s.algorithm, s.predicted_ms, float(ms))
+                      for s, ms in zip(self.finalists, measured, strict=True)],
+                     self.finalists[kept].algorithm)
+
+    def _write(self, out: Path, measured: np.ndarray, kept: int) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        entries = [{"algorithm": s.algorithm, "predicted_ms": s.predicted_ms,
+                    "measured_ms": float(ms), "iteration_ms": times,
+                    "options": {name: str(o) for name, o in s.options.items()}}
+                   for s, ms, times in zip(self.finalists, measured, self.times_ms, strict=True)]
+        atomic_write_text(out / "trials.json", json.dumps(
+            {"steps": self.steps, "kept": self.finalists[kept].algorithm,
+             "finalists": entries}, indent=1) + "\n")
+        self.finalists[kept].save(out / "strategy.json")
+        log.info("wrote trials.json and the kept strategy to %s", out)
