@@ -5,7 +5,8 @@ shaped with tc to each ``--gbps`` setting (default 1 Gbit/s and 0.25 Gbit/s). Fo
 setting, each strategy trains the example model for the same steps:
 
     fp32      Compression.none (uncompressed PS / collectives)
-    espresso  Compression.espresso(randomk, ratio), algorithm "espresso" (Algorithms 1+2)
+    espresso  Compression.espresso(randomk, ratio), algorithm "espresso" (Algorithms 1+2),
+              then measured trials of its finalists (worker/trials.py; "kept" says which)
     all-gpu   the same compressor, every tensor compressed on the GPU (baseline)
     cpu-only  the same compressor, every compression on the host CPUs (baseline)
 
@@ -71,7 +72,9 @@ def _row(gbps: float, strategy: str, runs: list[RunResult], predicted: list,
             "iteration_ms": measured, "iteration_ms_runs": [r.iteration_ms for r in runs],
             "epoch_samples_per_s": [r.samples_per_s for r in runs],
             "predicted_ms": predicted_ms, "prediction_error": error,
-            "final_loss": _median([r.final_loss for r in runs])}
+            "final_loss": _median([r.final_loss for r in runs]),
+            # the strategy each run ended with (espresso: the finalist its trials kept)
+            "kept": [r.metrics.get("algorithm") for r in runs]}
 
 
 def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
@@ -96,21 +99,36 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
         predicted = fp32_predicted if strategy == "fp32" else [
             r.metrics.get("predicted_ms") for r in done]
         rows.append(_row(gbps, strategy, done, predicted, args.batch_size))
+    for row in rows:
+        if row["strategy"] == "espresso":
+            row["trials"] = [_trials(out / f"{gbps:g}gbps-espresso-{rep}-profile")
+                             for rep in range(len(runs["espresso"]))]
     fp32 = next((r for r in rows if r["strategy"] == "fp32"), None)
     for row in rows:
         row["vs_fp32"] = row["samples_per_s"] / fp32["samples_per_s"] if fp32 else None
     return rows
 
 
+def _trials(profile: Path) -> dict | None:
+    """What an espresso run's trials measured (``trials.json``), without the options."""
+    path = profile / "trials.json"
+    if not path.exists():  # a single finalist: no trials
+        return None
+    data = json.loads(path.read_text())
+    return {"kept": data["kept"], "finalists": [
+        {k: f[k] for k in ("algorithm", "predicted_ms", "measured_ms")}
+        for f in data["finalists"]]}
+
+
 def _table(rows: list[dict]) -> str:
     lines = [f"{'Gbit/s':>6} {'strategy':9} {'samples/s':>10} {'vs fp32':>8} {'iter ms':>9} "
-             f"{'predicted':>9} {'error':>6} {'loss':>7}"]
+             f"{'predicted':>9} {'error':>6} {'loss':>7}  kept"]
     for r in rows:
         pred = f"{r['predicted_ms']:9.1f}" if r["predicted_ms"] is not None else f"{'-':>9}"
         err = f"{r['prediction_error']:6.0%}" if r["prediction_error"] is not None else "     -"
         lines.append(f"{r['gbps']:6g} {r['strategy']:9} {r['samples_per_s']:10.1f} "
                      f"{r['vs_fp32']:7.2f}x {r['iteration_ms']:9.1f} {pred} {err} "
-                     f"{r['final_loss']:7.3f}")
+                     f"{r['final_loss']:7.3f}  {','.join(str(k) for k in r['kept'])}")
     return "\n".join(lines)
 
 

@@ -186,6 +186,7 @@ def train(args: argparse.Namespace) -> None:
             "compression": args.compression, "compressor": args.compressor,
             "world_size": world, "history": history, "entropy": task.entropy(),
             "predicted_ms": strategy.predicted_ms if strategy is not None else None,
+            "algorithm": strategy.algorithm if strategy is not None else None,
             "baselines_ms": dict(strategy.baselines) if strategy is not None else None,
         }, indent=1) + "\n")
 
