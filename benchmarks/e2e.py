@@ -126,8 +126,9 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         pred = f"{r['predicted_ms']:9.1f}" if r["predicted_ms"] is not None else f"{'-':>9}"
         err = f"{r['prediction_error']:6.0%}" if r["prediction_error"] is not None else "     -"
+        vs = f"{r['vs_fp32']:7.2f}x" if r["vs_fp32"] is not None else f"{'-':>8}"
         lines.append(f"{r['gbps']:6g} {r['strategy']:9} {r['samples_per_s']:10.1f} "
-                     f"{r['vs_fp32']:7.2f}x {r['iteration_ms']:9.1f} {pred} {err} "
+                     f"{vs} {r['iteration_ms']:9.1f} {pred} {err} "
                      f"{r['final_loss']:7.3f}  {','.join(str(k) for k in r['kept'])}")
     return "\n".join(lines)
 

@@ -4,7 +4,8 @@ Runs 2 emulated machines x 2 workers (+ 1 PS server and the scheduler) as proces
 host (loopback), once per strategy:
 
 - ``fp32``: uncompressed (``Compression.none``; BytePS' hierarchical path);
-- ``espresso``: profile, then plan per tensor (``Compression.espresso``);
+- ``espresso``: profile, plan per tensor, then measured trials of the plan's finalists
+  (``Compression.espresso``; the "kept" column says which finalist it kept);
 - ``all-gpu`` and ``cpu-only``: the strategy engine's baselines, planned on the same profile.
 
 For each it records samples/s and the median time per iteration over the epochs after the
@@ -136,6 +137,7 @@ def main() -> None:
                 "iteration_ms": sorted(r["iteration_ms_median"] for r in later)[len(later) // 2],
                 "predicted_ms": data["predicted_ms"], "baselines_ms": data["baselines_ms"],
                 "final_loss": data["history"][-1]["loss"], "wall_s": time.perf_counter() - t0,
+                "kept": data.get("algorithm"),  # espresso: the finalist its trials kept
             }
             print(f"{label}: {results[label]}", flush=True)
             if label == "espresso":
@@ -143,14 +145,14 @@ def main() -> None:
                                             {"ratio": args.ratio})
     results["fp32"]["predicted_ms"] = fp32_pred
     print(f"\n{'strategy':10} {'samples/s':>10} {'ms/iter':>9} {'predicted':>10} {'error':>7}"
-          f" {'speedup':>8} {'loss':>7}")
+          f" {'speedup':>8} {'loss':>7}  kept")
     base = results["fp32"]["samples_per_s"]
     for label, r in results.items():
         pred = r["predicted_ms"]
         err = f"{(pred - r['iteration_ms']) / r['iteration_ms'] * 100:+.0f}%" if pred else "-"
         print(f"{label:10} {r['samples_per_s']:10.0f} {r['iteration_ms']:9.1f} "
               f"{(f'{pred:.1f}' if pred else '-'):>10} {err:>7} "
-              f"{r['samples_per_s'] / base:7.2f}x {r['final_loss']:7.3f}")
+              f"{r['samples_per_s'] / base:7.2f}x {r['final_loss']:7.3f}  {r['kept'] or '-'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machines": MACHINES, "workers_per_machine": LOCAL,
