@@ -499,8 +499,12 @@ class Engine:
                 handle._future.set_exception(exc)
 
     def close(self) -> None:
-        """Stop the lane threads after the work already submitted."""
+        """Stop the lane threads after the work already submitted, waiting at most
+        ``timeout_s`` in all (a lane blocked on a failed peer is a daemon thread; it does not
+        keep the process alive, and every lane waiting its own timeout would multiply the
+        exit delay by the lane count)."""
         for q in self._queues:
             q.put(_STOP)
+        deadline = time.monotonic() + self.timeout_s
         for t in self._threads:
-            t.join(timeout=self.timeout_s)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))

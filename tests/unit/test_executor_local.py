@@ -5,6 +5,8 @@ This runs the real executor code for many Options in one process; the multi-proc
 """
 
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -136,3 +138,18 @@ def test_every_option_of_the_tree_without_servers_equals_reference():
     assert len(options) > 2000
     _check_against_reference(options, lambda: CodecPair("topk", {"ratio": 0.3},
                                                         error_feedback=True))
+
+
+def test_closing_an_engine_with_blocked_lanes_waits_one_timeout_in_all():
+    """A lane stuck on a failed peer must not hold shutdown for a timeout per lane."""
+    hub = LocalHub(1, 2)
+    engine = Engine([Executor(hub.transport(0, 0)), Executor(hub.transport(0, 1))],
+                    timeout_s=1.0)
+    release = threading.Event()
+    for lane in range(engine.lanes):
+        engine.call(lane, lambda ex: release.wait(30))
+    t0 = time.monotonic()
+    engine.close()
+    waited = time.monotonic() - t0
+    release.set()
+    assert 0.9 <= waited < 1.9  # one timeout (1.0 s), not one per lane (2.0 s)
