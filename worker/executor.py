@@ -105,6 +105,9 @@ class Executor:
         self.ps = ps
         self.device = torch.device(device)
         self.cpu_pool = cpu_pool
+        # When a list: every step's wall time, appended as (tensor, iteration, step index,
+        # seconds); the start-up profile prices the links from them (worker/profiler.py).
+        self.timings: list[tuple[str, int, int, float]] | None = None
 
     # ---- entry point -------------------------------------------------------------------------
     def run(self, option: Option, tensor: torch.Tensor, *, name: str, step: int) -> torch.Tensor:
@@ -122,13 +125,16 @@ class Executor:
         """
         flat = tensor.detach().reshape(-1).to(self.device, torch.float32)
         st = _State(DENSE, flat, Extent(0, flat.numel()), tensor=name)
-        timed = log.isEnabledFor(logging.DEBUG)
+        logged = log.isEnabledFor(logging.DEBUG)
+        record = self.timings
         times: list[str] = []
         for i, s in enumerate(option.steps):
-            t0 = time.perf_counter() if timed else 0.0
+            t0 = time.perf_counter() if logged or record is not None else 0.0
             try:
                 self._step(st, At(i, s, name, step, option.steps))
-                if timed:
+                if record is not None:
+                    record.append((name, step, i, time.perf_counter() - t0))
+                if logged:
                     times.append(f"{s} {(time.perf_counter() - t0) * 1e3:.2f}")
             except (OptionError, ExecutionError) as exc:
                 raise ExecutionError(f"tensor {name!r}, step {i} {s} of [{option}]: {exc}") \
@@ -136,7 +142,7 @@ class Executor:
             except Exception as exc:
                 raise ExecutionError(f"tensor {name!r}, step {i} {s} of [{option}] failed: "
                                      f"{type(exc).__name__}: {exc}") from exc
-        if timed:
+        if logged:
             log.debug("%s step %d ms: %s", name, step, ", ".join(times))
         if st.form != DENSE or st.extent.numel != flat.numel() or st.stack:
             raise ExecutionError(f"tensor {name!r}: [{option}] does not end with the full dense "

@@ -37,7 +37,7 @@ import logging
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +48,11 @@ from byteps_espresso.worker.optimizer import CompressionSpec, Plan
 from byteps_espresso.worker.session import Session
 from byteps_espresso.worker.trials import slowest_across_ranks
 
-from byteps_espresso.strategy.options import Device, Scope
+from byteps_espresso.strategy.options import Device, Kind, Option, Scope
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
-           "measure_cluster", "measure_costs", "read_profile", "ready_offsets",
-           "workload_from_offsets",
-           "workload_from_ready_times"]
+           "in_training_latency", "measure_cluster", "measure_costs", "read_profile",
+           "ready_offsets", "workload_from_offsets", "workload_from_ready_times"]
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +239,73 @@ def measure_cluster(session: Session) -> Any:
                     _paused_link_times(session), _copy_gbps(rt.device), lanes=rt.lanes)
 
 
+def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
+                        measured_us: np.ndarray, *, compressor: str,
+                        params: Mapping[str, Any], costs: Any) -> tuple[Any, dict[str, float]]:
+    """The cluster with its exchange and PS latencies scaled to what the profiled steps took.
+
+    The probes run after backward; the Options run during it, on the cores backward uses.
+    Each communication step of the profiled ``option`` (the fp32 path every tensor ran while
+    profiling) was timed in its lane, and the model prices it as a latency part plus the rest
+    (bandwidth, server work). Two factors are fitted, each the median over its steps of
+    (measured - rest) / latency part, at least 0: ``exchange`` over the steps in which every
+    member sends and receives (``Cluster.exchange_latency``: the all-reduce, reduce-scatter
+    and all-gather kinds, whose cost the contention multiplies), ``ps`` over the push/pulls
+    (``server_latency_us``). Rooted collectives keep the probed latency: with every intra
+    latency scaled by the exchanges' factor, a Reduce -> PushPull -> Broadcast plan (one
+    member per machine works, the other waits) was predicted at 57.8 ms and ran at 44.5
+    (BENCHMARKS.md, "Worker runtime").
+
+    Args:
+        cluster: the probed cluster.
+        option: the Option every tensor ran while profiling.
+        numels: the tensors' element counts (rows of ``measured_us``).
+        measured_us: (tensors x steps) each step's time: on a collective every member
+            finishes together, so the member that arrived last (the minimum over ranks)
+            measures the step itself.
+        compressor, params, costs: what the cluster is priced with.
+
+    Returns:
+        (cluster, {"exchange": factor, "ps": factor}) for the kinds of step measured.
+    """
+    from byteps_espresso.strategy.costs import CompressedSizes, Pricer
+
+    sizes = CompressedSizes(compressor, dict(params))
+    numels = np.asarray(numels, dtype=np.float64)
+
+    def per_step(c: Any) -> np.ndarray:
+        tasks = Pricer(c, compressor, sizes, costs, numels).tasks(option)
+        out = np.zeros((len(numels), len(option.steps)))
+        for k, i in enumerate(tasks.step):
+            out[:, i] += tasks.duration[:, k]
+        return out
+
+    # The PS path's latency explicit, so it stays apart from the collectives'.
+    cluster = replace(cluster, server_latency_us=cluster.ps_latency_us if cluster.servers
+                      else None)
+    base = per_step(cluster)
+    kinds = {"exchange": ({Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.ALLGATHER,
+                           Kind.ALLGATHER_C, Kind.ALLTOALL_C}, {"exchange_latency": 0.0}),
+             "ps": ({Kind.PUSH_PULL, Kind.PUSH_PULL_C}, {"server_latency_us": 0.0})}
+    factors: dict[str, float] = {}
+    for what, (members, zero) in kinds.items():
+        cols = [i for i, st in enumerate(option.steps) if st.kind in members]
+        if not cols or (what == "ps" and not cluster.servers):
+            continue
+        latency = (base - per_step(replace(cluster, **zero)))[:, cols]
+        rest = base[:, cols] - latency
+        ok = (latency > 0) & np.isfinite(measured_us[:, cols])
+        if ok.any():
+            factors[what] = max(0.0, float(np.median(
+                (measured_us[:, cols][ok] - rest[ok]) / latency[ok])))
+    scaled = replace(cluster, exchange_latency=cluster.exchange_latency
+                     * factors.get("exchange", 1.0))
+    if cluster.servers:
+        scaled = replace(scaled, server_latency_us=cluster.server_latency_us
+                         * factors.get("ps", 1.0))
+    return scaled, factors
+
+
 # ---- compressor costs ------------------------------------------------------------------------
 def _timed_sizes(numels: Sequence[int]) -> list[int]:
     sizes = sorted(set(numels))
@@ -326,6 +392,10 @@ class LaneProbes:
         self._host = {n: np.ones(n, dtype=np.float32) for n in (_PROBE_SMALL, _PROBE_LARGE)}
         self._timed = {n: torch.randn(n, generator=torch.Generator().manual_seed(n)).to(rt.device)
                        for n in (_timed_sizes(numels) if codec is not None else [])}
+        # The profiled iterations' own steps, timed where they run (see in_training_latency).
+        self._executors = list(session.plain.executors)
+        for ex in self._executors:
+            ex.timings = []
         if self.codec is not None:  # load the kernels now, not in a lane during backward
             x = next(iter(self._timed.values()))
             for dev in (Device.GPU, Device.CPU):
@@ -405,6 +475,25 @@ class LaneProbes:
                     self.compressor.setdefault((dev.value, "decompress", n), []).append(dec)
 
     # ---- results -----------------------------------------------------------------------------
+    def step_times(self, names: Sequence[str], steps: int) -> np.ndarray:
+        """Median wall time (us) of each step of each tensor's Option over the profiled
+        iterations after its first (tensors x steps; NaN where none was recorded). Stops the
+        recording."""
+        samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
+        for ex in self._executors:
+            for name, it, i, sec in ex.timings or ():
+                samples.setdefault((name, i), []).append((it, sec * 1e6))
+            ex.timings = None
+        out = np.full((len(names), steps), np.nan)
+        for j, name in enumerate(names):
+            for i in range(steps):
+                got = samples.get((name, i), [])
+                first = min((it for it, _ in got), default=0)
+                later = [us for it, us in got if it > first]  # the first is a warm-up
+                if later:
+                    out[j, i] = statistics.median(later)
+        return out
+
     def cluster(self, h2d_gbps: float) -> Any:
         """``strategy.Cluster`` from the medians of the probes."""
         medians = {key: statistics.median(us) for key, us in self.links.items()}
@@ -469,12 +558,21 @@ class EspressoSpec(CompressionSpec):
         in_lanes = probes is not None and probes.complete
         # Paused probes are collectives too: every rank takes them, or none does.
         cluster = probes.cluster(_copy_gbps(rt.device)) if in_lanes else measure_cluster(session)
+        if in_lanes:  # the last member to reach a step measured it: the minimum over ranks
+            steps_us = -slowest_across_ranks(
+                session, -probes.step_times(names, len(session.fp32.steps)))
         data: bytes | None = None
         if rt.topology.rank == 0:
             workload = workload_from_offsets(offsets, names, numel)
             codec = self.codec(session)
             costs = probes.costs(list(numel.values())) if in_lanes else measure_costs(
                 codec, list(numel.values()), rt.device)  # type: ignore[arg-type]
+            if in_lanes:
+                cluster, factors = in_training_latency(
+                    cluster, session.fp32, [numel[n] for n in names], steps_us,
+                    compressor=self.compressor, params=self.params, costs=costs)
+                log.info("latency in training vs the probes: %s", ", ".join(
+                    f"{path} x{f:.2f}" for path, f in factors.items()) or "not measured")
             # Trials only when the planner chose freely: a baseline asked for by name runs.
             within = _TRIAL_WITHIN if self._trials(session) else 0.0
             t0 = time.perf_counter()

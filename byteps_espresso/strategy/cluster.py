@@ -102,6 +102,12 @@ class Cluster:
             tensor's Option at a time, start to finish, in submission order, and a tensor's
             lane is :func:`lane_of` its name; a profile measured by the runtime sets it, so the
             timeline holds each Option's tasks behind the previous Option of its lane.
+        exchange_latency: multiplier on the per-hop latency of the collectives in which every
+            member sends and receives (Allreduce, ReduceScatter, Allgather, AllgatherC,
+            AlltoallC); rooted ones (Reduce, Broadcast(C), GatherC) pay the latency as it is.
+            1 for the presets. A profile measured by the runtime sets it from the profiled
+            iterations' own steps: on a host whose cores the workers share, exchanges issued
+            during backward cost more per hop than the probes read.
     """
 
     machines: int
@@ -118,6 +124,7 @@ class Cluster:
     intra_link: str = "custom"
     server_latency_us: float | None = None
     lanes: int | None = None
+    exchange_latency: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("machines", "gpus_per_machine", "cpu_threads", "server_threads"):
@@ -125,7 +132,7 @@ class Cluster:
         _check("servers", self.servers, integer=True, low=0)
         for name in ("intra_gbps", "inter_gbps", "h2d_gbps"):
             _check(name, getattr(self, name), low=0, strict=True)
-        for name in ("intra_latency_us", "inter_latency_us", "server_gbps"):
+        for name in ("intra_latency_us", "inter_latency_us", "server_gbps", "exchange_latency"):
             _check(name, getattr(self, name), low=0)
         _check("server_latency_us", self.server_latency_us, low=0, optional=True)
         _check("lanes", self.lanes, integer=True, low=1, optional=True)

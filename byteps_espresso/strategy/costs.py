@@ -247,6 +247,8 @@ class Pricer:
         assert scope is not None
         p = self._group(scope)
         bw, lat, resource = self._link(scope, st.active)
+        if step.kind in _EXCHANGES:
+            lat *= self.cluster.exchange_latency
         comm = _Comm(p, bw, lat, resource, scope, st.extent, st.extent * FLOAT32_BYTES)
         return _COMM_MODELS[step.kind](self, st, comm)
 
@@ -410,6 +412,10 @@ def _push_pull_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.nda
     st.pending = (c.e, 1)
     return _ps_tasks(pr, st, c, pr.sizes(c.e), work)
 
+
+# Collectives in which every member sends and receives: Cluster.exchange_latency applies.
+_EXCHANGES = frozenset({Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.ALLGATHER, Kind.ALLGATHER_C,
+                        Kind.ALLTOALL_C})
 
 # Every step as a small integer (fast prefix keys).
 _CODES: dict[Step, int] = {}

@@ -72,3 +72,74 @@ def test_a_written_profile_reads_back(tmp_path):
     assert got[0].to_dict() == workload.to_dict()
     assert got[1] == cluster
     assert got[2].to_dict() == costs.to_dict()
+
+
+# ---- latency in training: the profiled steps' own times ------------------------------------
+_NUMELS = [512, 2_000, 32_768, 256_000]
+
+
+def _probed(servers: int = 1):
+    from byteps_espresso.strategy import Cluster
+
+    return Cluster(machines=2, gpus_per_machine=2, intra_gbps=8.0, intra_latency_us=500.0,
+                   inter_gbps=6.0, inter_latency_us=700.0, servers=servers,
+                   server_gbps=20.0 if servers else 0.0,
+                   server_latency_us=400.0 if servers else None)
+
+
+def _step_prices(cluster, option):
+    from byteps_espresso.strategy import CompressorCosts
+    from byteps_espresso.strategy.costs import CompressedSizes, Pricer
+
+    tasks = Pricer(cluster, "randomk", CompressedSizes("randomk", {"ratio": 0.01}),
+                   CompressorCosts.default(), _NUMELS).tasks(option)
+    out = np.zeros((len(_NUMELS), len(option.steps)))
+    for k, i in enumerate(tasks.step):
+        out[:, i] += tasks.duration[:, k]
+    return out
+
+
+def _fit(cluster, option, measured):
+    from byteps_espresso.worker.profiler import in_training_latency
+
+    from byteps_espresso.strategy import CompressorCosts
+
+    return in_training_latency(cluster, option, _NUMELS, measured, compressor="randomk",
+                               params={"ratio": 0.01}, costs=CompressorCosts.default())
+
+
+@pytest.mark.parametrize(("text", "servers", "truth", "expected"), [
+    ("ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)", 1,
+     {"exchange_latency": 3.0, "server_latency_us": 800.0}, {"exchange": 3.0, "ps": 2.0}),
+    ("ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)", 0,
+     {"exchange_latency": 2.5}, {"exchange": 2.5}),
+])
+def test_in_training_latency_recovers_the_latencies_the_steps_took(text, servers, truth,
+                                                                   expected):
+    from dataclasses import replace
+
+    from byteps_espresso.strategy import Option
+
+    option = Option.parse(text)
+    probed = _probed(servers)
+    measured = _step_prices(replace(probed, **truth), option)
+    fitted, factors = _fit(probed, option, measured)
+    assert factors == pytest.approx(expected)
+    np.testing.assert_allclose(_step_prices(fitted, option), measured, rtol=1e-9)
+    # per-hop latencies and bandwidths stay the probes'; only the factors moved
+    assert (fitted.intra_latency_us, fitted.inter_latency_us, fitted.inter_gbps) == (
+        probed.intra_latency_us, probed.inter_latency_us, probed.inter_gbps)
+
+
+def test_in_training_latency_ignores_unmeasured_steps_and_never_goes_negative():
+    from byteps_espresso.strategy import Option
+
+    option = Option.parse("ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)")
+    probed = _probed()
+    nothing = np.full((len(_NUMELS), 3), np.nan)
+    fitted, factors = _fit(probed, option, nothing)
+    assert factors == {} and fitted.exchange_latency == 1.0
+    assert fitted.server_latency_us == probed.server_latency_us
+    faster = np.zeros((len(_NUMELS), 3))  # steps faster than their bandwidth part alone
+    fitted, factors = _fit(probed, option, faster)
+    assert factors == {"exchange": 0.0, "ps": 0.0} and fitted.exchange_latency == 0.0

@@ -222,3 +222,27 @@ def test_rooted_collectives_take_the_cheaper_of_tree_and_long_message():
     # lose to Rabenseifner's 2 x 3 x 1 + 2 x 7/8 x 4000 = 7006 us and van de Geijn's
     # (3 + 7) x 1 + 7000 = 7010 us.
     np.testing.assert_allclose(priced(8, 1.0, 10**6), [7006.0, 7010.0])
+
+
+def test_exchange_latency_scales_the_exchanges_and_leaves_rooted_collectives_alone():
+    from dataclasses import replace
+
+    from byteps_espresso.strategy import ClusterError
+
+    base = Cluster(machines=2, gpus_per_machine=2, intra_gbps=8.0, intra_latency_us=500.0,
+                   inter_gbps=6.0, inter_latency_us=700.0)
+    sizes = CompressedSizes("randomk", {"ratio": 0.01})
+
+    def total(cluster, text):
+        return Pricer(cluster, "randomk", sizes, CompressorCosts.default(),
+                      [1000]).tasks(Option.parse(text)).total[0]
+
+    exchange = "ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)"
+    rooted = "Reduce(intra) -> Allreduce(inter) -> Broadcast(intra)"
+    slow = replace(base, exchange_latency=3.0)
+    # RS + AG: 1 hop each at 500 us; the inter all-reduce of 2 members: 2 hops at 700 us
+    assert total(slow, exchange) - total(base, exchange) == pytest.approx(2 * (500 + 500 + 1400))
+    assert total(slow, rooted) - total(base, rooted) == pytest.approx(2 * 1400)  # Allreduce only
+    with pytest.raises(ClusterError, match="exchange_latency"):
+        replace(base, exchange_latency=-1.0)
+    assert Cluster.from_dict(slow.to_dict()) == slow
