@@ -22,9 +22,10 @@ After the last profiled iteration every rank calls :meth:`EspressoSpec.plan`, wh
    first, which includes warm-up);
 2. inverts the median probe times through the ring all-reduce model
    ``t = 2(k-1) a + 2(k-1)/k n/B`` (and ``t = 2a + 2n/B`` for a push/pull) into latency ``a``
-   and bandwidth ``B`` per path, and fits :class:`~byteps_espresso.strategy.CompressorCosts`
-   to the median compressor timings (with fewer than two profiled iterations it probes once
-   more with training paused instead);
+   and bandwidth ``B`` per path, scales the exchange collectives' and the PS path's latency to
+   what the profiled iterations' own steps took (:func:`in_training_latency`), and fits
+   :class:`~byteps_espresso.strategy.CompressorCosts` to the median compressor timings (with
+   fewer than two profiled iterations it probes once more with training paused instead);
 3. on rank 0 plans with the strategy engine, logs the one-screen summary, writes workload,
    cluster, costs and strategy JSON to ``ESPRESSO_PROFILE_OUT`` when set, and broadcasts the
    strategy as JSON bytes (no pickle); every rank rebuilds the same Strategy from them.
