@@ -12,7 +12,11 @@ With 150 steps (mean of the last 30): fp32 1.150, randomk 1.161 (+1.0%), efsigns
 sensitive to which tensors the (timing-dependent) plan compresses for a 150-step run: one run
 under heavy load planned more of them and ended at 1.446 (+26%); dgc 5% ended at 1.166 (+1.4%).
 Since the plans compress every tensor (the constraint): fp32 1.150, randomk 10% 1.207 (+5.0%),
-efsignsgd 1.157 (+0.6%), dgc 5% 1.187 (+3.2%), the same in two runs.
+efsignsgd 1.157 (+0.6%), dgc 5% 1.187 (+3.2%), the same in two runs. Once exchange
+collectives were priced at their in-training latency, a randomk plan compressed two tensors
+three times on their way (GatherC -> AllgatherC -> BroadcastC, each hop re-compressing a
+partial sum at 10%) and ended at 1.524 (+33%); the plans are now held to one Comp per
+Option (``Constraints(max_compressions=1)``, what a user who bounds compression error sets).
 """
 
 import json

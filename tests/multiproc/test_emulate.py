@@ -91,11 +91,14 @@ def test_namespaces_are_deleted_when_the_body_fails():
 
 @needs_root
 def test_namespaces_are_deleted_on_ctrl_c(tmp_path):
+    # Short sleeps: the interpreter raises KeyboardInterrupt between them even when the kernel
+    # hands SIGINT to a thread other than the main one (one long sleep would not wake).
     code = ("import sys, time\n"
             "from byteps_espresso.deploy.emulate import EmulatedCluster\n"
             "with EmulatedCluster(machines=2, servers=1, inter_gbps=1) as c:\n"
             "    print(c.prefix, flush=True)\n"
-            "    time.sleep(60)\n")
+            "    for _ in range(600):\n"
+            "        time.sleep(0.1)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

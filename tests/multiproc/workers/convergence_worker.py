@@ -4,7 +4,9 @@ Usage: convergence_worker.py OUT_DIR STEPS NAME=COMPRESSOR[:RATIO] ...  (COMPRES
 means uncompressed). Compressed runs are planned by Espresso under a constraint that forbids
 the uncompressed collectives and push/pull, so every tensor is compressed whatever this
 machine's timings favour (on a fast loopback the planner may rightly compress nothing, which
-would leave compression untested). All runs share one job (one process group and PS
+would leave compression untested), and that allows one Comp per Option: the compressor's
+own error with error feedback is what the test bounds, not that of re-compressing partial
+sums at every hop (see test_convergence.py). All runs share one job (one process group and PS
 connection); each run prefixes its parameter names so that its strategy and PS keys are its
 own. Rank 0 writes OUT_DIR/NAME.json with the loss curve (averaged over workers) and the
 planned strategy's number of compressed tensors.
@@ -38,8 +40,8 @@ def run(name: str, spec: str, steps: int, out: Path) -> None:
         compression = bps.Compression.none
     else:
         params = {"ratio": float(ratio)} if ratio else {}
-        compression = bps.Compression.espresso(compressor, constraints=Constraints(forbid=DENSE),
-                                               **params)
+        compression = bps.Compression.espresso(
+            compressor, constraints=Constraints(forbid=DENSE, max_compressions=1), **params)
     opt = bps.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
         named_parameters=[(f"{name}.{n}", p) for n, p in model.named_parameters()],
