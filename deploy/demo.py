@@ -218,9 +218,9 @@ def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compre
     for run in (fp32, esp):
         print(f"{run.name:10} {run.samples_per_s:10.1f} {run.iteration_ms:9.2f} "
               f"{run.final_loss:11.4f}")
-    print(f"\nespresso throughput vs fp32: {speedup:.2f}x "
-          f"(predicted iteration {strategy.predicted_ms:.2f} ms vs fp32 "
-          f"{strategy.baselines.get('fp32', float('nan')):.2f} ms)")
+    print(f"\nespresso throughput vs fp32: {speedup:.2f}x (strategy in use: "
+          f"{strategy.algorithm}, predicted iteration {strategy.predicted_ms:.2f} ms; the "
+          f"planner's fp32 baseline {strategy.baselines.get('fp32', float('nan')):.2f} ms)")
     print(f"best possible loss (chain entropy): {esp.metrics['entropy']:.4f}")
     print(f"predicted-timeline picture: {picture}")
     print(f"logs and metrics: {out.resolve()}")
