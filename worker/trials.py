@@ -6,7 +6,8 @@ for compressed strategies on a host whose two cores four workers and a server sh
 the best three strategies were within 25% of each other) the ranking among the finalists is
 better decided by running them, as Horovod's autotuner measures candidate settings instead of
 trusting a model. After planning, every finalist of :func:`strategy.planner.plan_finalists`
-(the planned strategy first, then the baselines predicted within a factor of it) trains for
+(the planned strategy first, then the baselines and the plan under a device restriction
+predicted within a factor of it) trains for
 ``ESPRESSO_TRIAL_STEPS`` iterations; the first of them is a warm-up (new PS keys, fresh
 error-feedback state) and the median of the rest is the finalist's measured iteration time.
 

@@ -23,7 +23,7 @@ from byteps_espresso.strategy.timeline import Timeline
 from byteps_espresso.strategy.tree import Constraints
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["REPORTED_BASELINES", "RUNNABLE_BASELINES", "plan", "plan_finalists",
+__all__ = ["REPORTED_BASELINES", "RESTRICTED", "RUNNABLE_BASELINES", "plan", "plan_finalists",
            "plan_with_timelines"]
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 REPORTED_BASELINES = ("fp32", "all-gpu", "hipress", "cpu-only", "upper-bound")
 # The reported baselines that are strategies one can run (upper-bound is a bound).
 RUNNABLE_BASELINES = ("fp32", "all-gpu", "hipress", "cpu-only")
+# Device restrictions under which plan_finalists plans again: the greedy search commits to one
+# device mix, and on 2 x 2 CPU workers the plan under no-gpu measured fastest of 21 strategies
+# in three calibration runs in a row (BENCHMARKS.md, "Cost-model calibration").
+RESTRICTED = {"no-gpu": {"allow_gpu": False}, "no-cpu": {"allow_cpu": False}}
 
 
 def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str, Any] | None,
@@ -86,28 +90,43 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
                    params: dict[str, Any] | None = None, *, within: float,
                    algorithm: str = "espresso", constraints: Constraints | None = None,
                    costs: CompressorCosts | None = None) -> list[Strategy]:
-    """The planned strategy first, then every runnable baseline predicted within ``within``
-    times its iteration time, fastest first, each option set once.
+    """The planned strategy first, then the alternatives predicted within ``within`` times
+    its iteration time, fastest first, each option set once.
 
-    For measured trials (``worker.trials``): where the model's error may exceed the gap
-    between strategies, running the finalists for a few iterations decides between them.
-    Each finalist is a Strategy of its own (``algorithm`` names the baseline) with the same
-    reported baselines.
+    The alternatives are every runnable baseline and the same algorithm restricted to one
+    device (``RESTRICTED``, named like ``espresso/no-gpu``). For measured trials
+    (``worker.trials``): where the model's error may exceed the gap between strategies,
+    running the finalists for a few iterations decides between them. Each finalist is a
+    Strategy of its own (``algorithm`` names it) with the plan's reported baselines.
     """
+    base = constraints or Constraints()
     strategy, _, others = _run(workload, cluster, compressor, params, algorithm=algorithm,
-                               constraints=constraints, costs=costs,
+                               constraints=base, costs=costs,
                                baseline_names=REPORTED_BASELINES)
+    alternatives = [(name, dict(zip(workload.names, sol.options, strict=True)),
+                     sol.iteration_us / 1e3, base)
+                    for name, sol in others.items() if name in RUNNABLE_BASELINES]
+    for label, change in RESTRICTED.items():
+        if all(getattr(base, k) == v for k, v in change.items()):
+            continue  # the plan itself is restricted so
+        restricted = replace(base, **change)
+        try:
+            alt, _, _ = _run(workload, cluster, compressor, params, algorithm=algorithm,
+                             constraints=restricted, costs=costs, baseline_names=())
+        except ValueError as exc:  # nothing left to plan with under the restriction
+            log.info("finalist %s/%s skipped: %s", algorithm, label, exc)
+            continue
+        alternatives.append((f"{algorithm}/{label}", alt.options, alt.predicted_ms, restricted))
     out = [strategy]
     seen = {tuple(map(str, strategy.options.values()))}
     limit = strategy.predicted_ms * within
-    for name, sol in sorted(others.items(), key=lambda kv: kv[1].iteration_us):
-        options = dict(zip(workload.names, sol.options, strict=True))
+    for name, options, predicted_ms, used in sorted(alternatives, key=lambda a: a[2]):
         key = tuple(map(str, options.values()))
-        if name not in RUNNABLE_BASELINES or key in seen or sol.iteration_us / 1e3 > limit:
+        if key in seen or predicted_ms > limit:
             continue
         seen.add(key)
-        out.append(replace(strategy, options=options, predicted_ms=sol.iteration_us / 1e3,
-                           algorithm=name))
+        out.append(replace(strategy, options=options, predicted_ms=predicted_ms,
+                           algorithm=name, constraints=used))
     return out
 
 

@@ -103,12 +103,13 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
 
 @pytest.mark.timeout(200)
 def test_trials_switch_strategies_in_step_and_every_rank_keeps_the_same(tmp_path, cluster):
-    """2 profiled steps, then every runnable baseline (up to 5 finalists) for 2 steps each,
+    """2 profiled steps, then every finalist (the plan, the runnable baselines and the plan
+    under no-gpu and no-cpu: up to 7) for 2 steps each,
     then the kept one: the ranks' parameters stay bit-identical through every switch, the
     profiled steps equal the single-process result, and every rank keeps the finalist
     trials.json names, the fastest measured."""
     out = tmp_path / "profile"
-    steps = 2 + 2 * 5 + 2
+    steps = 2 + 2 * 7 + 2
     env = {"ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "2",
            "ESPRESSO_PROFILE_OUT": str(out)}
     with cluster.ps_job(servers=1) as root:

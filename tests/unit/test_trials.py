@@ -13,8 +13,13 @@ import pytest
 from byteps_espresso.worker.local_transport import LocalHub
 from byteps_espresso.worker.trials import Trials, slowest_across_ranks
 
-from byteps_espresso.strategy import Cluster, Strategy, Workload
-from byteps_espresso.strategy.planner import RUNNABLE_BASELINES, plan, plan_finalists
+from byteps_espresso.strategy import Cluster, Constraints, Strategy, Workload
+from byteps_espresso.strategy.planner import (
+    RESTRICTED,
+    RUNNABLE_BASELINES,
+    plan,
+    plan_finalists,
+)
 
 WORLD = 4
 
@@ -30,18 +35,34 @@ def every(inputs):
     return plan_finalists(*inputs, "randomk", {"ratio": 0.01}, within=1000.0)
 
 
-def test_finalists_start_with_the_plan_then_the_baselines_fastest_first(inputs, every):
+def test_finalists_start_with_the_plan_then_the_alternatives_fastest_first(inputs, every):
     planned = plan(*inputs, "randomk", {"ratio": 0.01})
     assert every[0].algorithm == "espresso"
     assert every[0].options == planned.options
     assert every[0].predicted_ms == pytest.approx(planned.predicted_ms)
     rest = every[1:]
-    assert {s.algorithm for s in rest} <= set(RUNNABLE_BASELINES)
+    restricted = {f"espresso/{label}": plan(*inputs, "randomk", {"ratio": 0.01},
+                                            constraints=Constraints.parse([label]))
+                  for label in RESTRICTED}
+    assert {s.algorithm for s in rest} <= set(RUNNABLE_BASELINES) | set(restricted)
     assert [s.predicted_ms for s in rest] == sorted(s.predicted_ms for s in rest)
     for s in rest:  # each priced as the plan reports it, with its own options
-        assert s.predicted_ms == pytest.approx(planned.baselines[s.algorithm])
+        if s.algorithm in restricted:
+            assert s.options == restricted[s.algorithm].options
+            assert s.predicted_ms == pytest.approx(restricted[s.algorithm].predicted_ms)
+            assert s.constraints == restricted[s.algorithm].constraints
+        else:
+            assert s.predicted_ms == pytest.approx(planned.baselines[s.algorithm])
     assert len({tuple(map(str, s.options.values())) for s in every}) == len(every)
     assert "upper-bound" not in {s.algorithm for s in every}  # a bound, not a strategy
+
+
+def test_a_restriction_the_user_already_set_is_not_planned_twice(inputs):
+    some = plan_finalists(*inputs, "randomk", {"ratio": 0.01}, within=1000.0,
+                          constraints=Constraints.parse(["no-gpu"]))
+    names = [s.algorithm for s in some]
+    assert "espresso/no-gpu" not in names
+    assert all(not s.constraints.allow_gpu for s in some if s.algorithm.startswith("espresso"))
 
 
 def test_finalists_are_the_baselines_predicted_within_the_factor(inputs, every):

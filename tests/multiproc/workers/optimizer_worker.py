@@ -2,8 +2,8 @@
 
 Usage: optimizer_worker.py OUT_DIR COMPRESSION PASSES STEPS. COMPRESSION is a name of
 ``bps.Compression``, ``espresso`` (random-k planned after ESPRESSO_PROFILE_STEPS uncompressed
-iterations) or ``espresso-trials`` (the same, with every runnable baseline a finalist of the
-measured trials). Each rank's batches are drawn
+iterations) or ``espresso-trials`` (the same, with every alternative a finalist of the
+measured trials, however slow its prediction). Each rank's batches are drawn
 from a generator seeded by (rank, step, pass), so the test recomputes them. After every step
 the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle); at the end
 the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt.
@@ -44,7 +44,7 @@ def main() -> None:
         bps.broadcast_parameters(net.state_dict(), root_rank=0)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         if compression == "espresso-trials":
-            profiler._TRIAL_WITHIN = float("inf")  # every baseline a finalist, however slow
+            profiler._TRIAL_WITHIN = float("inf")  # every alternative a finalist, however slow
         spec = (bps.Compression.espresso("randomk", ratio=0.5)
                 if compression.startswith("espresso") else getattr(bps.Compression, compression))
         opt = bps.DistributedOptimizer(opt, named_parameters=net.named_parameters(),
