@@ -69,7 +69,7 @@ _LANE_REPS = 3
 # Compressor timing repetitions per size (median taken); sizes capped to keep start-up short.
 _TIMING_REPS = 3
 _MAX_TIMED_SIZES = 6
-# Baselines predicted within this factor of the planned strategy's time are measured in trials
+# Alternatives predicted within this factor of the planned strategy's time are measured in trials
 # (worker/trials.py). On a host whose cores the workers share the model has been 1.6-2.4x
 # optimistic and has inverted rankings: in the main job (`make main`) it predicted the plan at
 # 27.2 ms and cpu-only at 34.3 ms, which measured 65.9 and 57.6 ms. 2.5x covers that.
