@@ -52,10 +52,10 @@ def slowest_across_ranks(session: Session, values: np.ndarray) -> np.ndarray:
 
 def table(rows: Sequence[tuple[str, float, float]], kept: str) -> str:
     """The trials as text: (algorithm, predicted ms, measured ms) per finalist."""
-    lines = [f"{'finalist':<12} {'predicted':>10} {'measured':>9}"]
+    lines = [f"{'finalist':<16} {'predicted':>10} {'measured':>9}"]
     for algorithm, predicted, measured in rows:
         mark = "  <- kept" if algorithm == kept else ""
-        lines.append(f"{algorithm:<12} {predicted:>8.2f}ms {measured:>7.2f}ms{mark}")
+        lines.append(f"{algorithm:<16} {predicted:>8.2f}ms {measured:>7.2f}ms{mark}")
     return "\n".join(lines)
 
 
