@@ -269,24 +269,19 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
     Returns:
         (cluster, {"exchange": factor, "ps": factor}) for the kinds of step measured.
     """
-    from byteps_espresso.strategy.costs import CompressedSizes, Pricer
+    from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes, Pricer
 
     sizes = CompressedSizes(compressor, dict(params))
-    numels = np.asarray(numels, dtype=np.float64)
 
     def per_step(c: Any) -> np.ndarray:
-        tasks = Pricer(c, compressor, sizes, costs, numels).tasks(option)
-        out = np.zeros((len(numels), len(option.steps)))
-        for k, i in enumerate(tasks.step):
-            out[:, i] += tasks.duration[:, k]
-        return out
+        return Pricer(c, compressor, sizes, costs, numels).tasks(option).per_step(
+            len(option.steps))
 
     # The PS path's latency explicit, so it stays apart from the collectives'.
     cluster = replace(cluster, server_latency_us=cluster.ps_latency_us if cluster.servers
                       else None)
     base = per_step(cluster)
-    kinds = {"exchange": ({Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.ALLGATHER,
-                           Kind.ALLGATHER_C, Kind.ALLTOALL_C}, {"exchange_latency": 0.0}),
+    kinds = {"exchange": (EXCHANGES, {"exchange_latency": 0.0}),
              "ps": ({Kind.PUSH_PULL, Kind.PUSH_PULL_C}, {"server_latency_us": 0.0})}
     factors: dict[str, float] = {}
     for what, (members, zero) in kinds.items():

@@ -58,6 +58,7 @@ from byteps_espresso.strategy.tree import FAMILIES, PAIRS
 
 __all__ = [
     "CPU",
+    "EXCHANGES",
     "GPU",
     "INTER",
     "INTRA",
@@ -73,6 +74,9 @@ __all__ = [
 GPU, CPU, INTRA, INTER, SERVER = range(5)
 RESOURCES = ("gpu", "cpu", "intra", "inter", "server")
 FLOAT32_BYTES = 4
+# Collectives in which every member sends and receives: Cluster.exchange_latency applies.
+EXCHANGES = frozenset({Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.ALLGATHER, Kind.ALLGATHER_C,
+                       Kind.ALLTOALL_C})
 _ONE_HOT = np.eye(len(RESOURCES))
 
 
@@ -127,6 +131,12 @@ class StepTasks:
     def total(self) -> np.ndarray:
         """(U,) sum of the task durations: the option's time with nothing else running."""
         return self.duration.sum(axis=1)
+
+    def per_step(self, steps: int) -> np.ndarray:
+        """(U, steps) each step's task durations summed (compute steps: their one task)."""
+        out = np.zeros((self.duration.shape[0], steps))
+        np.add.at(out, (slice(None), self.step), self.duration)
+        return out
 
 
 def _ceil_div(a: np.ndarray, p: int) -> np.ndarray:
@@ -247,7 +257,7 @@ class Pricer:
         assert scope is not None
         p = self._group(scope)
         bw, lat, resource = self._link(scope, st.active)
-        if step.kind in _EXCHANGES:
+        if step.kind in EXCHANGES:
             lat *= self.cluster.exchange_latency
         comm = _Comm(p, bw, lat, resource, scope, st.extent, st.extent * FLOAT32_BYTES)
         return _COMM_MODELS[step.kind](self, st, comm)
@@ -412,10 +422,6 @@ def _push_pull_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.nda
     st.pending = (c.e, 1)
     return _ps_tasks(pr, st, c, pr.sizes(c.e), work)
 
-
-# Collectives in which every member sends and receives: Cluster.exchange_latency applies.
-_EXCHANGES = frozenset({Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.ALLGATHER, Kind.ALLGATHER_C,
-                        Kind.ALLTOALL_C})
 
 # Every step as a small integer (fast prefix keys).
 _CODES: dict[Step, int] = {}

@@ -93,10 +93,7 @@ def _step_prices(cluster, option):
 
     tasks = Pricer(cluster, "randomk", CompressedSizes("randomk", {"ratio": 0.01}),
                    CompressorCosts.default(), _NUMELS).tasks(option)
-    out = np.zeros((len(_NUMELS), len(option.steps)))
-    for k, i in enumerate(tasks.step):
-        out[:, i] += tasks.duration[:, k]
-    return out
+    return tasks.per_step(len(option.steps))
 
 
 def _fit(cluster, option, measured):

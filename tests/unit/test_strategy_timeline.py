@@ -246,3 +246,18 @@ def test_exchange_latency_scales_the_exchanges_and_leaves_rooted_collectives_alo
     with pytest.raises(ClusterError, match="exchange_latency"):
         replace(base, exchange_latency=-1.0)
     assert Cluster.from_dict(slow.to_dict()) == slow
+
+
+def test_per_step_sums_each_step_s_tasks():
+    cluster = Cluster(machines=2, gpus_per_machine=2, intra_gbps=8.0, intra_latency_us=500.0,
+                      inter_gbps=6.0, inter_latency_us=700.0, servers=1, server_gbps=20.0)
+    option = Option.parse("ReduceScatter(intra) -> Comp(gpu) -> PushPullC(inter) -> "
+                          "Decomp(gpu) -> Allgather(intra)")
+    tasks = Pricer(cluster, "randomk", CompressedSizes("randomk", {"ratio": 0.01}),
+                   CompressorCosts.default(), [1000, 50_000]).tasks(option)
+    steps = tasks.per_step(len(option.steps))
+    assert steps.shape == (2, 5)
+    np.testing.assert_allclose(steps.sum(axis=1), tasks.total)
+    pushpull = tasks.duration[:, tasks.step == 2]  # push, server aggregation, pull
+    assert pushpull.shape[1] == 3
+    np.testing.assert_allclose(steps[:, 2], pushpull.sum(axis=1))
