@@ -318,9 +318,8 @@ class _Sync:
                 raise ValueError("a planned tensor order must name every parameter once")
             self.order = list(plan.order)
         self.options = self._checked(plan.options)
-        steps = self.session.runtime.cfg.trial_steps
-        if plan.finalists and steps >= 2:
-            self.trials = Trials(plan.finalists, steps)
+        if plan.finalists:
+            self.trials = Trials(plan.finalists, self.session.runtime.cfg.trial_steps)
         if self.codec is not None:
             self.engine = self.session.runtime.engine(self.codec)
 

@@ -46,8 +46,7 @@ import numpy as np
 import torch
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.optimizer import CompressionSpec, Plan
-from byteps_espresso.worker.session import Session
-from byteps_espresso.worker.trials import slowest_across_ranks
+from byteps_espresso.worker.session import Session, slowest_across_ranks
 
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope
 
@@ -542,7 +541,7 @@ class EspressoSpec(CompressionSpec):
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
-        from byteps_espresso.strategy import Strategy
+        from byteps_espresso.strategy import Strategy, plan
         from byteps_espresso.strategy.planner import plan_finalists
 
         rt = session.runtime
@@ -569,12 +568,16 @@ class EspressoSpec(CompressionSpec):
                     compressor=self.compressor, params=self.params, costs=costs)
                 log.info("latency in training vs the probes: %s", ", ".join(
                     f"{path} x{f:.2f}" for path, f in factors.items()) or "not measured")
-            # Trials only when the planner chose freely: a baseline asked for by name runs.
-            within = _TRIAL_WITHIN if self._trials(session) else 0.0
             t0 = time.perf_counter()
-            finalists = plan_finalists(workload, cluster, self.compressor, dict(self.params),
-                                       within=within, algorithm=self.algorithm,
-                                       constraints=self.constraints, costs=costs)
+            # Trials only when the planner chose freely: a baseline asked for by name runs.
+            if self._trials(session):
+                finalists = plan_finalists(workload, cluster, self.compressor, dict(self.params),
+                                           within=_TRIAL_WITHIN, constraints=self.constraints,
+                                           costs=costs)
+            else:
+                finalists = [plan(workload, cluster, self.compressor, dict(self.params),
+                                  algorithm=self.algorithm, constraints=self.constraints,
+                                  costs=costs)]
             log.info("planned in %.1f ms:\n%s", (time.perf_counter() - t0) * 1e3,
                      finalists[0].summary())
             if len(finalists) > 1:

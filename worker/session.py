@@ -9,13 +9,16 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
+import torch
 from byteps_espresso.worker.executor import Engine
 from byteps_espresso.worker.runtime import Runtime
 from byteps_espresso.worker.topology import Topology
 
-from byteps_espresso.strategy.options import Option
+from byteps_espresso.strategy.options import Option, Scope
 
-__all__ = ["NotInitializedError", "Session", "current", "fp32_option", "install", "uninstall"]
+__all__ = ["NotInitializedError", "Session", "current", "fp32_option", "install",
+           "slowest_across_ranks", "uninstall"]
 
 
 class NotInitializedError(RuntimeError):
@@ -74,3 +77,13 @@ def current() -> Session:
         raise NotInitializedError("byteps_espresso.torch is not initialised: call "
                                   "bps.init() before any other bps function")
     return _session
+
+
+def slowest_across_ranks(session: Session, values: np.ndarray) -> np.ndarray:
+    """The element-wise maximum of every rank's ``values`` (same shape on every rank; all
+    ranks call it while the engine's lanes are idle). NaN anywhere stays NaN."""
+    transport = session.runtime.transports[0]
+    world = session.runtime.topology.world_size
+    mine = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64).reshape(-1))
+    every = transport.allgather(Scope.FLAT, mine, [mine.numel()] * world)
+    return every.reshape(world, *np.shape(values)).numpy().max(axis=0)

@@ -29,25 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from byteps_espresso.worker.session import Session
+from byteps_espresso.worker.session import Session, slowest_across_ranks
 
-from byteps_espresso.strategy.options import Scope
 from byteps_espresso.strategy.workload import atomic_write_text
 
-__all__ = ["Trials", "slowest_across_ranks", "table"]
+__all__ = ["Trials", "table"]
 
 log = logging.getLogger(__name__)
-
-
-def slowest_across_ranks(session: Session, values: np.ndarray) -> np.ndarray:
-    """The element-wise maximum of every rank's ``values`` (same shape on every rank; all
-    ranks call it while the engine's lanes are idle). NaN anywhere stays NaN."""
-    transport = session.runtime.transports[0]
-    world = session.runtime.topology.world_size
-    mine = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64).reshape(-1))
-    every = transport.allgather(Scope.FLAT, mine, [mine.numel()] * world)
-    return every.reshape(world, *np.shape(values)).numpy().max(axis=0)
 
 
 def table(rows: Sequence[tuple[str, float, float]], kept: str) -> str:

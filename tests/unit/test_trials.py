@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from byteps_espresso.worker.local_transport import LocalHub
-from byteps_espresso.worker.trials import Trials, slowest_across_ranks
+from byteps_espresso.worker.session import slowest_across_ranks
+from byteps_espresso.worker.trials import Trials
 
 from byteps_espresso.strategy import Cluster, Constraints, Strategy, Workload
 from byteps_espresso.strategy.planner import (
