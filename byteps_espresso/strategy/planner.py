@@ -18,6 +18,7 @@ from byteps_espresso.strategy import baselines
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
 from byteps_espresso.strategy.context import PlanContext
+from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.strategy_file import Strategy
 from byteps_espresso.strategy.timeline import Timeline
 from byteps_espresso.strategy.tree import Constraints
@@ -36,6 +37,15 @@ RUNNABLE_BASELINES = ("fp32", "all-gpu", "hipress", "cpu-only")
 # device mix, and on 2 x 2 CPU workers the plan under no-gpu measured fastest of 21 strategies
 # in three calibration runs in a row (BENCHMARKS.md, "Cost-model calibration").
 RESTRICTED = {"no-gpu": {"allow_gpu": False}, "no-cpu": {"allow_cpu": False}}
+
+
+def _options(workload: Workload, solution: baselines.Solution) -> dict[str, Option]:
+    return dict(zip(workload.names, solution.options, strict=True))
+
+
+def _key(options: dict[str, Option]) -> tuple[str, ...]:
+    """An option set's identity: finalists with the same Options per tensor are one."""
+    return tuple(map(str, options.values()))
 
 
 def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str, Any] | None,
@@ -61,9 +71,9 @@ def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str
         except baselines.BaselineUnavailable as exc:
             log.info("baseline %s skipped: %s", name, exc)
     reported = {name: sol.iteration_us / 1e3 for name, sol in others.items()}
-    options = dict(zip(workload.names, solution.options, strict=True))
-    strategy = Strategy(options, solution.iteration_us / 1e3, reported, algorithm, search_ms,
-                        workload, cluster, compressor, params, ctx.constraints)
+    strategy = Strategy(_options(workload, solution), solution.iteration_us / 1e3, reported,
+                        algorithm, search_ms, workload, cluster, compressor, params,
+                        ctx.constraints)
     return strategy, solution, others
 
 
@@ -103,7 +113,7 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
     strategy, _, others = _run(workload, cluster, compressor, params, algorithm=algorithm,
                                constraints=base, costs=costs,
                                baseline_names=REPORTED_BASELINES)
-    alternatives = [(name, dict(zip(workload.names, sol.options, strict=True)),
+    alternatives = [(name, _options(workload, sol),
                      sol.iteration_us / 1e3, base)
                     for name, sol in others.items() if name in RUNNABLE_BASELINES]
     for label, change in RESTRICTED.items():
@@ -118,13 +128,12 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
             continue
         alternatives.append((f"{algorithm}/{label}", alt.options, alt.predicted_ms, restricted))
     out = [strategy]
-    seen = {tuple(map(str, strategy.options.values()))}
+    seen = {_key(strategy.options)}
     limit = strategy.predicted_ms * within
     for name, options, predicted_ms, used in sorted(alternatives, key=lambda a: a[2]):
-        key = tuple(map(str, options.values()))
-        if key in seen or predicted_ms > limit:
+        if _key(options) in seen or predicted_ms > limit:
             continue
-        seen.add(key)
+        seen.add(_key(options))
         out.append(replace(strategy, options=options, predicted_ms=predicted_ms,
                            algorithm=name, constraints=used))
     return out
