@@ -3,7 +3,7 @@
 The planner ranks strategies with a cost model fitted to a short profile. Where the model's
 error is larger than the gap between the best strategies (BENCHMARKS.md, "End-to-end": 13-49%
 for compressed strategies on a host whose two cores four workers and a server share, while
-the best three strategies were within 25% of each other) the ranking among the finalists is
+the three compressed strategies were within 30% of each other) the ranking among the finalists is
 better decided by running them, as Horovod's autotuner measures candidate settings instead of
 trusting a model. After planning, every finalist of :func:`strategy.planner.plan_finalists`
 (the planned strategy first, then the baselines and the plan under a device restriction
