@@ -88,9 +88,8 @@ class Trials:
             self.index += 1
 
     def medians_ms(self) -> np.ndarray:
-        """Per finalist, the median iteration time after the warm-up (NaN if not measured)."""
-        return np.array([statistics.median(t[1:]) if len(t) > 1 else np.nan
-                         for t in self.times_ms])
+        """Per finalist, the median iteration time after the warm-up (once :attr:`done`)."""
+        return np.array([statistics.median(t[1:]) for t in self.times_ms])
 
     def choose(self, session: Session) -> Any:
         """The finalist with the smallest slowest-rank median (all ranks call it; every rank
