@@ -63,6 +63,16 @@ def _float(low: float) -> Callable[[str], float]:
     return parse
 
 
+def _bucket_cap(text: str) -> float | None:
+    lowered = text.strip().lower()
+    if lowered in ("", "auto"):
+        return None
+    value = float(lowered)
+    if not value >= 0:
+        raise ValueError("must be `auto` or a number of MiB >= 0")
+    return value
+
+
 def _role(text: str) -> Role:
     return Role(text.strip().lower())
 
@@ -170,6 +180,10 @@ VARIABLES: tuple[Variable, ...] = (
              "Iterations each finalist strategy runs after planning (the first is a "
              "warm-up; the fastest measured is kept). Below 2: use the planned strategy "
              "at once."),
+    Variable("ESPRESSO_BUCKET_CAP_MB", "bucket_cap_mb", _bucket_cap, None,
+             "Tensor fusion: gradients ready together in backward order are synchronized as "
+             "one bucket of at most this many MiB (0: every gradient alone). `auto`: the "
+             "planner picks the cap with `Compression.espresso`, DDP's 25 MiB otherwise."),
     Variable("ESPRESSO_PROFILE_OUT", "profile_out", _optional, None,
              "Directory where rank 0 writes the measured workload and planned strategy."),
     Variable("ESPRESSO_CPU_THREADS", "cpu_threads", _int(1, 1024), 2,
@@ -207,6 +221,7 @@ class Config:
     strategy_path: str | None = None
     profile_steps: int = 5
     trial_steps: int = 6
+    bucket_cap_mb: float | None = None
     profile_out: str | None = None
     cpu_threads: int = 2
     seed: int = 0

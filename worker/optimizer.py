@@ -39,6 +39,14 @@ from byteps_espresso.worker.executor import Engine, Handle
 from byteps_espresso.worker.session import Session, current
 from byteps_espresso.worker.trials import Trials
 
+from byteps_espresso.strategy.buckets import (
+    DEFAULT_CAP_BYTES,
+    DEFAULT_FIRST_CAP_BYTES,
+    Bucket,
+    MiB,
+    check_layout,
+    layout,
+)
 from byteps_espresso.strategy.options import Option
 
 __all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "Plan", "StartupProfile"]
@@ -77,11 +85,14 @@ class Plan:
         order: a new submission order (the backward order), or None to keep the current one.
         finalists: Strategies to measure before keeping one (``worker.trials``), the planned
             one (``options``) first; empty: no trials.
+        buckets: the tensor-fusion layout over ``order`` (each Option's key is a bucket's
+            name); None: the default layout (``ESPRESSO_BUCKET_CAP_MB``, else DDP's caps).
     """
 
     options: dict[str, Option]
     order: list[str] | None = None
     finalists: tuple[Any, ...] = ()
+    buckets: tuple[Bucket, ...] | None = None
 
 
 @dataclass
@@ -92,11 +103,14 @@ class StartupProfile:
         ready: per iteration, {tensor name: time its gradient was ready} (perf_counter s).
         starts: per iteration, when it began (the previous step's end).
         probes: the spec's lane probes (see :meth:`CompressionSpec.probes`), or None.
+        buckets: {bucket name: elements} of the buckets the profiled iterations
+            synchronized, in submission order (the probes timed their steps).
     """
 
     ready: list[dict[str, float]]
     starts: list[float]
     probes: Any | None = None
+    buckets: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -126,7 +140,8 @@ class _Uniform(CompressionSpec):
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
         option = self.option(session)
-        return Plan({name: option for name, _ in tensors})
+        buckets = default_layout(session, tensors)
+        return Plan({b.name: option for b in buckets}, buckets=buckets)
 
 
 class Compression:
@@ -190,8 +205,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
 
+class _Bucket:
+    """One bucket's members and its preallocated flat buffer (None for a bucket of one)."""
+
+    __slots__ = ("buffer", "name", "numels", "offsets", "tensors")
+
+    def __init__(self, bucket: Bucket, params: Mapping[str, torch.Tensor],
+                 device: torch.device) -> None:
+        self.name = bucket.name
+        self.tensors = bucket.tensors
+        self.numels = [params[n].numel() for n in bucket.tensors]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        # The executor sums float32 whatever the parameters' dtype; one buffer per bucket,
+        # written in place every iteration (DDP's bucket buffers).
+        self.buffer = (torch.empty(sum(self.numels), dtype=torch.float32, device=device)
+                       if bucket.fused else None)
+
+
 class _Sync:
-    """Hook bookkeeping, submission order, profiling and planning of one optimizer."""
+    """Hook bookkeeping, buckets, submission order, profiling and planning of one optimizer."""
 
     def __init__(self, opt: torch.optim.Optimizer, named: Sequence[tuple[str, torch.Tensor]],
                  compression: CompressionSpec, passes: int) -> None:
@@ -200,30 +234,52 @@ class _Sync:
         self.passes = passes
         self.params = {name: p for name, p in named}
         self.numel = {name: p.numel() for name, p in named}
+        self.device = self.session.runtime.device
+        self.world = self.session.runtime.topology.world_size
         # Reverse registration order: the usual backward order.
         self.order = [name for name, p in reversed(named) if p.requires_grad]
         self.count: dict[str, int] = dict.fromkeys(self.order, 0)
-        self.handles: dict[str, Handle] = {}
-        self.next = 0
+        self.handles: list[tuple[_Bucket, Handle]] = []
+        self.next = 0  # tensors of self.order handed over so far, this iteration
+        self.submitted = 0  # buckets submitted so far, this iteration
         self.iteration = 0
         self.ready_times: list[dict[str, float]] = []
         self.starts: list[float] = [time.perf_counter()]  # iteration i began at starts[i]
         self.ended = self.starts[0]  # when the last synchronize() returned
+        self.unused_warned = False
         self.codec = compression.codec(self.session)
         self.engine: Engine = self.session.plain
         self.options: dict[str, Option] | None = None
-        self.world = self.session.runtime.topology.world_size
         self._profile_steps = compression.profile_steps(self.session)
         self.probes = None
         self.trials: Trials | None = None
+        # While profiling every bucket runs the fp32 path, fused as Compression.none fuses.
+        self._use_buckets(default_layout(self.session, [(n, self.numel[n]) for n in self.order]))
         if self._profile_steps == 0:
             self._apply_plan(None)
         else:
-            self.probes = compression.probes(self.session,
-                                             [self.numel[name] for name in self.order])
+            # The compressor is timed on gradient and bucket sizes: the plan may fuse or not.
+            self.probes = compression.probes(
+                self.session, [*self.numel.values(), *(sum(b.numels) for b in self.buckets)])
         for name in self.order:
             self.params[name].register_post_accumulate_grad_hook(self._hook(name))
 
+    # ---- buckets ---------------------------------------------------------------------------
+    def _use_buckets(self, buckets: Sequence[Bucket]) -> None:
+        """Synchronize in ``buckets`` from the next iteration on (every rank the same)."""
+        check_layout(buckets, self.order, "the strategy's buckets")
+        self.buckets = [_Bucket(b, self.params, self.device) for b in buckets]
+        ends, end = [], 0
+        for b in self.buckets:
+            end += len(b.tensors)
+            ends.append(end)
+        self._ends = ends  # bucket i is complete once self.next reaches ends[i]
+
+    @property
+    def bucket_names(self) -> list[str]:
+        return [b.name for b in self.buckets]
+
+    # ---- hooks and submission ----------------------------------------------------------------
     def _hook(self, name: str):  # type: ignore[no-untyped-def]
         def hook(p: torch.Tensor) -> None:
             self.count[name] += 1
@@ -240,74 +296,114 @@ class _Sync:
 
         return hook
 
-    def _ready(self, name: str) -> bool:
-        return self.count[name] >= self.passes
-
-    def _submit(self, name: str) -> None:
-        p = self.params[name]
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        option = self.options[name] if self.options is not None else self.session.fp32
-        self.handles[name] = self.engine.submit(name, grad, option)
-
     def _dispatch(self) -> None:
-        while self.next < len(self.order) and self._ready(self.order[self.next]):
-            self._submit_next()
+        order, count, passes = self.order, self.count, self.passes
+        while self.next < len(order) and count[order[self.next]] >= passes:
+            self.next += 1
+        while self.submitted < len(self.buckets) and self._ends[self.submitted] <= self.next:
+            self._submit(self.buckets[self.submitted])
+            self.submitted += 1
 
-    def _submit_next(self) -> None:
-        self._submit(self.order[self.next])
-        self.next += 1
-        # Probes follow the last gradient of a profiled iteration: the same point of every
+    def _submit(self, bucket: _Bucket) -> None:
+        if bucket.buffer is None:
+            p = self.params[bucket.tensors[0]]
+            flat = p.grad if p.grad is not None else torch.zeros_like(p)
+        else:
+            flat = bucket.buffer
+            for name, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels,
+                                           strict=True):
+                grad = self.params[name].grad
+                piece = flat[offset:offset + numel]
+                if grad is None:
+                    piece.zero_()
+                else:
+                    piece.copy_(grad.reshape(-1))
+        option = self.options[bucket.name] if self.options is not None else self.session.fp32
+        self.handles.append((bucket, self.engine.submit(bucket.name, flat, option)))
+        # Probes follow the last bucket of a profiled iteration: the same point of every
         # rank's submission order, queued behind the synchronization they share the host with.
-        if self.next == len(self.order) and self.options is None and self.probes is not None:
+        if (self.submitted + 1 == len(self.buckets) and self.options is None
+                and self.probes is not None):
             self.probes.issue(self.engine, self.iteration)
 
     def pending(self) -> bool:
         return bool(self.handles)
 
+    def _warn_unused(self) -> None:
+        unused = [n for n in self.order[self.next:] if self.count[n] < self.passes]
+        if unused and not self.unused_warned:
+            self.unused_warned = True
+            log.warning(
+                "%d parameter(s) got no gradient in iteration %d (e.g. %s): they are "
+                "synchronized as zeros at step(), as DDP's find_unused_parameters does, and "
+                "the buckets after them wait until then; leave parameters the model never uses "
+                "out of named_parameters and the optimizer", len(unused), self.iteration,
+                unused[:3])
+
+    # ---- the iteration's end -----------------------------------------------------------------
     def synchronize(self) -> None:
-        while self.next < len(self.order):  # parameters without (enough) gradients
-            self._submit_next()
+        if self.next < len(self.order):  # parameters without (enough) gradients
+            self._warn_unused()
+            self.next = len(self.order)
+            self._dispatch()
         timeout = self.session.runtime.cfg.op_timeout_s
-        for name, handle in self.handles.items():
-            total = handle.wait(timeout)
-            p = self.params[name]
-            avg = total.div_(self.world).to(p.dtype).reshape(p.shape)
-            if p.grad is None:
-                p.grad = avg
-            else:
-                p.grad.copy_(avg)
+        for bucket, handle in self.handles:
+            self._write_back(bucket, handle.wait(timeout))
         self.handles.clear()
         self.count = dict.fromkeys(self.order, 0)
-        self.next = 0
+        self.next = self.submitted = 0
         self.iteration += 1
         if self.options is None:
             if self.probes is not None:  # they overlap this synchronization, not the next forward
                 self.probes.wait(timeout)
             self.starts.append(time.perf_counter())
             if self.iteration >= self._profile_steps:
-                self._apply_plan(StartupProfile(self.ready_times, self.starts, self.probes))
+                self._apply_plan(StartupProfile(
+                    self.ready_times, self.starts, self.probes,
+                    {b.name: sum(b.numels) for b in self.buckets}))
         elif self.trials is not None:
             self._trial_step()
         self.ended = time.perf_counter()
 
+    def _write_back(self, bucket: _Bucket, total: torch.Tensor) -> None:
+        """The average over workers into each member's ``.grad``."""
+        if bucket.buffer is not None and total.data_ptr() == bucket.buffer.data_ptr():
+            total = total.clone()  # the buffer is rewritten next iteration; .grad must not be
+        avg = total.reshape(-1).div_(self.world)
+        for name, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels,
+                                       strict=True):
+            p = self.params[name]
+            value = avg[offset:offset + numel].view(p.shape)
+            if p.grad is None:
+                p.grad = value.to(p.dtype)
+            else:
+                p.grad.copy_(value)
+
+    # ---- plans and trials --------------------------------------------------------------------
     def _trial_step(self) -> None:
         """Record the finalist's iteration; move to the next one, or keep the fastest."""
         trials = self.trials
         assert trials is not None
         trials.record(time.perf_counter() - self.ended)
         if not trials.done:
-            self.options = self._checked(trials.current.options)
+            self._use_strategy(trials.current)
             return
         kept = trials.choose(self.session)
         self.session.strategy = kept
-        self.options = self._checked(kept.options)
+        self._use_strategy(kept)
         self.trials = None
 
+    def _use_strategy(self, strategy: Any) -> None:
+        if [b.tensors for b in strategy.layout] != [b.tensors for b in self.buckets]:
+            self._use_buckets(strategy.layout)
+        self.options = self._checked(strategy.options)
+
     def _checked(self, options: dict[str, Option]) -> dict[str, Option]:
-        missing = [name for name in self.order if name not in options]
+        missing = [name for name in self.bucket_names if name not in options]
         if missing:
-            raise ValueError(f"the strategy has no Option for {len(missing)} parameter(s), e.g. "
-                             f"{missing[:3]}; plan it for this model's named_parameters")
+            raise ValueError(f"the strategy has no Option for {len(missing)} parameter(s) or "
+                             f"bucket(s), e.g. {missing[:3]}; plan it for this model's "
+                             "named_parameters")
         return options
 
     def _apply_plan(self, profile: Any | None) -> None:
@@ -317,11 +413,24 @@ class _Sync:
             if sorted(plan.order) != sorted(self.order):
                 raise ValueError("a planned tensor order must name every parameter once")
             self.order = list(plan.order)
+        if plan.buckets is not None:
+            self._use_buckets(plan.buckets)
+        elif plan.order is not None:  # the same caps over the new order
+            self._use_buckets(default_layout(self.session, [(n, self.numel[n])
+                                                            for n in self.order]))
         self.options = self._checked(plan.options)
         if plan.finalists:
             self.trials = Trials(plan.finalists, self.session.runtime.cfg.trial_steps)
         if self.codec is not None:
             self.engine = self.session.runtime.engine(self.codec)
+
+
+def default_layout(session: Session, tensors: Sequence[tuple[str, int]]) -> tuple[Bucket, ...]:
+    """The buckets of ``Compression.none``/``fp16`` and of the profiled iterations: DDP's
+    caps (25 MiB, the first bucket 1 MiB), or ``ESPRESSO_BUCKET_CAP_MB``."""
+    cap_mb = session.runtime.cfg.bucket_cap_mb
+    cap = DEFAULT_CAP_BYTES if cap_mb is None else int(cap_mb * MiB)
+    return layout(tensors, cap, min(DEFAULT_FIRST_CAP_BYTES, cap) if cap else None)
 
 
 def _named(optimizer: torch.optim.Optimizer,

@@ -48,6 +48,7 @@ from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.optimizer import CompressionSpec, Plan
 from byteps_espresso.worker.session import Session, slowest_across_ranks
 
+from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB, plan_fused
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
@@ -553,9 +554,12 @@ class EspressoSpec(CompressionSpec):
         in_lanes = probes is not None and probes.complete
         # Paused probes are collectives too: every rank takes them, or none does.
         cluster = probes.cluster(_copy_gbps(rt.device)) if in_lanes else measure_cluster(session)
+        # The profiled iterations ran the fp32 path per bucket (every gradient's own when the
+        # profile names none).
+        profiled = dict(profile.buckets) if profile is not None and profile.buckets else numel
         if in_lanes:  # the last member to reach a step measured it: the minimum over ranks
             steps_us = -slowest_across_ranks(
-                session, -probes.step_times(names, len(session.fp32.steps)))
+                session, -probes.step_times(list(profiled), len(session.fp32.steps)))
         data: bytes | None = None
         if rt.topology.rank == 0:
             workload = workload_from_offsets(offsets, names, numel)
@@ -564,21 +568,35 @@ class EspressoSpec(CompressionSpec):
                 codec, list(numel.values()), rt.device)  # type: ignore[arg-type]
             if in_lanes:
                 cluster, factors = in_training_latency(
-                    cluster, session.fp32, [numel[n] for n in names], steps_us,
+                    cluster, session.fp32, list(profiled.values()), steps_us,
                     compressor=self.compressor, params=self.params, costs=costs)
                 log.info("latency in training vs the probes: %s", ", ".join(
                     f"{path} x{f:.2f}" for path, f in factors.items()) or "not measured")
             t0 = time.perf_counter()
-            # Trials only when the planner chose freely: a baseline asked for by name runs.
-            if self._trials(session):
-                finalists = plan_finalists(workload, cluster, self.compressor, dict(self.params),
-                                           within=_TRIAL_WITHIN, constraints=self.constraints,
-                                           costs=costs)
-            else:
-                finalists = [plan(workload, cluster, self.compressor, dict(self.params),
-                                  algorithm=self.algorithm, constraints=self.constraints,
-                                  costs=costs)]
-            log.info("planned in %.1f ms:\n%s", (time.perf_counter() - t0) * 1e3,
+            planned: dict[tuple[str, ...], list[Strategy]] = {}
+
+            def plan_layout(fused: Any) -> float:
+                # Trials only when the planner chose freely: a baseline asked for by name runs.
+                if self._trials(session):
+                    out = plan_finalists(fused, cluster, self.compressor, dict(self.params),
+                                         within=_TRIAL_WITHIN, constraints=self.constraints,
+                                         costs=costs)
+                else:
+                    out = [plan(fused, cluster, self.compressor, dict(self.params),
+                                algorithm=self.algorithm, constraints=self.constraints,
+                                costs=costs)]
+                planned[tuple(fused.names)] = out
+                return out[0].predicted_ms
+
+            cap_mb = rt.cfg.bucket_cap_mb
+            buckets, tried = plan_fused(
+                workload, plan_layout, CANDIDATE_CAPS if cap_mb is None else (int(cap_mb * MiB),))
+            kept = buckets if any(b.fused for b in buckets) else ()
+            finalists = [replace(s, buckets=kept)
+                         for s in planned[tuple(b.name for b in buckets)]]
+            log.info("planned in %.1f ms (bucket caps: %s):\n%s",
+                     (time.perf_counter() - t0) * 1e3, ", ".join(
+                         f"{cap / MiB:g} MiB {ms:.2f} ms" for cap, ms in tried),
                      finalists[0].summary())
             if len(finalists) > 1:
                 log.info("measuring %d finalists for %d iterations each: %s", len(finalists),
@@ -590,11 +608,16 @@ class EspressoSpec(CompressionSpec):
         data = rt.broadcast_bytes(data, 0)
         finalists = [Strategy.from_dict(d, "broadcast strategy") for d in json.loads(data)]
         session.strategy = finalists[0]
-        return Plan(dict(finalists[0].options), list(finalists[0].workload.names),
-                    tuple(finalists) if len(finalists) > 1 else ())
+        return _plan_of(finalists[0], tuple(finalists) if len(finalists) > 1 else ())
 
     def _trials(self, session: Session) -> bool:
         return self.algorithm == "espresso" and session.runtime.cfg.trial_steps >= 2
+
+
+def _plan_of(strategy: Any, finalists: tuple[Any, ...] = ()) -> Plan:
+    """The optimizer's Plan for a Strategy: its Options per bucket, in its backward order."""
+    return Plan(dict(strategy.options), [n for b in strategy.layout for n in b.tensors],
+                finalists, strategy.layout)
 
 
 def _write_profile(out: Path, workload: Any, cluster: Any, costs: Any, strategy: Any) -> None:
@@ -655,6 +678,11 @@ class StrategyFileSpec(CompressionSpec):
              profile: Any | None) -> Plan:
         strategy = self._load(session)
         session.strategy = strategy
+        planned = {n for b in strategy.layout for n in b.tensors}
         names = {n for n, _ in tensors}
-        order = [n for n in strategy.workload.names if n in names]
-        return Plan(dict(strategy.options), order if len(order) == len(names) else None)
+        if planned != names:
+            raise ValueError(
+                f"{self.path} was planned for other parameters: it lacks "
+                f"{sorted(names - planned)[:3]} and has {sorted(planned - names)[:3]} that this "
+                "model does not; re-plan it from this model's profile (ESPRESSO_PROFILE_OUT)")
+        return _plan_of(strategy)

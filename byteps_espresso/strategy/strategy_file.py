@@ -8,7 +8,12 @@ File format (JSON, DESIGN.md "Strategy file")::
      "compressor": {"name": "randomk", "params": {"ratio": 0.01}},
      "constraints": ["no-cpu"],
      "cluster": {...Cluster fields...}, "workload": {...Workload JSON...},
-     "options": {"fc.weight": ["Comp(gpu)", "AllgatherC(flat)", "Decomp(gpu)"], ...}}
+     "options": {"fc.weight": ["Comp(gpu)", "AllgatherC(flat)", "Decomp(gpu)"], ...},
+     "buckets": [["fc.weight"], ["fc.bias", "conv3.weight", "conv3.bias"], ...]}
+
+With tensor fusion (``strategy/buckets.py``) the workload is the fused one: each of its
+tensors, and each key of ``options``, is a bucket, and ``buckets`` lists every bucket's member
+gradients in backward order. Without ``buckets`` every option is one gradient.
 
 Loading validates every option against the decision tree and the cluster, and checks that the
 option names match the workload's tensors; errors name the field and the file.
@@ -25,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from byteps_espresso.strategy.buckets import Bucket, BucketError, check_layout, singletons
 from byteps_espresso.strategy.cluster import Cluster, ClusterError
 from byteps_espresso.strategy.options import Option, OptionError
 from byteps_espresso.strategy.tree import ConstraintError, Constraints, validate
@@ -50,7 +56,9 @@ class Strategy:
         baselines: baseline name -> predicted iteration time (ms) under the same model.
         algorithm: which algorithm produced the options.
         search_time_ms: how long the algorithm took.
-        workload, cluster, compressor, params, constraints: the inputs.
+        workload, cluster, compressor, params, constraints: the inputs (with fusion the
+            workload has one tensor per bucket).
+        buckets: the member gradients of each option's bucket (empty: one gradient each).
     """
 
     options: dict[str, Option]
@@ -63,6 +71,12 @@ class Strategy:
     compressor: str
     params: dict[str, Any] = field(default_factory=dict)
     constraints: Constraints = field(default_factory=Constraints)
+    buckets: tuple[Bucket, ...] = ()
+
+    @property
+    def layout(self) -> tuple[Bucket, ...]:
+        """Every option's bucket, in backward order (a bucket of one without fusion)."""
+        return self.buckets or singletons(self.workload.names)
 
     @property
     def compressed_tensors(self) -> list[str]:
@@ -88,6 +102,7 @@ class Strategy:
             f"{self.algorithm}: predicted iteration {self.predicted_ms:.2f} ms "
             f"(search {self.search_time_ms:.1f} ms); {len(self.compressed_tensors)} compressed, "
             f"{len(self.cpu_offloaded_tensors)} on CPU",
+            *self._fusion_lines(),
             "",
             f"{'baseline':<12} {'ms':>9} {'speedup':>8}",
         ]
@@ -107,9 +122,17 @@ class Strategy:
             lines.append(f"{count:>7} {rng:>12}  {text}")
         return "\n".join(lines)
 
+    def _fusion_lines(self) -> list[str]:
+        fused = [b for b in self.layout if b.fused]
+        if not fused:
+            return []
+        gradients = sum(len(b.tensors) for b in self.layout)
+        return [f"fusion: {gradients} gradients in {len(self.layout)} buckets "
+                f"({len(fused)} fused, up to {max(len(b.tensors) for b in fused)} gradients)"]
+
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,
             "algorithm": self.algorithm,
@@ -122,6 +145,9 @@ class Strategy:
             "workload": self.workload.to_dict(),
             "options": {name: opt.names() for name, opt in self.options.items()},
         }
+        if self.buckets:
+            out["buckets"] = [list(b.tensors) for b in self.buckets]
+        return out
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the JSON file atomically (temporary file + rename)."""
@@ -163,7 +189,8 @@ class Strategy:
         return cls(options, float(data.get("predicted_iteration_ms", 0.0)),
                    {str(k): float(v) for k, v in baselines.items()},
                    str(data.get("algorithm", "")), float(data.get("search_time_ms", 0.0)),
-                   workload, cluster, comp["name"], dict(comp.get("params", {})), constraints)
+                   workload, cluster, comp["name"], dict(comp.get("params", {})), constraints,
+                   _parse_buckets(data.get("buckets"), workload, where))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Strategy:
@@ -199,6 +226,26 @@ def _parse_options(raw: Any, workload: Workload, cluster: Cluster, where: str) \
             raise StrategyError(f"{where}: field 'options.{name}': {exc}") from None
         options[name] = opt
     return options
+
+
+def _parse_buckets(raw: Any, workload: Workload, where: str) -> tuple[Bucket, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(
+            isinstance(b, list) and b and all(isinstance(n, str) for n in b) for b in raw):
+        raise StrategyError(f"{where}: field 'buckets' must be a list of non-empty lists of "
+                            "gradient names")
+    buckets = tuple(Bucket.of(b) for b in raw)
+    if [b.name for b in buckets] != workload.names:
+        raise StrategyError(f"{where}: field 'buckets' names buckets "
+                            f"{[b.name for b in buckets][:3]}... but the workload's tensors are "
+                            f"{workload.names[:3]}...; each workload tensor is one bucket, "
+                            "named after its first gradient and how many follow")
+    try:
+        check_layout(buckets, [n for b in buckets for n in b.tensors], f"{where}: field 'buckets'")
+    except BucketError as exc:
+        raise StrategyError(str(exc)) from None
+    return buckets
 
 
 def _list(data: dict, key: str, where: str) -> list[str]:

@@ -1,0 +1,184 @@
+"""Tensor fusion: gradients that become ready close together travel as one bucket.
+
+A *bucket* is a run of consecutive gradients in backward order, synchronized as one flat
+float32 tensor with one Option, as DDP's buckets and Horovod's fusion buffer do. One
+collective (or one PS round) per bucket instead of one per gradient removes the per-message
+latency and the per-Option software cost that dominate models with many small tensors; the
+price is that a bucket starts when its last gradient is ready, so it overlaps less of the
+backward pass. The planner weighs the two in the same timeline: a bucket is one tensor of the
+fused :class:`~byteps_espresso.strategy.workload.Workload`, ready when its last member is,
+and :func:`plan_fused` plans each candidate layout and keeps the fastest predicted.
+
+A layout is greedy, like DDP's: walk the gradients in backward order and close a bucket when
+the next gradient would take it past the cap (a gradient larger than the cap is a bucket of
+its own). Every rank builds the same layout from the same order and sizes; strategy files
+record it (``Strategy.buckets``).
+
+Example:
+    >>> wl = Workload.builtin("bert")
+    >>> buckets = layout([(t.name, t.numel) for t in wl.tensors], 25 * MiB, MiB)
+    >>> fused = fuse(wl, buckets)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from byteps_espresso.strategy.workload import TensorProfile, Workload
+
+__all__ = ["CANDIDATE_CAPS", "DEFAULT_CAP_BYTES", "DEFAULT_FIRST_CAP_BYTES", "Bucket",
+           "BucketError", "MiB", "check_layout", "fuse", "layout", "plan_fused", "singletons"]
+
+MiB = 1 << 20
+# DDP's defaults (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and the
+# first bucket capped at dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB so that communication
+# starts early in backward), in bytes of float32 gradients.
+DEFAULT_CAP_BYTES = 25 * MiB
+DEFAULT_FIRST_CAP_BYTES = 1 * MiB
+# The caps the planner prices (bytes; 0 = no fusion, every gradient alone): from one bucket
+# per gradient up to DDP's default, each 4x the last, so that the search stays a handful of
+# plans (each a few ms) while covering latency-bound and bandwidth-bound links alike.
+CANDIDATE_CAPS = (0, 256 * 1024, MiB, 4 * MiB, DEFAULT_CAP_BYTES)
+_FLOAT32_BYTES = 4
+
+
+class BucketError(ValueError):
+    """A bucket layout does not partition the model's gradients in backward order."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Consecutive gradients (backward order) synchronized as one flat tensor.
+
+    Attributes:
+        name: the bucket's name: its only tensor's name, or ``first+N`` for a bucket of
+            ``first`` and ``N`` more (PS keys and iteration counters hang off it).
+        tensors: the member gradients' names, in backward order.
+    """
+
+    name: str
+    tensors: tuple[str, ...]
+
+    @classmethod
+    def of(cls, tensors: Sequence[str]) -> Bucket:
+        if not tensors:
+            raise BucketError("a bucket needs at least one tensor")
+        members = tuple(tensors)
+        name = members[0] if len(members) == 1 else f"{members[0]}+{len(members) - 1}"
+        return cls(name, members)
+
+    @property
+    def fused(self) -> bool:
+        return len(self.tensors) > 1
+
+
+def singletons(names: Sequence[str]) -> tuple[Bucket, ...]:
+    """Every gradient in a bucket of its own (no fusion)."""
+    return tuple(Bucket.of([n]) for n in names)
+
+
+def layout(tensors: Sequence[tuple[str, int]], cap_bytes: int,
+           first_cap_bytes: int | None = None) -> tuple[Bucket, ...]:
+    """Greedy buckets over ``(name, numel)`` in backward order.
+
+    Args:
+        tensors: the gradients in backward order, with their element counts.
+        cap_bytes: a bucket closes before the gradient that would take it past this many
+            float32 bytes; 0: no fusion.
+        first_cap_bytes: the first bucket's cap (default ``cap_bytes``); small, so that the
+            first collective starts early in backward.
+
+    Returns:
+        The buckets, in backward order; the same on every rank for the same input.
+    """
+    if cap_bytes < 0 or (first_cap_bytes is not None and first_cap_bytes < 0):
+        raise BucketError(f"bucket caps must be >= 0 bytes, got {cap_bytes}, {first_cap_bytes}")
+    if cap_bytes == 0:
+        return singletons([n for n, _ in tensors])
+    out: list[Bucket] = []
+    current: list[str] = []
+    size = 0
+    limit = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    for name, numel in tensors:
+        nbytes = numel * _FLOAT32_BYTES
+        if current and size + nbytes > limit:
+            out.append(Bucket.of(current))
+            current, size, limit = [], 0, cap_bytes
+        current.append(name)
+        size += nbytes
+    if current:
+        out.append(Bucket.of(current))
+    return tuple(out)
+
+
+def check_layout(buckets: Sequence[Bucket], order: Sequence[str], where: str = "buckets") -> None:
+    """Check that ``buckets`` cut ``order`` (backward order) into consecutive runs.
+
+    Raises:
+        BucketError: a gradient in no bucket or in two, buckets out of order, or a bucket
+            name that is also a gradient's name but not that bucket's only member.
+    """
+    flat = [n for b in buckets for n in b.tensors]
+    if flat != list(order):
+        missing = sorted(set(order) - set(flat))
+        extra = sorted({n for n in flat if flat.count(n) > 1} | (set(flat) - set(order)))
+        detail = "; ".join(x for x in (f"missing {missing[:3]}" if missing else "",
+                                       f"unknown or repeated {extra[:3]}" if extra else "")
+                           if x) or "members out of backward order"
+        raise BucketError(f"{where}: the buckets must list every gradient once, in backward "
+                          f"order ({detail})")
+    names = set(order)
+    for b in buckets:
+        if b.name != Bucket.of(b.tensors).name or (b.fused and b.name in names):
+            raise BucketError(f"{where}: bucket {b.name!r} must be named "
+                              f"{Bucket.of(b.tensors).name!r} (its first member and how many "
+                              "follow), and that name must not be a gradient's own")
+
+
+def fuse(workload: Workload, buckets: Sequence[Bucket]) -> Workload:
+    """The workload the planner sees: one tensor per bucket, ready with its last member.
+
+    Raises:
+        BucketError: ``buckets`` do not cut the workload's backward order (see
+            :func:`check_layout`).
+    """
+    check_layout(buckets, workload.names, f"buckets of {workload.model}")
+    by_name = {t.name: t for t in workload.tensors}
+    tensors = tuple(
+        TensorProfile(b.name, sum(by_name[n].numel for n in b.tensors),
+                      float(sum(by_name[n].ready_gap_us for n in b.tensors)))
+        for b in buckets)
+    return Workload(tensors, workload.forward_us, workload.model, workload.source)
+
+
+def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],
+               caps: Sequence[int] = CANDIDATE_CAPS,
+               first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES) \
+        -> tuple[tuple[Bucket, ...], list[tuple[int, float]]]:
+    """The layout whose plan is predicted fastest, among the greedy layouts of ``caps``.
+
+    Args:
+        workload: the per-gradient profile (backward order).
+        plan_one: plans a fused workload, returning its predicted iteration time.
+        caps: bucket caps to try (bytes); layouts that two caps produce alike are planned once.
+        first_cap_bytes: the first bucket's cap, for every ``cap`` above it.
+
+    Returns:
+        (the kept layout, [(cap, predicted) for each distinct layout planned]); a tie keeps
+        the smaller cap (more overlap).
+    """
+    tensors = [(t.name, t.numel) for t in workload.tensors]
+    seen: dict[tuple[Bucket, ...], float] = {}
+    tried: list[tuple[int, float]] = []
+    best: tuple[Bucket, ...] | None = None
+    for cap in sorted(caps):
+        buckets = layout(tensors, cap, min(first_cap_bytes, cap) if cap else None)
+        if buckets in seen:
+            continue
+        seen[buckets] = predicted = plan_one(fuse(workload, buckets))
+        tried.append((cap, predicted))
+        if best is None or predicted < seen[best]:
+            best = buckets
+    assert best is not None
+    return best, tried

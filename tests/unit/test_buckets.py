@@ -1,0 +1,138 @@
+"""Tensor fusion: greedy layouts, the fused workload, layout search and strategy files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from byteps_espresso.strategy import Cluster, Strategy, StrategyError, Workload, plan
+from byteps_espresso.strategy.buckets import (
+    Bucket,
+    BucketError,
+    MiB,
+    check_layout,
+    fuse,
+    layout,
+    plan_fused,
+    singletons,
+)
+from byteps_espresso.strategy.workload import TensorProfile
+
+KB = 1024
+
+
+def _names(buckets):
+    return [list(b.tensors) for b in buckets]
+
+
+def test_layout_closes_a_bucket_before_the_cap_and_keeps_large_tensors_alone():
+    tensors = [("a", 100), ("b", 100), ("c", 1000), ("d", 10), ("e", 10), ("f", 300)]
+    # 800 bytes: a+b = 800 fit; c = 4000 bytes alone; d+e = 80, +f = 1280 > 800 closes.
+    assert _names(layout(tensors, 800)) == [["a", "b"], ["c"], ["d", "e"], ["f"]]
+    # A 400-byte first bucket: a alone, then b with nothing else (c is above the cap).
+    assert _names(layout(tensors, 800, 400)) == [["a"], ["b"], ["c"], ["d", "e"], ["f"]]
+    assert _names(layout(tensors, 0)) == [[n] for n, _ in tensors]
+    assert _names(layout(tensors, 1 << 30)) == [[n for n, _ in tensors]]
+    assert layout(tensors, 800) == layout(list(tensors), 800)  # same input, same layout
+
+
+def test_bucket_names_are_the_first_member_and_how_many_follow():
+    assert Bucket.of(["x"]).name == "x" and not Bucket.of(["x"]).fused
+    assert Bucket.of(["x", "y", "z"]).name == "x+2"
+    with pytest.raises(BucketError, match="at least one"):
+        Bucket.of([])
+    with pytest.raises(BucketError, match=">= 0"):
+        layout([("a", 1)], -1)
+
+
+def test_check_layout_names_what_is_wrong():
+    order = ["a", "b", "c"]
+    check_layout(layout([(n, 1) for n in order], 8), order)
+    with pytest.raises(BucketError, match=r"missing \['c'\]"):
+        check_layout([Bucket.of(["a", "b"])], order)
+    with pytest.raises(BucketError, match=r"repeated \['b'\]"):
+        check_layout([Bucket.of(["a", "b"]), Bucket.of(["b", "c"])], order)
+    with pytest.raises(BucketError, match="out of backward order"):
+        check_layout([Bucket.of(["b", "a"]), Bucket.of(["c"])], order)
+    with pytest.raises(BucketError, match="must be named 'a\\+1'"):
+        check_layout([Bucket("c", ("a", "b")), Bucket.of(["c"])], order)
+
+
+def test_fuse_sums_sizes_and_gaps_so_a_bucket_is_ready_with_its_last_member():
+    wl = Workload((TensorProfile("a", 10, 5.0), TensorProfile("b", 20, 7.0),
+                   TensorProfile("c", 30, 11.0)), forward_us=100.0, model="m")
+    fused = fuse(wl, [Bucket.of(["a", "b"]), Bucket.of(["c"])])
+    assert [(t.name, t.numel, t.ready_gap_us) for t in fused.tensors] == [
+        ("a+1", 30, 12.0), ("c", 30, 11.0)]
+    assert fused.backward_us == wl.backward_us and fused.forward_us == 100.0
+    with pytest.raises(BucketError, match="missing"):
+        fuse(wl, [Bucket.of(["a"])])
+
+
+def test_plan_fused_keeps_the_fastest_layout_and_plans_each_layout_once():
+    wl = Workload(tuple(TensorProfile(f"t{i}", 1000, 10.0) for i in range(8)))
+    calls = []
+
+    def predicted(fused):  # fewer buckets are faster here, by construction
+        calls.append(len(fused.tensors))
+        return float(len(fused.tensors))
+
+    # 4,000-byte tensors: caps 0 and 1 KiB both give singletons (planned once).
+    best, tried = plan_fused(wl, predicted, caps=(0, KB, 8 * KB, 64 * KB), first_cap_bytes=64 * KB)
+    assert calls == [8, 4, 1] and [c for c, _ in tried] == [0, 8 * KB, 64 * KB]
+    assert len(best) == 1 and best[0].tensors == tuple(wl.names)
+    # A tie keeps the smaller cap: more buckets, more overlap.
+    best, _ = plan_fused(wl, lambda fused: 1.0, caps=(0, 64 * KB))
+    assert best == singletons(wl.names)
+
+
+def _many_small_tensors() -> Workload:
+    # 60 gradients of 1-16K elements, ready 5 us apart (a fast GPU): the synchronization,
+    # latency-bound, is exposed.
+    return Workload(tuple(TensorProfile(f"layer{i}.w", 1024 * (1 + i % 16), 5.0)
+                          for i in range(60)), forward_us=200.0, model="small")
+
+
+@pytest.mark.parametrize(("machines", "gpus", "algorithm"),
+                         [(2, 2, "fp32"), (8, 8, "fp32"), (8, 8, "espresso")])
+def test_the_planner_prices_fusion_on_a_latency_bound_link(machines, gpus, algorithm):
+    wl = _many_small_tensors()
+    cluster = Cluster.preset(machines, gpus, "pcie", 25)
+
+    def predicted(w):
+        return plan(w, cluster, "randomk", {"ratio": 0.01}, algorithm=algorithm).predicted_ms
+
+    unfused = predicted(wl)
+    best, tried = plan_fused(wl, predicted)
+    assert tried[0] == (0, pytest.approx(unfused))
+    # Every message pays the links' latency: a fused layout is predicted faster and kept.
+    assert min(ms for _, ms in tried) < unfused
+    assert any(b.fused for b in best)
+
+
+def test_strategies_with_buckets_round_trip_and_bad_buckets_are_named(tmp_path):
+    wl = _many_small_tensors()
+    buckets = layout([(t.name, t.numel) for t in wl.tensors], MiB // 8)
+    s = plan(fuse(wl, buckets), Cluster.preset(2, 2, "pcie", 10), "randomk", {"ratio": 0.01})
+    from dataclasses import replace
+
+    s = replace(s, buckets=buckets)
+    path = tmp_path / "s.json"
+    s.save(path)
+    loaded = Strategy.load(path)
+    assert loaded.buckets == buckets and loaded.layout == buckets
+    assert loaded.options == s.options
+    assert "fusion: 60 gradients in" in loaded.summary()
+    data = json.loads(path.read_text())
+    data["buckets"][0] = data["buckets"][0][:-1]  # a member dropped: names no longer match
+    path.write_text(json.dumps(data))
+    with pytest.raises(StrategyError, match="field 'buckets'"):
+        Strategy.load(path)
+    data["buckets"] = "all"
+    path.write_text(json.dumps(data))
+    with pytest.raises(StrategyError, match="list of non-empty lists"):
+        Strategy.load(path)
+    # Without buckets every option is one gradient.
+    plain = plan(wl, Cluster.preset(2, 2, "pcie", 10), "randomk", {"ratio": 0.01})
+    assert plain.layout == singletons(wl.names) and "buckets" not in plain.to_dict()
