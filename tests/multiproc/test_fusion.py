@@ -4,7 +4,8 @@ Gradients of mixed dtypes and odd sizes are fused into buckets (a small
 ``ESPRESSO_BUCKET_CAP_MB`` makes several, one of them a gradient above the cap alone). Every
 rank uses the same layout, and every gradient equals what the reference interpreter gives for
 its bucket (the members' float32 values concatenated, the fp32 Option, divided by the world
-size, cast back to the parameter's dtype), bit for bit.
+size, cast back to the parameter's dtype), bit for bit. A parameter that gets no gradient on
+one rank in one iteration counts as zeros there, as with DDP's find_unused_parameters.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ def test_fused_buckets_match_the_reference_bit_for_bit(tmp_path, cluster):
     steps = 2
     env = {"ESPRESSO_BUCKET_CAP_MB": str(CAP_MB)}
     with cluster.ps_job(servers=1) as root:
-        cluster.run_workers("fusion_worker.py", [str(tmp_path), str(steps)], root_port=root,
-                            servers=1, timeout=150, extra_env=env)
+        outputs = cluster.run_workers("fusion_worker.py", [str(tmp_path), str(steps)],
+                                      root_port=root, servers=1, timeout=150, extra_env=env)
+    # Only the rank that lost a gradient says so, naming the parameter.
+    assert [f"got no gradient in iteration 1 (e.g. ['{worker.UNUSED}'])" in out
+            for out in outputs] == [False, True, False, False]
     # Backward order: reverse registration, every rank the same.
     order = [name for name, _, _ in reversed(worker.PARAMS)]
     sizes = {name: int(np.prod(shape)) for name, shape, _ in worker.PARAMS}
@@ -46,6 +50,8 @@ def test_fused_buckets_match_the_reference_bit_for_bit(tmp_path, cluster):
     layouts = [json.loads((tmp_path / f"buckets_{r}.json").read_text()) for r in range(WORLD)]
     assert all(got == [list(b.tensors) for b in expected_layout] for got in layouts)
     assert any(b.fused for b in expected_layout) and ["big"] in layouts[0]
+    unused = next(b for b in expected_layout if worker.UNUSED in b.tensors)
+    assert unused.fused and unused.tensors[-1] != worker.UNUSED
 
     option = fp32_option(Topology(MACHINES, LOCAL), servers=1)
     dtypes = {name: dtype for name, _, dtype in worker.PARAMS}
@@ -53,8 +59,8 @@ def test_fused_buckets_match_the_reference_bit_for_bit(tmp_path, cluster):
     for step in range(steps):
         per_rank = [worker.grads(r, step) for r in range(WORLD)]
         for bucket in expected_layout:
-            inputs = [torch.cat([g[n].float().reshape(-1) for n in bucket.tensors])
-                      for g in per_rank]
+            inputs = [torch.cat([g[n].float().reshape(-1) if n in g else torch.zeros(sizes[n])
+                                 for n in bucket.tensors]) for g in per_rank]
             total = ref.run(option, inputs, name=bucket.name, step=step)[0] / WORLD
             offset = 0
             for name in bucket.tensors:

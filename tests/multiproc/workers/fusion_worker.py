@@ -23,9 +23,16 @@ PARAMS = [("a", (7,), torch.float32), ("b", (3, 5), torch.float64),
 
 
 def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient on ``rank`` at ``step``, in the parameter's dtype."""
+    """Each parameter's gradient on ``rank`` at ``step``, in the parameter's dtype; rank 1
+    leaves ``UNUSED`` out of its loss at step 1 (no gradient: it counts as zeros)."""
     g = torch.Generator().manual_seed(100 * rank + step)
-    return {name: torch.randn(shape, generator=g).to(dtype) for name, shape, dtype in PARAMS}
+    out = {name: torch.randn(shape, generator=g).to(dtype) for name, shape, dtype in PARAMS}
+    if (rank, step) == (1, 1):
+        del out[UNUSED]
+    return out
+
+
+UNUSED = "e"  # in the middle of a fused bucket
 
 
 def main() -> None:
@@ -37,11 +44,12 @@ def main() -> None:
         opt = bps.DistributedOptimizer(torch.optim.SGD(params.values(), lr=0.0),
                                        named_parameters=list(params.items()))
         for step in range(steps):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=True)
             want = grads(bps.rank(), step)
             # d(sum(p * g))/dp = g exactly, in p's dtype; registration order is backward
             # order reversed, as for a model's layers.
-            loss = sum((p * want[name]).sum().double() for name, p in params.items())
+            loss = sum((p * want[name]).sum().double() for name, p in params.items()
+                       if name in want)
             loss.backward()
             opt.synchronize()
             for name, p in params.items():

@@ -1,0 +1,158 @@
+"""This runtime side by side with torch DDP: iteration time, final loss, time to a target loss.
+
+Every run is ``benchmarks/ddp_worker.py`` under ``espresso-launch`` on 2 machines x 2 workers
+and 1 server, so both runtimes get the same processes, cores (one intra-op thread each),
+links and gloo: on loopback (``loopback``) or on the emulated cluster with shaped links
+(``1`` and ``0.25`` Gbit/s; needs root). Variants:
+
+    ddp          DDP (gloo all-reduce, 25 MiB buckets), uncompressed
+    ddp-fp16     DDP with its fp16_compress_hook
+    ddp-powersgd DDP with its powerSGD_hook (rank 4)
+    espresso     bps.DistributedOptimizer, Compression.none (fp32 PS path, fused buckets)
+    espresso-C   bps.DistributedOptimizer, Compression.espresso(C) (profile, plan, trials)
+
+Runs of one (model, link) cell are interleaved ``--repeats`` times, so a slow phase of the
+shared host hits every variant alike. Reported per variant: the median iteration over the
+second half of the steps (the steady state, after profiling and trials), its ratio to DDP's,
+the final held-out loss, and the training time until the held-out loss first reaches the
+target (DDP's final loss x ``--target-factor``; with the start-up included). Prints a table
+and writes benchmarks/results/ddp.json.
+
+    .venv/bin/python benchmarks/ddp.py --settings loopback               # uncompressed
+    sudo .venv/bin/python benchmarks/ddp.py --settings 1 0.25 \\
+        --variants ddp ddp-fp16 ddp-powersgd espresso espresso-efsignsgd
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from byteps_espresso.deploy.demo import run_training
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("lstm", "transformer", "mlp")
+
+
+def _worker_args(variant: str, model: str, args: argparse.Namespace) -> list[str]:
+    base = [sys.executable, str(ROOT / "benchmarks" / "ddp_worker.py"), "--model", model,
+            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--eval-every", str(args.eval_every)]
+    if variant.startswith("ddp"):
+        hook = variant.partition("-")[2] or "none"
+        return [*base, "--runtime", "ddp", "--hook", hook]
+    compressor = variant.partition("-")[2]
+    if not compressor:
+        return [*base, "--runtime", "espresso", "--compression", "none"]
+    return [*base, "--runtime", "espresso", "--compression", "espresso", "--compressor",
+            compressor, "--ratio", str(args.ratio)]
+
+
+def _cluster(setting: str) -> list[str]:
+    shape = ["--local"] if setting == "loopback" else ["--emulate", "--inter-gbps", setting]
+    return [*shape, "--machines", "2", "--workers-per-machine", "2", "--servers", "1"]
+
+
+def _time_to(evals: list[dict], target: float) -> float | None:
+    return next((e["train_s"] for e in evals if e["heldout_loss"] <= target), None)
+
+
+def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list[dict]:
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    for rep in range(args.repeats):
+        for variant in args.variants:
+            name = f"{model}-{setting}-{variant}-{rep}"
+            print(f"-- {name}", flush=True)
+            env = dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING")
+            result = run_training(name, _cluster(setting), _worker_args(variant, model, args),
+                                  out, env=env, live=False, timeout_s=args.timeout_s)
+            runs[variant].append(result.metrics)
+    rows = []
+    for variant, metrics in runs.items():
+        half = len(metrics[0]["iteration_s"]) // 2
+        iteration_ms = statistics.median(
+            statistics.median(m["iteration_s"][half:]) * 1e3 for m in metrics)
+        rows.append({"model": model, "setting": setting, "variant": variant,
+                     "tensors": metrics[0]["tensors"],
+                     "gradient_mb": metrics[0]["gradient_bytes"] / 1e6,
+                     "iteration_ms": iteration_ms,
+                     "iteration_ms_runs": [statistics.median(m["iteration_s"][half:]) * 1e3
+                                           for m in metrics],
+                     "final_loss": statistics.median(m["evals"][-1]["heldout_loss"]
+                                                     for m in metrics),
+                     "train_s": statistics.median(m["evals"][-1]["train_s"] for m in metrics),
+                     "evals": [m["evals"] for m in metrics],
+                     "kept": [m.get("algorithm") for m in metrics],
+                     "buckets": [m.get("buckets") for m in metrics]})
+    ddp = next((r for r in rows if r["variant"] == "ddp"), None)
+    target = ddp["final_loss"] * args.target_factor if ddp else None
+    for row in rows:
+        row["vs_ddp"] = row["iteration_ms"] / ddp["iteration_ms"] if ddp else None
+        row["target_loss"] = target
+        times = [_time_to(e, target) for e in row["evals"]] if target is not None else []
+        reached = [t for t in times if t is not None]
+        row["time_to_target_s"] = (statistics.median(reached)
+                                   if len(reached) * 2 > len(times) else None)
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'model':11} {'link':8} {'variant':20} {'tensors':>7} {'iter ms':>8} "
+             f"{'vs DDP':>7} {'loss':>8} {'to target s':>11}"]
+    for r in rows:
+        vs = f"{r['vs_ddp']:6.2f}x" if r["vs_ddp"] is not None else f"{'-':>7}"
+        tt = f"{r['time_to_target_s']:11.1f}" if r["time_to_target_s"] is not None \
+            else f"{'never':>11}"
+        lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} {r['tensors']:7d} "
+                     f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--settings", nargs="+", default=["loopback"],
+                   help="loopback, or link speeds in Gbit/s for the emulated cluster (root)")
+    p.add_argument("--variants", nargs="+", default=["ddp", "espresso"])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=16, help="per worker")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--ratio", type=float, default=0.01, help="sparsifiers' kept fraction")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--target-factor", type=float, default=1.05)
+    p.add_argument("--timeout-s", type=float, default=900, help="per run")
+    p.add_argument("--out", default=str(ROOT / "out" / "ddp"))
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "ddp.json"))
+    args = p.parse_args()
+    if any(s != "loopback" for s in args.settings) and os.geteuid() != 0:
+        print("ddp: the emulated cluster needs root (network namespaces, tc)", file=sys.stderr)
+        return 2
+    started = time.time()
+    rows = []
+    for setting in args.settings:
+        for model in args.models:
+            rows += _cell(model, setting, args, Path(args.out))
+            print(_table(rows[-len(args.variants):]), flush=True)
+    print(_table(rows))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({
+        "benchmark": "ddp", "host": platform.node(), "cpus": os.cpu_count(), "commit": commit,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "wall_s": time.time() - started,
+        "setup": {k: v for k, v in vars(args).items() if k not in ("json", "out")},
+        "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
