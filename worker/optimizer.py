@@ -27,9 +27,10 @@ Compression choices:
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,11 +192,43 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bps = _Sync(self, named_parameters, compression, backward_passes_per_step)
 
     def synchronize(self) -> None:
-        """Wait for every gradient of this iteration and write the averages into ``.grad``."""
+        """Wait for every gradient of this iteration and write the averages into ``.grad``.
+
+        Each gradient is communicated once per iteration: ``synchronize()`` (e.g. before
+        ``clip_grad_norm_``) followed by ``step()`` does not synchronize again.
+        """
         self._bps.synchronize()
 
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this context does not synchronize (Horovod's and BytePS's
+        pattern after an explicit :meth:`synchronize`).
+
+        Example:
+            >>> opt.synchronize()                                   # doctest: +SKIP
+            >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
+            >>> with opt.skip_synchronize():                        # doctest: +SKIP
+            ...     opt.step()
+        """
+        self._bps.skip = True
+        try:
+            yield
+        finally:
+            self._bps.skip = False
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` local backward passes before communicating (between
+        iterations only).
+
+        Raises:
+            ValueError: ``passes`` < 1.
+            RuntimeError: gradients of this iteration are already being synchronized.
+        """
+        self._bps.set_passes(passes)
+
     def step(self, closure: Any = None) -> Any:
-        self._bps.synchronize()
+        if not self._bps.skip:
+            self._bps.synchronize()
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -247,6 +280,10 @@ class _Sync:
         self.starts: list[float] = [time.perf_counter()]  # iteration i began at starts[i]
         self.ended = self.starts[0]  # when the last synchronize() returned
         self.unused_warned = False
+        # True from a synchronize() until the next gradient arrives: a second synchronize()
+        # (step() after an explicit one) has nothing new to send.
+        self.synced = False
+        self.skip = False  # inside skip_synchronize()
         self.codec = compression.codec(self.session)
         self.engine: Engine = self.session.plain
         self.options: dict[str, Option] | None = None
@@ -282,6 +319,7 @@ class _Sync:
     # ---- hooks and submission ----------------------------------------------------------------
     def _hook(self, name: str):  # type: ignore[no-untyped-def]
         def hook(p: torch.Tensor) -> None:
+            self.synced = False
             self.count[name] += 1
             if self.count[name] > self.passes:
                 raise RuntimeError(
@@ -341,7 +379,17 @@ class _Sync:
                 unused[:3])
 
     # ---- the iteration's end -----------------------------------------------------------------
+    def set_passes(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        if self.handles or any(self.count.values()):
+            raise RuntimeError("set_backward_passes_per_step() called in the middle of an "
+                               "iteration; call it after optimizer.step()")
+        self.passes = passes
+
     def synchronize(self) -> None:
+        if self.synced:  # nothing arrived since the last synchronize(): already averaged
+            return
         if self.next < len(self.order):  # parameters without (enough) gradients
             self._warn_unused()
             self.next = len(self.order)
@@ -353,6 +401,7 @@ class _Sync:
         self.count = dict.fromkeys(self.order, 0)
         self.next = self.submitted = 0
         self.iteration += 1
+        self.synced = True
         if self.options is None:
             if self.probes is not None:  # they overlap this synchronization, not the next forward
                 self.probes.wait(timeout)

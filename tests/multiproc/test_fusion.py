@@ -6,6 +6,8 @@ rank uses the same layout, and every gradient equals what the reference interpre
 its bucket (the members' float32 values concatenated, the fp32 Option, divided by the world
 size, cast back to the parameter's dtype), bit for bit. A parameter that gets no gradient on
 one rank in one iteration counts as zeros there, as with DDP's find_unused_parameters.
+``synchronize()`` before ``step()`` (or ``step()`` inside ``skip_synchronize()``) sends each
+bucket once per iteration.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ _spec.loader.exec_module(worker)
 
 @pytest.mark.timeout(200)
 def test_fused_buckets_match_the_reference_bit_for_bit(tmp_path, cluster):
-    steps = 2
+    steps = 3
     env = {"ESPRESSO_BUCKET_CAP_MB": str(CAP_MB)}
     with cluster.ps_job(servers=1) as root:
         outputs = cluster.run_workers("fusion_worker.py", [str(tmp_path), str(steps)],
@@ -50,6 +52,10 @@ def test_fused_buckets_match_the_reference_bit_for_bit(tmp_path, cluster):
     layouts = [json.loads((tmp_path / f"buckets_{r}.json").read_text()) for r in range(WORLD)]
     assert all(got == [list(b.tensors) for b in expected_layout] for got in layouts)
     assert any(b.fused for b in expected_layout) and ["big"] in layouts[0]
+    for r in range(WORLD):  # synchronize() then step(): each bucket sent once an iteration
+        sent = json.loads((tmp_path / f"sent_{r}.json").read_text())
+        assert sent == {b.name: steps for b in expected_layout}
+        assert "after optimizer.step()" in (tmp_path / f"refused_{r}.txt").read_text()
     unused = next(b for b in expected_layout if worker.UNUSED in b.tensors)
     assert unused.fused and unused.tensors[-1] != worker.UNUSED
 

@@ -51,13 +51,24 @@ def main() -> None:
             loss = sum((p * want[name]).sum().double() for name, p in params.items()
                        if name in want)
             loss.backward()
-            opt.synchronize()
+            try:  # not in the middle of an iteration
+                opt.set_backward_passes_per_step(2)
+            except RuntimeError as exc:
+                (out / f"refused_{bps.rank()}.txt").write_text(str(exc))
+            opt.synchronize()  # e.g. to clip gradients: step() must not send them again
             for name, p in params.items():
                 np.save(out / f"grad_{step}_{bps.rank()}_{name}.npy",
                         p.grad.double().numpy(), allow_pickle=False)
-            opt.step()
+            if step % 2:
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
         layout = [list(b.tensors) for b in opt._bps.buckets]
         (out / f"buckets_{bps.rank()}.json").write_text(json.dumps(layout))
+        # Submissions per bucket: one per iteration whatever the call order.
+        sent = {b.name: opt._bps.engine._steps[b.name] for b in opt._bps.buckets}
+        (out / f"sent_{bps.rank()}.json").write_text(json.dumps(sent))
     finally:
         bps.shutdown()
 
