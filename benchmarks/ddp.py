@@ -14,8 +14,9 @@ links and gloo: on loopback (``loopback``) or on the emulated cluster with shape
 Runs of one (model, link) cell are interleaved ``--repeats`` times, so a slow phase of the
 shared host hits every variant alike. Reported per variant: the median iteration over the
 second half of the steps (the steady state, after profiling and trials), its ratio to DDP's,
-the final held-out loss, and the training time until the held-out loss first reaches the
-target (DDP's final loss x ``--target-factor``; with the start-up included). Prints a table
+the final held-out loss, the training time until the held-out loss first reaches the
+target (DDP's final loss x ``--target-factor``; with the start-up included) and, for the
+planned runs, the planner's predicted iteration against the measured one. Prints a table
 and writes benchmarks/results/ddp.json.
 
     .venv/bin/python benchmarks/ddp.py --settings loopback               # uncompressed
@@ -60,6 +61,11 @@ def _cluster(setting: str) -> list[str]:
     return [*shape, "--machines", "2", "--workers-per-machine", "2", "--servers", "1"]
 
 
+def _median_of(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def _time_to(evals: list[dict], target: float) -> float | None:
     return next((e["train_s"] for e in evals if e["heldout_loss"] <= target), None)
 
@@ -90,7 +96,11 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
                      "train_s": statistics.median(m["evals"][-1]["train_s"] for m in metrics),
                      "evals": [m["evals"] for m in metrics],
                      "kept": [m.get("algorithm") for m in metrics],
+                     "predicted_ms": _median_of([m.get("predicted_ms") for m in metrics]),
                      "buckets": [m.get("buckets") for m in metrics]})
+    for row in rows:
+        row["prediction_error"] = (None if row["predicted_ms"] is None else
+                                   row["predicted_ms"] / row["iteration_ms"] - 1)
     ddp = next((r for r in rows if r["variant"] == "ddp"), None)
     target = ddp["final_loss"] * args.target_factor if ddp else None
     for row in rows:
@@ -105,13 +115,15 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
 
 def _table(rows: list[dict]) -> str:
     lines = [f"{'model':11} {'link':8} {'variant':20} {'tensors':>7} {'iter ms':>8} "
-             f"{'vs DDP':>7} {'loss':>8} {'to target s':>11}"]
+             f"{'vs DDP':>7} {'loss':>8} {'to target s':>11} {'predicted':>9}"]
     for r in rows:
         vs = f"{r['vs_ddp']:6.2f}x" if r["vs_ddp"] is not None else f"{'-':>7}"
         tt = f"{r['time_to_target_s']:11.1f}" if r["time_to_target_s"] is not None \
             else f"{'never':>11}"
+        pred = (f"{r['prediction_error']:+8.0%}" if r["prediction_error"] is not None
+                else f"{'-':>9}")
         lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} {r['tensors']:7d} "
-                     f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt}")
+                     f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt} {pred}")
     return "\n".join(lines)
 
 
