@@ -99,7 +99,15 @@ def build(model: str) -> nn.Module:
 def _ddp(model: nn.Module, hook: str) -> nn.Module:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    ddp = nn.parallel.DistributedDataParallel(model)
+    if hook == "powersgd":
+        # One bucket: powerSGD_hook issues each bucket's second all-reduce (Q) from the
+        # first's completion callback, so with several buckets in flight the ranks issue the
+        # buckets' collectives in different orders; gloo then aborts ("Received data size
+        # doesn't match expected size", seen on the transformer here) or hangs. With one
+        # bucket the order is fixed. An explicit cap also drops DDP's small first bucket.
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024)
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model)
     if hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook == "powersgd":
