@@ -73,6 +73,13 @@ def _bucket_cap(text: str) -> float | None:
     return value
 
 
+def _nonfinite(text: str) -> str:
+    mode = text.strip().lower()
+    if mode not in ("error", "skip"):
+        raise ValueError("must be `error` (stop the job) or `skip` (skip the step)")
+    return mode
+
+
 def _role(text: str) -> Role:
     return Role(text.strip().lower())
 
@@ -184,6 +191,10 @@ VARIABLES: tuple[Variable, ...] = (
              "Tensor fusion: gradients ready together in backward order are synchronized as "
              "one bucket of at most this many MiB (0: every gradient alone). `auto`: the "
              "planner picks the cap with `Compression.espresso`, DDP's 25 MiB otherwise."),
+    Variable("ESPRESSO_NONFINITE", "nonfinite", _nonfinite, "error",
+             "A NaN or Inf gradient on any rank: `error` stops every rank naming the tensor, "
+             "rank and step; `skip` makes every rank skip that optimizer step (as AMP's "
+             "GradScaler does) and count it."),
     Variable("ESPRESSO_PROFILE_OUT", "profile_out", _optional, None,
              "Directory where rank 0 writes the measured workload and planned strategy."),
     Variable("ESPRESSO_CPU_THREADS", "cpu_threads", _int(1, 1024), 2,
@@ -222,6 +233,7 @@ class Config:
     profile_steps: int = 5
     trial_steps: int = 6
     bucket_cap_mb: float | None = None
+    nonfinite: str = "error"
     profile_out: str | None = None
     cpu_threads: int = 2
     seed: int = 0

@@ -48,11 +48,17 @@ from byteps_espresso.strategy.buckets import (
     check_layout,
     layout,
 )
-from byteps_espresso.strategy.options import Option
+from byteps_espresso.strategy.options import Option, Scope
 
-__all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "Plan", "StartupProfile"]
+__all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "NonFiniteGradientError",
+           "Plan", "StartupProfile"]
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A rank's gradient held NaN or Inf (``ESPRESSO_NONFINITE=error``); the message, the same
+    on every rank, names the tensor, the rank and the iteration."""
 
 
 # ---- compression choices ---------------------------------------------------------------------
@@ -229,7 +235,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if not self._bps.skip:
             self._bps.synchronize()
+        if self._bps.skip_step:  # a non-finite gradient somewhere, ESPRESSO_NONFINITE=skip
+            return None
         return super(self.__class__, self).step(closure)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite gradient (``ESPRESSO_NONFINITE=skip``)."""
+        return self._bps.skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._bps.pending():
@@ -284,6 +297,13 @@ class _Sync:
         # (step() after an explicit one) has nothing new to send.
         self.synced = False
         self.skip = False  # inside skip_synchronize()
+        self.nonfinite = self.session.runtime.cfg.nonfinite
+        self.skip_step = False  # this iteration's update is skipped (a non-finite gradient)
+        self.skipped = 0
+        # Buckets whose compressed Option got this rank's non-finite values, zeroed (order
+        # index of the first bad gradient): compressors refuse NaN, and one rank failing
+        # alone would leave the others waiting in the next collective.
+        self.zeroed: list[int] = []
         self.codec = compression.codec(self.session)
         self.engine: Engine = self.session.plain
         self.options: dict[str, Option] | None = None
@@ -357,6 +377,9 @@ class _Sync:
                 else:
                     piece.copy_(grad.reshape(-1))
         option = self.options[bucket.name] if self.options is not None else self.session.fp32
+        if option.is_compressed and not bool(torch.isfinite(flat).all()):
+            self.zeroed.append(self._first_nonfinite(bucket, flat))
+            flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
         self.handles.append((bucket, self.engine.submit(bucket.name, flat, option)))
         # Probes follow the last bucket of a profiled iteration: the same point of every
         # rank's submission order, queued behind the synchronization they share the host with.
@@ -395,8 +418,10 @@ class _Sync:
             self.next = len(self.order)
             self._dispatch()
         timeout = self.session.runtime.cfg.op_timeout_s
-        for bucket, handle in self.handles:
-            self._write_back(bucket, handle.wait(timeout))
+        results = [(bucket, handle.wait(timeout)) for bucket, handle in self.handles]
+        self._check_finite(results, timeout)
+        for bucket, total in results:
+            self._write_back(bucket, total)
         self.handles.clear()
         self.count = dict.fromkeys(self.order, 0)
         self.next = self.submitted = 0
@@ -413,6 +438,63 @@ class _Sync:
         elif self.trials is not None:
             self._trial_step()
         self.ended = time.perf_counter()
+
+    # ---- non-finite gradients -----------------------------------------------------------------
+    def _first_nonfinite(self, bucket: _Bucket, flat: torch.Tensor) -> int:
+        """Index in ``self.order`` of the bucket's first member with a NaN or Inf here."""
+        for name, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels,
+                                       strict=True):
+            if not bool(torch.isfinite(flat[offset:offset + numel]).all()):
+                return self.order.index(name)
+        return self.order.index(bucket.tensors[0])
+
+    def _local_input(self, bucket: _Bucket) -> torch.Tensor:
+        if bucket.buffer is not None:
+            return bucket.buffer  # the executor leaves its input untouched
+        grad = self.params[bucket.tensors[0]].grad
+        return grad.reshape(-1) if grad is not None else torch.zeros(1)
+
+    def _check_finite(self, results: Sequence[tuple[_Bucket, torch.Tensor]],
+                      timeout: float) -> None:
+        """Stop or skip the step on every rank alike when any rank had a non-finite gradient.
+
+        An uncompressed sum is non-finite on every rank at once (NaN and Inf survive
+        addition), so only then do the ranks compare notes; compressed Options may drop or
+        reject non-finite values, so with any compressed bucket they always do (one small
+        all-gather per iteration, queued behind the lanes' work).
+        """
+        self.skip_step = False
+        local = list(self.zeroed)
+        self.zeroed.clear()
+        summed_bad = False
+        for bucket, total in results:
+            if not bool(torch.isfinite(total).all()):
+                summed_bad = True
+                mine = self._local_input(bucket)
+                if not bool(torch.isfinite(mine).all()):
+                    local.append(self._first_nonfinite(bucket, mine) if bucket.buffer is not None
+                                 else self.order.index(bucket.tensors[0]))
+        compressed = any(o.is_compressed for o in (self.options or {}).values())
+        if not (summed_bad or compressed):
+            return
+        first = float(min(local)) if local else -1.0
+        every = self.engine.call(0, lambda ex: ex.transport.allgather(
+            Scope.FLAT, torch.tensor([first], dtype=torch.float64), [1] * self.world),
+            "espresso.nonfinite").wait(timeout)
+        bad = [(int(i), r) for r, i in enumerate(every.tolist()) if i >= 0]
+        if not bad:
+            return
+        what = ", ".join(f"rank {r}: {self.order[i]!r}" for i, r in bad)
+        message = (f"non-finite gradient (NaN or Inf) in iteration {self.iteration}: {what}")
+        if self.nonfinite == "skip":
+            self.skip_step = True
+            self.skipped += 1
+            log.warning("%s; every rank skips this optimizer step (%d skipped so far, "
+                        "ESPRESSO_NONFINITE=skip)", message, self.skipped)
+            return
+        raise NonFiniteGradientError(
+            f"{message}; every rank stops. Lower the learning rate, clip gradients, or set "
+            "ESPRESSO_NONFINITE=skip to skip such steps as AMP's GradScaler does")
 
     def _write_back(self, bucket: _Bucket, total: torch.Tensor) -> None:
         """The average over workers into each member's ``.grad``."""
