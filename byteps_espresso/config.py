@@ -146,6 +146,10 @@ VARIABLES: tuple[Variable, ...] = (
              "(BytePS default 4096000)."),
     Variable("BYTEPS_SERVER_ENGINE_THREAD", "server_threads", _int(1, 256), 4,
              "Aggregation threads per server process (numba kernels)."),
+    Variable("ESPRESSO_SERVER_PORT", "server_port", _int(0, 65535), 0,
+             "Port a server process listens on (0: a free port; set a fixed one where a "
+             "firewall or NetworkPolicy admits only declared ports, as the Kubernetes "
+             "manifests do)."),
     # ---- byteps-espresso knobs -----------------------------------------------------------
     Variable("ESPRESSO_BIND_ALL", "bind_all", _flag, False,
              "Bind listening sockets to 0.0.0.0 instead of the configured interface. "
@@ -199,6 +203,7 @@ class Config:
     intra_op_threads: int | None = None
     partition_bytes: int = 4_096_000
     server_threads: int = 4
+    server_port: int = 0
     bind_all: bool = False
     start_timeout_s: float = 60.0
     op_timeout_s: float = 60.0
