@@ -301,6 +301,12 @@ def test_every_pod_meets_the_restricted_standard_without_a_token(docs):
         assert pod["enableServiceLinks"] is False, job["metadata"]["name"]
 
 
+def test_namespaces_enforce_the_restricted_standard(docs):
+    for ns in (d for d in docs if d["kind"] == "Namespace"):
+        labels = ns["metadata"].get("labels", {})
+        assert labels.get("pod-security.kubernetes.io/enforce") == "restricted", labels
+
+
 @pytest.mark.parametrize(("edit", "needle"), [
     (lambda p: p["containers"][0]["securityContext"].pop("allowPrivilegeEscalation"),
      "allowPrivilegeEscalation"),
