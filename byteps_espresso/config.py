@@ -146,14 +146,14 @@ VARIABLES: tuple[Variable, ...] = (
              "(BytePS default 4096000)."),
     Variable("BYTEPS_SERVER_ENGINE_THREAD", "server_threads", _int(1, 256), 4,
              "Aggregation threads per server process (numba kernels)."),
-    Variable("ESPRESSO_SERVER_PORT", "server_port", _int(0, 65535), 0,
-             "Port a server process listens on (0: a free port; set a fixed one where a "
-             "firewall or NetworkPolicy admits only declared ports, as the Kubernetes "
-             "manifests do)."),
     # ---- byteps-espresso knobs -----------------------------------------------------------
     Variable("ESPRESSO_BIND_ALL", "bind_all", _flag, False,
              "Bind listening sockets to 0.0.0.0 instead of the configured interface. "
              "Off by default; only for containers whose pod IP is not known up front."),
+    Variable("ESPRESSO_SERVER_PORT", "server_port", _int(0, 65535), 0,
+             "Port a server process listens on (0: a free port; set a fixed one where a "
+             "firewall or NetworkPolicy admits only declared ports, as the Kubernetes "
+             "manifests do)."),
     Variable("ESPRESSO_START_TIMEOUT", "start_timeout_s", _float(0.0), 60.0,
              "Seconds the scheduler waits for every node to register before every "
              "process exits with an error listing the missing ones."),
