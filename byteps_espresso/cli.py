@@ -7,6 +7,7 @@ argument parsing next to its code.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -46,6 +47,27 @@ register("config", "show the parsed environment, or the configuration table",
          _config_args, _config_run)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, []):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of stdout went away (``espresso ... | head``): stop without a traceback.
+
+    stdout is pointed at /dev/null so that the interpreter's final flush does not fail too;
+    the status is the shell's for a process ended by SIGPIPE (128 + 13).
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
+
+
 def _load_plugins() -> None:
     """Import the modules that contribute sub-commands (absent ones are skipped)."""
     import importlib
@@ -63,10 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="espresso", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in COMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help_text))
+        add_arguments(sub.add_parser(name, help=help_text, description=help_text,
+                                     formatter_class=_DefaultsFormatter))
     args = parser.parse_args(argv)
     try:
-        return COMMANDS[args.command][2](args)
+        code = COMMANDS[args.command][2](args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except config.ConfigError as exc:
         print(f"espresso {args.command}: {exc}", file=sys.stderr)
         return 2

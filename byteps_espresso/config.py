@@ -167,6 +167,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ESPRESSO_BIND_ALL", "bind_all", _flag, False,
              "Bind listening sockets to 0.0.0.0 instead of the configured interface. "
              "Off by default; only for containers whose pod IP is not known up front."),
+    Variable("ESPRESSO_SERVER_PORT", "server_port", _int(0, 65535), 0,
+             "Port a server process listens on (0: a free port; set a fixed one where a "
+             "firewall or NetworkPolicy admits only declared ports, as the Kubernetes "
+             "manifests do)."),
     Variable("ESPRESSO_START_TIMEOUT", "start_timeout_s", _float(0.0), 60.0,
              "Seconds the scheduler waits for every node to register before every "
              "process exits with an error listing the missing ones."),
@@ -224,6 +228,7 @@ class Config:
     intra_op_threads: int | None = None
     partition_bytes: int = 4_096_000
     server_threads: int = 4
+    server_port: int = 0
     bind_all: bool = False
     start_timeout_s: float = 60.0
     op_timeout_s: float = 60.0

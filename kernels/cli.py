@@ -1,20 +1,34 @@
-"""``espresso compressors``: list the registered compressors, wire ids and sizes."""
+"""``espresso compressors``: list the registered compressors, wire ids and sizes.
+
+``espresso compressors --warm-up`` runs every compressor's numba kernels once, so that
+``NUMBA_CACHE_DIR`` holds their compiled code (the Docker images do this at build time and
+their pods start without compiling).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 from byteps_espresso.kernels import create, names, wire_id
 
 from byteps_espresso.cli import register
 
-__all__ = ["describe"]
+__all__ = ["describe", "warm_up"]
 
 # Default parameters shown for the sparsifiers (their size depends on the ratio).
 _SHOWN = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}, "dgc": {"ratio": 0.01}}
 # Tensor size for the bytes-per-element column (large enough that scalars do not matter).
 _NUMEL = 1 << 20
+# Tensor size of the warm-up: numba compiles per argument type, not size; 64 Ki elements is
+# above the kernels' serial cut-off, so the parallel code paths run too.
+_WARM_NUMEL = 1 << 16
 
 
 def describe() -> list[dict]:
@@ -32,11 +46,63 @@ def describe() -> list[dict]:
     return rows
 
 
+def _dispatchers() -> Iterator[Any]:
+    """Every numba-compiled function of the kernels package."""
+    from numba.core.registry import CPUDispatcher
+
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("byteps_espresso.kernels"):
+            for obj in vars(module).values():
+                if isinstance(obj, CPUDispatcher):
+                    yield obj
+
+
+def warm_up(selected: list[str] | None = None) -> dict[str, int]:
+    """Compress, decompress and aggregate with each compressor's numba backend once.
+
+    Args:
+        selected: compressor names (default: every registered one).
+
+    Returns:
+        ``{"compressors": ..., "compiled": ..., "cached": ...}``: kernels numba compiled in
+        this process and kernels it loaded from its cache (``NUMBA_CACHE_DIR``).
+    """
+    x = np.random.default_rng(0).standard_normal(_WARM_NUMEL).astype(np.float32)
+    chosen = selected or names()
+    for name in chosen:
+        c = create(name, backend="numba")
+        payload, ctx = c.compress(x, name="warm-up", step=0)
+        c.aggregate([payload, payload], ctx)
+    seen = {id(d): d for d in _dispatchers()}.values()
+    return {"compressors": len(chosen),
+            "compiled": sum(sum(d.stats.cache_misses.values()) for d in seen),
+            "cached": sum(sum(d.stats.cache_hits.values()) for d in seen)}
+
+
 def _args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--warm-up", nargs="*", metavar="NAME",
+                        help="run the numba kernels of the named compressors (default: all) "
+                             "once, filling NUMBA_CACHE_DIR")
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.warm_up is not None:
+        unknown = sorted(set(args.warm_up) - set(names()))
+        if unknown:
+            print(f"espresso compressors: unknown compressor(s) {', '.join(unknown)}; "
+                  f"known: {', '.join(names())}", file=sys.stderr)
+            return 2
+        start = time.perf_counter()
+        counts = warm_up(args.warm_up)
+        counts["seconds"] = round(time.perf_counter() - start, 1)
+        if args.json:
+            print(json.dumps(counts))
+        else:
+            print(f"warmed {counts['compressors']} compressors in {counts['seconds']} s: "
+                  f"{counts['compiled']} kernels compiled, {counts['cached']} loaded from "
+                  f"the cache in {os.environ.get('NUMBA_CACHE_DIR') or 'the default place'}")
+        return 0
     rows = describe()
     if args.json:
         print(json.dumps(rows, indent=1))

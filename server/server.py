@@ -165,7 +165,15 @@ class Server:
         self.router.setsockopt(zmq.SNDHWM, 0)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.LINGER, 0)
-        port = self.router.bind_to_random_port(f"tcp://{cfg.bind_host()}")
+        port = cfg.server_port
+        if port:
+            try:
+                self.router.bind(f"tcp://{cfg.bind_host()}:{port}")
+            except zmq.ZMQError as exc:
+                raise ServerError(f"cannot listen on {cfg.bind_host()}:{port} "
+                                  f"(ESPRESSO_SERVER_PORT): {exc}") from None
+        else:
+            port = self.router.bind_to_random_port(f"tcp://{cfg.bind_host()}")
         self.address = f"tcp://{cfg.advertise_host()}:{port}"
         self.link = SchedulerLink(self.ctx, cfg, "server", {"address": self.address})
         self.rank = -1

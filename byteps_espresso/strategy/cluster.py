@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from dataclasses import asdict, dataclass, fields, replace
@@ -37,9 +38,9 @@ def _check(name: str, value: Any, *, low: float, integer: bool = False, strict: 
     if value is None and optional:
         return
     kinds = int if integer else int | float
-    if isinstance(value, bool) or not isinstance(value, kinds) \
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) \
             or not (value > low if strict else value >= low):
-        what = "an integer" if integer else "a number"
+        what = "an integer" if integer else "a finite number"
         bound = f"{'>' if strict else '>='} {low:g}"
         raise ClusterError(f"field {name!r} must be {what} {bound}{' or null' if optional else ''}"
                            f", got {value!r}")

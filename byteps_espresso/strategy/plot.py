@@ -72,10 +72,11 @@ def _draw_one(ax, tl: Timeline, label: str) -> set[str]:  # type: ignore[no-unty
 
 
 def draw_timelines(timelines: Mapping[str, Timeline], path: str | os.PathLike[str],
-                   title: str = "") -> None:
+                   title: str = "", metadata: Mapping[str, str] | None = None) -> None:
     """Draw each timeline (e.g. {"chosen": ..., "fp32": ...}) as a panel, top to bottom.
 
-    The figure is written to ``path`` through a temporary file and a rename.
+    The figure is written to ``path`` through a temporary file and a rename. ``metadata``
+    (PNG only) is stored as text chunks, e.g. what the picture was drawn from.
 
     Raises:
         ValueError: no timelines, or an image format matplotlib cannot write.
@@ -105,7 +106,8 @@ def draw_timelines(timelines: Mapping[str, Timeline], path: str | os.PathLike[st
     directory = os.path.dirname(os.path.abspath(target))
     tmp = os.path.join(directory, f".{os.path.basename(target)}.tmp")
     try:
-        fig.savefig(tmp, format=ext, dpi=130)
+        fig.savefig(tmp, format=ext, dpi=130,
+                    metadata=dict(metadata) if metadata and ext == "png" else None)
         os.replace(tmp, target)
     finally:
         plt.close(fig)

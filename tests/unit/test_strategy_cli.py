@@ -1,6 +1,9 @@
-"""`espresso plan`: outputs, --json fields, and errors that name the file and field."""
+"""`espresso plan` and `espresso show`: outputs, --json fields, errors that name the file
+and field, and the README's picture."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +12,10 @@ import pytest
 
 from byteps_espresso.cli import main
 from byteps_espresso.strategy import Strategy, Workload
+from byteps_espresso.strategy.cli import strategy_timelines
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 
 BASE = ["plan", "--machines", "4", "--gpus-per-machine", "2", "--intra", "pcie",
         "--inter-gbps", "25", "--compressor", "randomk", "--ratio", "0.01"]
@@ -90,3 +97,121 @@ def test_installed_command_runs(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["algorithm"] == "espresso"
+
+
+# ---- defects of the command line, one test each ------------------------------------------------
+@pytest.mark.parametrize(("flag", "value"), [("--inter-gbps", "inf"), ("--inter-gbps", "nan"),
+                                             ("--intra", "inf"), ("--ratio", "nan")])
+def test_non_finite_numbers_are_refused_naming_the_flag(tmp_path, capsys, flag, value):
+    args = [*BASE, "--workload", "lstm", "--out", str(tmp_path / "s.json")]
+    args[args.index(flag) + 1] = value
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must be a finite number, got '{value}'" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cluster_file_with_infinity_is_refused(tmp_path, capsys):
+    cluster = tmp_path / "c.json"
+    cluster.write_text('{"machines": 2, "gpus_per_machine": 2, "intra_gbps": 96, '
+                       '"intra_latency_us": 10, "inter_gbps": Infinity}')
+    out = tmp_path / "s.json"
+    assert main(["plan", "--workload", "lstm", "--compressor", "fp16", "--cluster",
+                 str(cluster), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(cluster) in err and "'inter_gbps' must be a finite number > 0" in err
+    assert not out.exists()
+
+
+def test_a_closed_pipe_ends_the_listing_without_a_traceback():
+    """`espresso compressors --json | head`: the reader is gone before anything is written."""
+    espresso = Path(sys.executable).with_name("espresso")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([str(espresso), "compressors", "--json"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stderr  # 128 + SIGPIPE, as the shell reports it
+    assert result.stderr == ""
+    through_head = subprocess.run(f"'{espresso}' compressors --json | head -n 2", shell=True,
+                                  capture_output=True, text=True, timeout=120)
+    assert through_head.stdout.splitlines() == ["[", " {"]
+    assert through_head.stderr == ""
+
+
+@pytest.mark.parametrize(("workload", "needle"), [
+    ("vgg19", "--workload vgg19: unknown built-in workload; the built-ins are "),
+    ("profiles/vgg19.json", "--workload profiles/vgg19.json: no such file (or name a "
+                            "built-in workload: "),
+])
+def test_an_unknown_workload_lists_the_built_ins(capsys, workload, needle):
+    assert main([*BASE, "--workload", workload]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "bert, lstm, resnet50, vgg16" in err
+
+
+def test_a_plan_is_printed_without_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([*BASE, "--workload", "lstm"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted iteration" in text and "speedup over fp32" in text
+    assert "wrote" not in text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: nvlink)", "(default: espresso)", "(default: 16)"):
+        assert default in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_show_prints_every_tensor_and_draws_the_saved_strategy(tmp_path, capsys):
+    saved, png = tmp_path / "s.json", tmp_path / "t.png"
+    assert main([*BASE, "--workload", "lstm", "--out", str(saved), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["show", str(saved), "--timeline", str(png)]) == 0
+    text = capsys.readouterr().out
+    strategy = Strategy.load(saved)
+    assert f"predicted iteration {strategy.predicted_ms:.2f} ms" in text
+    for name, option in strategy.options.items():  # one line per tensor, with its Option
+        assert re.search(rf"^{re.escape(name)} +[\d,]+ +[\d.]+  {re.escape(str(option))}$",
+                         text, re.M), name
+    assert "simulated again" not in text  # same costs: the same iteration time
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert strategy_timelines(strategy)["chosen"].iteration_us / 1e3 == \
+        pytest.approx(strategy.predicted_ms, rel=1e-9)
+
+
+def test_show_refuses_a_broken_file_naming_it(tmp_path, capsys):
+    broken = tmp_path / "s.json"
+    broken.write_text('{"format": "nope"}')
+    assert main(["show", str(broken)]) == 2
+    assert str(broken) in capsys.readouterr().err
+
+
+@pytest.mark.timeout(400)
+def test_readme_picture_and_sentence_come_from_the_current_planner():
+    """The README quotes the plan behind its picture; the picture records the same sentence
+    (PNG text chunk), so both are redrawn by readme_figure whenever the planner changes."""
+    from PIL import Image
+
+    from byteps_espresso.strategy import readme_figure
+
+    readme = " ".join(README.read_text().replace("\\\n", " ").split())
+    expected = readme_figure.sentence(readme_figure.plan())
+    assert expected in readme, f"README is out of date; run `python -m " \
+        f"byteps_espresso.strategy.readme_figure` and quote: {expected}"
+    command = "espresso plan " + " ".join(readme_figure.COMMAND)
+    assert command in readme
+    assert f"]({readme_figure.FIGURE.as_posix()})" in readme
+    with Image.open(ROOT / readme_figure.FIGURE) as picture:
+        assert picture.text["Description"] == expected, "picture drawn from an older plan"
+        assert picture.text["Command"] == command
