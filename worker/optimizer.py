@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.executor import Engine, Handle
+from byteps_espresso.worker.reduction import ReduceOp, resolve_op
 from byteps_espresso.worker.session import Session, current
 from byteps_espresso.worker.trials import Trials
 
@@ -171,9 +172,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
 
     def __init__(self, params: Any, named_parameters: Sequence[tuple[str, torch.Tensor]],
-                 compression: CompressionSpec, backward_passes_per_step: int) -> None:
+                 compression: CompressionSpec, backward_passes_per_step: int,
+                 scale: tuple[float, float | None] = (1.0, None)) -> None:
         super(self.__class__, self).__init__(params)  # the wrapped optimizer's own __init__
-        self._bps = _Sync(self, named_parameters, compression, backward_passes_per_step)
+        self._bps = _Sync(self, named_parameters, compression, backward_passes_per_step, scale)
 
     def synchronize(self) -> None:
         """Wait for every gradient of this iteration and write the averages into ``.grad``."""
@@ -194,7 +196,8 @@ class _Sync:
     """Hook bookkeeping, submission order, profiling and planning of one optimizer."""
 
     def __init__(self, opt: torch.optim.Optimizer, named: Sequence[tuple[str, torch.Tensor]],
-                 compression: CompressionSpec, passes: int) -> None:
+                 compression: CompressionSpec, passes: int,
+                 scale: tuple[float, float | None] = (1.0, None)) -> None:
         self.session = current()
         self.compression = compression
         self.passes = passes
@@ -213,6 +216,10 @@ class _Sync:
         self.engine: Engine = self.session.plain
         self.options: dict[str, Option] | None = None
         self.world = self.session.runtime.topology.world_size
+        # Each gradient is divided by `predivide` before it is sent and the sum by `divisor`
+        # after (the world size: the average; 1: the sum; see DistributedOptimizer's op).
+        self.predivide, divisor = scale
+        self.divisor = self.world if divisor is None else divisor
         self._profile_steps = compression.profile_steps(self.session)
         self.probes = None
         self.trials: Trials | None = None
@@ -246,6 +253,8 @@ class _Sync:
     def _submit(self, name: str) -> None:
         p = self.params[name]
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if self.predivide != 1.0:
+            grad = grad / self.predivide
         option = self.options[name] if self.options is not None else self.session.fp32
         self.handles[name] = self.engine.submit(name, grad, option)
 
@@ -271,7 +280,7 @@ class _Sync:
         for name, handle in self.handles.items():
             total = handle.wait(timeout)
             p = self.params[name]
-            avg = total.div_(self.world).to(p.dtype).reshape(p.shape)
+            avg = total.div_(self.divisor).to(p.dtype).reshape(p.shape)
             if p.grad is None:
                 p.grad = avg
             else:
@@ -354,7 +363,9 @@ def _named(optimizer: torch.optim.Optimizer,
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: CompressionSpec = Compression.none,
-                         backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+                         backward_passes_per_step: int = 1, *,
+                         op: ReduceOp = ReduceOp.AVERAGE,
+                         gradient_predivide_factor: float = 1.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies the gradients averaged over all workers.
 
     Args:
@@ -362,6 +373,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         named_parameters: ``model.named_parameters()``; names select per-tensor strategies.
         compression: ``Compression.none``, ``.fp16``, ``.espresso(...)`` or ``.strategy(path)``.
         backward_passes_per_step: local backward passes accumulated before communicating.
+        op: ``ReduceOp.AVERAGE`` or ``ReduceOp.SUM`` of the workers' gradients.
+        gradient_predivide_factor: with AVERAGE, each gradient is divided by it before the
+            sum and the sum by (world size / factor) after, as Horovod does.
 
     Returns:
         An optimizer of the same class whose ``step()`` synchronizes first.
@@ -374,10 +388,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     current()
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    op = resolve_op(None, op)
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor needs op=Average (it divides before the sum "
+                         "and multiplies back after)")
+    world = current().runtime.topology.world_size
+    divisor = world / gradient_predivide_factor if op is ReduceOp.AVERAGE else 1.0
     if not isinstance(compression, CompressionSpec):
         raise TypeError("compression must be Compression.none, Compression.fp16, "
                         "Compression.espresso(...) or Compression.strategy(path)")
     named = _named(optimizer, named_parameters)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named, compression, backward_passes_per_step)
+    return cls(optimizer.param_groups, named, compression, backward_passes_per_step,
+               (gradient_predivide_factor, divisor))
