@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["UNSUPPORTED", "VARIABLES", "Address", "Config", "ConfigError", "Role", "Unsupported",
-           "Variable", "export_socket_interfaces", "interface_address", "interfaces",
+           "Variable", "interface_address", "interfaces",
            "markdown_table"]
 
 log = logging.getLogger(__name__)
@@ -412,6 +412,17 @@ class Config:
                   "NCCL_SOCKET_IFNAME": self.nccl_ifname or own}
         return {name: value for name, value in chosen.items() if value}
 
+    def export_socket_interfaces(self) -> dict[str, str]:
+        """Put :meth:`socket_interfaces` into this process's environment, where gloo and NCCL
+        read them; call it before ``torch.distributed.init_process_group``.
+
+        Returns:
+            the variables set.
+        """
+        chosen = self.socket_interfaces()
+        os.environ.update(chosen)
+        return chosen
+
     def ignored_warnings(self) -> list[str]:
         """One message per unsupported BytePS / ps-lite variable that is set (not fatal)."""
         why = {u.name: u.why for u in UNSUPPORTED}
@@ -565,18 +576,6 @@ def _select_address(node_host: str | None, interface: str | None, root_uri: str,
             chosen = Address("127.0.0.1", _interface_of("127.0.0.1"),
                              "this host has no other interface")
     log.info("advertising %s", chosen)
-    return chosen
-
-
-def export_socket_interfaces(cfg: Config) -> dict[str, str]:
-    """Put :meth:`Config.socket_interfaces` into this process's environment, where gloo and
-    NCCL read them; call it before ``torch.distributed.init_process_group``.
-
-    Returns:
-        the variables set.
-    """
-    chosen = cfg.socket_interfaces()
-    os.environ.update(chosen)
     return chosen
 
 

@@ -29,7 +29,7 @@ from byteps_espresso.worker.executor import Engine, Executor
 from byteps_espresso.worker.topology import Topology
 from byteps_espresso.worker.transport import PSPath, create_groups, host_store, init_distributed
 
-from byteps_espresso.config import Config, export_socket_interfaces
+from byteps_espresso.config import Config
 from byteps_espresso.strategy.options import Scope
 
 __all__ = ["DEFAULT_LANES", "Runtime", "intra_op_threads"]
@@ -82,7 +82,7 @@ class Runtime:
             timeout_s = max(cfg.start_timeout_s, cfg.op_timeout_s)
             # gloo and NCCL pick their interface from the host name unless told; point them
             # at the one this process advertises (or the user's choice).
-            interfaces = export_socket_interfaces(cfg)
+            interfaces = cfg.export_socket_interfaces()
             if cfg.num_servers == 0 and self.topology.rank == 0:
                 # No PS scheduler in this job: rank 0 hosts the rendezvous store itself.
                 self._store, self._store_socket = host_store(
