@@ -367,11 +367,12 @@ def init_distributed(topology: Topology, host: str, port: int, *, backend: str =
 
 
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
 
 
 def _advertised(store: Any, world: int) -> str:
-    """``rank=address`` for every rank that published one in ``store`` (never blocks)."""
+    """``rank N: address`` for every rank of the world, as published in ``store`` (never
+    blocks on a rank that did not)."""
     parts = []
     for rank in range(world):
         key = _ADDRESS_KEY.format(rank=rank)
@@ -380,8 +381,8 @@ def _advertised(store: Any, world: int) -> str:
             value = store.get(key).decode() if known else "never reached the store"
         except (RuntimeError, OSError):
             value = "unknown (the store is gone)"
-        parts.append(f"{rank}={value}")
-    return ", ".join(parts)
+        parts.append(f"rank {rank}: {value}")
+    return "; ".join(parts)
 
 
 def create_groups(topology: Topology, lanes: int, *, backend: str | None = None,
