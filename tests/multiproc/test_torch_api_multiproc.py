@@ -27,8 +27,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch_local(args: list[str], timeout: float) -> tuple[int, str]:
-    proc = subprocess.Popen([LAUNCHER, "--local", *args], env=_env(), stdout=subprocess.PIPE,
+def _launch_local(args: list[str], timeout: float, **extra: str) -> tuple[int, str]:
+    proc = subprocess.Popen([LAUNCHER, "--local", *args], env=_env(**extra),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -55,12 +56,15 @@ def test_every_call_and_the_resume_pattern_in_a_job_that_never_calls_shutdown(tm
 
 @pytest.mark.timeout(180)
 def test_a_script_without_shutdown_leaves_the_job_cleanly(tmp_path):
+    """The shape of BytePS's benchmark_byteps.py: no shutdown() anywhere. Also: a BytePS
+    variable that is not implemented is reported once for the whole job."""
     code, out = _launch_local(["--machines", "2", "--workers-per-machine", "1", "--servers",
                                "1", "--", sys.executable, str(WORKERS / "exit_worker.py"),
-                               "finish"], timeout=150)
+                               "finish"], timeout=150, DMLC_ENABLE_RDMA="1")
     assert code == 0, out[-5000:]
     assert out.count("trained rank=") == 2 and "every worker is done; job finished" in out
     assert "lost" not in out
+    assert out.count("DMLC_ENABLE_RDMA='1' is ignored: it asks for RDMA") == 1, out[-5000:]
 
 
 @pytest.mark.timeout(180)

@@ -116,6 +116,11 @@ def test_bad_counts_are_refused(kw, message):
         _plan(**kw)
 
 
+def test_async_training_is_refused_before_anything_starts():
+    with pytest.raises(ConfigError, match="BYTEPS_ENABLE_ASYNC='1' asks for asynchronous"):
+        _plan(base_env={"BYTEPS_ENABLE_ASYNC": "1"})
+
+
 def test_malformed_knob_is_named_before_anything_starts():
     with pytest.raises(ConfigError, match="ESPRESSO_TIMEOUT"):
         _plan(base_env={"ESPRESSO_TIMEOUT": "soon"})
