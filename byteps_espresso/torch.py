@@ -255,9 +255,10 @@ def _track(handle: Handle, finish: Callable[[Any], Any]) -> int:
 
 def _on_lane(name: str, fn: Callable[[Executor, int], Any]) -> Handle:
     """Run ``fn(executor, lane)`` on the lane of ``name``, after the work queued there."""
-    engine = current().plain
-    lane = engine.lane_of(name)
-    return engine.call(lane, lambda ex: fn(ex, lane), name)
+    session = current()
+    with session.lock:  # one submission order, as push_pull_async keeps it
+        lane = session.plain.lane_of(name)
+        return session.plain.call(lane, lambda ex: fn(ex, lane), name)
 
 
 def poll(handle: int) -> bool:
