@@ -58,6 +58,7 @@ from byteps_espresso.worker import optimizer as _optimizer
 from byteps_espresso.worker.executor import Executor, Handle
 from byteps_espresso.worker.objects import decode_object, encode_object
 from byteps_espresso.worker.optimizer import Compression, CompressionSpec
+from byteps_espresso.worker.optimizer_state import apply_description, describe, state_tensors
 from byteps_espresso.worker.reduction import ReduceOp, resolve_op
 from byteps_espresso.worker.runtime import Runtime
 from byteps_espresso.worker.session import (
@@ -92,6 +93,8 @@ __all__ = [
     "broadcast_object_bytes",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "cross_rank",
+    "cross_size",
     "declare",
     "init",
     "is_initialized",
@@ -208,6 +211,16 @@ def local_rank() -> int:
 def local_size() -> int:
     """Training processes per machine."""
     return current().runtime.topology.local_size
+
+
+def cross_rank() -> int:
+    """This process's machine index (Horovod's ``cross_rank``; BytePS's ``DMLC_WORKER_ID``)."""
+    return current().runtime.topology.machine_id
+
+
+def cross_size() -> int:
+    """Number of machines (Horovod's ``cross_size``; BytePS's ``DMLC_NUM_WORKER``)."""
+    return current().runtime.topology.machines
 
 
 def planned_strategy() -> Any:
@@ -704,8 +717,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         ValueError: on every rank, when the optimizers differ in parameter count or shapes.
         TypeError: on every rank, when ``root_rank``'s state holds an unsupported value.
     """
-    from byteps_espresso.worker.optimizer_state import apply_description, describe, state_tensors
-
     _check_root(root_rank)
     me = rank() == root_rank
     description: Any = None

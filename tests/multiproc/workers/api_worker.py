@@ -183,6 +183,9 @@ def main() -> None:
     r, world = bps.rank(), bps.size()
     total = float(sum(k + 1 for k in range(world)))
     assert bps.is_initialized()
+    assert (bps.cross_rank(), bps.cross_size()) == (r // bps.local_size(),
+                                                    world // bps.local_size())
+    assert bps.local_rank() == r % bps.local_size()
     check_push_pull(r, world, total)
     check_allreduce(r, world, total)
     check_allgather(r, world)
