@@ -16,13 +16,20 @@ Example:
 from __future__ import annotations
 
 import enum
+import functools
 import ipaddress
+import logging
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["VARIABLES", "Config", "ConfigError", "Role", "Variable", "markdown_table"]
+__all__ = ["UNSUPPORTED", "VARIABLES", "Address", "Config", "ConfigError", "Role", "Unsupported",
+           "Variable", "interface_address", "interfaces",
+           "markdown_table"]
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -104,10 +111,18 @@ def _flag(text: str) -> bool:
     raise ValueError("must be 0/1, true/false, yes/no or on/off")
 
 
+# BytePS's level names (BYTEPS_LOG_LEVEL: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL) mapped to
+# Python's; Python's own names map to themselves.
+_LEVEL_NAMES = {"TRACE": "DEBUG", "DEBUG": "DEBUG", "INFO": "INFO", "WARN": "WARNING",
+                "WARNING": "WARNING", "ERROR": "ERROR", "FATAL": "CRITICAL",
+                "CRITICAL": "CRITICAL"}
+
+
 def _log_level(text: str) -> str:
-    level = text.strip().upper()
-    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    level = _LEVEL_NAMES.get(text.strip().upper())
+    if level is None:
+        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (BytePS's "
+                         "TRACE and FATAL are read as DEBUG and CRITICAL)")
     return level
 
 
@@ -122,6 +137,8 @@ class Variable:
     doc: str
     # Roles for which the variable must be set (no default applies to them).
     required_for: frozenset[Role] = frozenset()
+    # Other names read, in order, when this one is unset (same parser, same meaning).
+    fallbacks: tuple[str, ...] = ()
 
 
 _EVERY_ROLE = frozenset(Role)
@@ -142,8 +159,10 @@ VARIABLES: tuple[Variable, ...] = (
              "Scheduler port; the torch.distributed store listens on the next port.",
              _EVERY_ROLE),
     Variable("DMLC_NODE_HOST", "node_host", _optional, None,
-             "Address this process binds to and advertises (default: the address of "
-             "`DMLC_INTERFACE`, else 127.0.0.1)."),
+             "Address this process binds to and advertises. Unset: as ps-lite, the address "
+             "of `DMLC_INTERFACE`, else of the interface that routes to `DMLC_PS_ROOT_URI`, "
+             "else of the first non-loopback interface (127.0.0.1 only when the root URI is "
+             "loopback)."),
     Variable("DMLC_INTERFACE", "interface", _optional, None,
              "Network interface whose IPv4 address is bound and advertised."),
     Variable("DMLC_WORKER_ID", "machine_id", _int(0), 0,
@@ -153,8 +172,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("BYTEPS_LOCAL_SIZE", "local_size", _int(1), 1,
              "Training processes (GPUs) per worker machine."),
     Variable("CUDA_VISIBLE_DEVICES", "visible_devices", _optional, None,
-             "GPUs the launcher hands out, one per training process, which each get one "
-             "of them (default: every GPU `nvidia-smi -L` lists; none: CPU training)."),
+             "GPUs of this machine. Every training process of a machine sees all of them "
+             "and uses `cuda:<BYTEPS_LOCAL_RANK>` (`torch.cuda.set_device(bps.local_rank())`); "
+             "`espresso-launch --local` gives each emulated machine its share (default: "
+             "every GPU `nvidia-smi -L` lists; none: CPU training)."),
     Variable("OMP_NUM_THREADS", "intra_op_threads", _optional_int(1), None,
              "torch intra-op threads per training process (default: this machine's cores / "
              "`BYTEPS_LOCAL_SIZE`, at least 1, as torchrun does)."),
@@ -163,6 +184,18 @@ VARIABLES: tuple[Variable, ...] = (
              "(BytePS default 4096000)."),
     Variable("BYTEPS_SERVER_ENGINE_THREAD", "server_threads", _int(1, 256), 4,
              "Aggregation threads per server process (numba kernels)."),
+    # ---- addresses and GPUs as BytePS / ps-lite / the container runtime hand them out ------
+    Variable("NVIDIA_VISIBLE_DEVICES", "nvidia_visible_devices", _optional, None,
+             "GPUs the container runtime exposes, as BytePS's launcher reads them: with "
+             "`BYTEPS_LOCAL_SIZE` unset, a worker's `bpslaunch` starts one training process "
+             "per listed GPU (`all`: per GPU `nvidia-smi -L` lists; `none`/`void`: one, on "
+             "the CPU)."),
+    Variable("GLOO_SOCKET_IFNAME", "gloo_ifname", _optional, None,
+             "Interface gloo connects over (default: the one holding the address this "
+             "process advertises)."),
+    Variable("NCCL_SOCKET_IFNAME", "nccl_ifname", _optional, None,
+             "Interface NCCL bootstraps over (default: the one holding the address this "
+             "process advertises)."),
     # ---- byteps-espresso knobs -----------------------------------------------------------
     Variable("ESPRESSO_BIND_ALL", "bind_all", _flag, False,
              "Bind listening sockets to 0.0.0.0 instead of the configured interface. "
@@ -181,10 +214,14 @@ VARIABLES: tuple[Variable, ...] = (
              "Largest wire message accepted, in bytes; bigger ones are rejected before "
              "anything is allocated."),
     Variable("ESPRESSO_COMPRESSOR", "compressor", _optional, None,
-             "Default compressor name for `Compression.espresso()` (see `espresso "
-             "compressors`)."),
+             "Compressor (see `espresso compressors`) that a `DistributedOptimizer` created "
+             "with `Compression.none` (the default, as unchanged BytePS scripts create it) "
+             "plans with instead, as `Compression.espresso(name)` with the compressor's "
+             "default parameters."),
     Variable("ESPRESSO_STRATEGY", "strategy_path", _optional, None,
-             "Strategy JSON planned offline (`espresso plan`); skips start-up planning."),
+             "Strategy JSON planned offline (`espresso plan`): every `DistributedOptimizer` "
+             "uses it whatever compression the script passes; no profiling or planning at "
+             "start-up."),
     Variable("ESPRESSO_PROFILE_STEPS", "profile_steps", _int(0), 5,
              "Uncompressed iterations profiled before planning."),
     Variable("ESPRESSO_TRIAL_STEPS", "trial_steps", _int(0), 6,
@@ -204,9 +241,71 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ESPRESSO_CPU_THREADS", "cpu_threads", _int(1, 1024), 2,
              "Host threads per machine for CPU (numba) compression on workers."),
     Variable("ESPRESSO_SEED", "seed", _int(0), 0,
-             "Seed of every stochastic compressor (random-k, QSGD, TernGrad, ...)."),
+             "Seed of every stochastic compressor (random-k, QSGD, TernGrad, ...) planned "
+             "with `Compression.espresso` unless its parameters name one (a strategy file "
+             "keeps the seed it was planned with)."),
     Variable("ESPRESSO_LOG_LEVEL", "log_level", _log_level, "INFO",
-             "Logging level of library code."),
+             "Logging level of library code (unset: `BYTEPS_LOG_LEVEL`, whose TRACE and "
+             "FATAL read as DEBUG and CRITICAL).", fallbacks=("BYTEPS_LOG_LEVEL",)),
+)
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A BytePS / ps-lite variable this project does not implement.
+
+    Attributes:
+        name: the variable.
+        why: what setting it would ask for, and what to do instead.
+        fatal: set to a true value it would change the training result, so the job refuses to
+            start; otherwise a warning (once per job, from rank 0).
+    """
+
+    name: str
+    why: str
+    fatal: bool = False
+
+
+# From BytePS's docs/env.md (and ps-lite's environment). Values that mean "off" (0, false, an
+# empty string) are accepted silently: they ask for what this project does anyway.
+UNSUPPORTED: tuple[Unsupported, ...] = (
+    Unsupported("BYTEPS_ENABLE_ASYNC", "asks for asynchronous training, which is not "
+                "implemented here: every step would still be synchronous. Unset it (or set 0)",
+                fatal=True),
+    Unsupported("DMLC_ENABLE_RDMA", "asks for RDMA; the PS speaks TCP (ZeroMQ) and the "
+                "collectives use gloo or NCCL's own transports"),
+    Unsupported("PS_VERBOSE", "is ps-lite's verbosity; set ESPRESSO_LOG_LEVEL=DEBUG instead"),
+    Unsupported("BYTEPS_ENABLE_GDB", "(run under gdb) is not supported by bpslaunch; run "
+                "the command under gdb yourself"),
+    Unsupported("BYTEPS_DEBUG_SAMPLE_TENSOR", "(print a key's values) is not supported; set "
+                "ESPRESSO_LOG_LEVEL=DEBUG"),
+    Unsupported("BYTEPS_FORCE_DISTRIBUTED", "has no effect: the parameter servers are used "
+                "whenever DMLC_NUM_SERVER > 0, also with one machine"),
+    Unsupported("BYTEPS_PCIE_SWITCH_SIZE", "has no effect: the planner chooses each tensor's "
+                "intra-machine path"),
+    Unsupported("BYTEPS_NCCL_NUM_RINGS", "has no effect: NCCL's own variables apply"),
+    Unsupported("BYTEPS_NCCL_GROUP_SIZE", "has no effect: NCCL's own variables apply"),
+    Unsupported("BYTEPS_SERVER_ENABLE_SCHEDULE", "has no effect: servers serve keys in "
+                "arrival order"),
+    Unsupported("BYTEPS_NUMA_ON", "has no effect: no core pinning here"),
+    Unsupported("BYTEPS_NUMA_DEFAULT_QUOTA", "has no effect: no core pinning here; set "
+                "OMP_NUM_THREADS and ESPRESSO_CPU_THREADS"),
+    Unsupported("BYTEPS_CPU_BLACKLIST", "has no effect: no core pinning here"),
+    Unsupported("BYTEPS_VISIBLE_CPU_CORES", "has no effect: no core pinning here; pin "
+                "with taskset or your container's cpuset"),
+    Unsupported("BYTEPS_MULTITHREADED_CPU", "has no effect: no core pinning here"),
+    Unsupported("BYTEPS_REDUCE_ROOTS", "has no effect: the planner chooses reduce or "
+                "reduce-scatter per tensor"),
+    Unsupported("BYTEPS_DISABLE_P2P", "has no effect: there is no peer-to-peer send/recv "
+                "API here"),
+    Unsupported("BYTEPS_DISABLE_CPU_ALLREDUCE", "has no effect: Options choose the "
+                "collectives per tensor"),
+    Unsupported("BYTEPS_DISABLE_GPU_ALLREDUCE", "has no effect: Options choose the "
+                "collectives per tensor"),
+    Unsupported("BYTEPS_TRACE_ON", "(BytePS's timeline) is not supported; `espresso plan "
+                "--timeline` draws the predicted one"),
+    Unsupported("DMLC_USE_KUBERNETES", "is not read; set ESPRESSO_BIND_ALL=1 where pods must "
+                "bind all interfaces"),
 )
 
 
@@ -243,6 +342,13 @@ class Config:
     cpu_threads: int = 2
     seed: int = 0
     log_level: str = "INFO"
+    # Addresses and GPUs as BytePS / ps-lite / the container runtime hand them out.
+    nvidia_visible_devices: str | None = None
+    gloo_ifname: str | None = None
+    nccl_ifname: str | None = None
+    # Unsupported BytePS / ps-lite variables set to a true value: (name, value), see
+    # :data:`UNSUPPORTED`; reported by :meth:`ignored_warnings`.
+    ignored: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
     # Variables present in the environment, for error messages and `espresso config`.
     explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
@@ -272,8 +378,10 @@ class Config:
         values: dict[str, Any] = {}
         role_var = VARIABLES[0]
         role = _parse_one(role_var, env.get(role_var.name)) if role_var.name in env else Role.WORKER
+        present: set[str] = set()
         for var in VARIABLES:
-            raw = env.get(var.name)
+            name = next((n for n in (var.name, *var.fallbacks) if env.get(n)), var.name)
+            raw = env.get(name)
             if raw is None or raw == "":
                 if role in var.required_for:
                     raise ConfigError(
@@ -281,9 +389,9 @@ class Config:
                     )
                 values[var.attr] = var.default
             else:
-                values[var.attr] = _parse_one(var, raw)
-        present = frozenset(v.name for v in VARIABLES if env.get(v.name))
-        return cls(**values, explicit=present)
+                values[var.attr] = _parse_one(var, raw, name)
+                present.add(name)
+        return cls(**values, ignored=_unsupported(env), explicit=frozenset(present))
 
     # ---- derived topology ------------------------------------------------------------------
     @property
@@ -308,12 +416,49 @@ class Config:
         return self.advertise_host()
 
     def advertise_host(self) -> str:
-        """Address other nodes use to reach this process."""
-        if self.node_host:
-            return self.node_host
-        if self.interface:
-            return interface_address(self.interface)
-        return "127.0.0.1"
+        """Address other nodes use to reach this process (see :meth:`address`)."""
+        return self.address().host
+
+    def address(self) -> Address:
+        """The address this process binds and advertises, chosen as ps-lite does.
+
+        ``DMLC_NODE_HOST``; else the address of ``DMLC_INTERFACE``; else the source address
+        of the route to ``DMLC_PS_ROOT_URI`` (loopback exactly when the root is); else the
+        first non-loopback interface's; else 127.0.0.1. Chosen once per process.
+
+        Raises:
+            ConfigError: ``DMLC_INTERFACE`` names no interface with an IPv4 address.
+        """
+        return _select_address(self.node_host, self.interface, self.root_uri, self.root_port)
+
+    def socket_interfaces(self) -> dict[str, str]:
+        """``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` for this process.
+
+        The configured ones; else the interface holding :meth:`address` (left out when the
+        address is on no local interface, e.g. a NAT address in ``DMLC_NODE_HOST``), so
+        that collectives use the network the PS uses rather than whatever the host name
+        resolves to (loopback in a network namespace or a container).
+        """
+        own = self.address().interface
+        chosen = {"GLOO_SOCKET_IFNAME": self.gloo_ifname or own,
+                  "NCCL_SOCKET_IFNAME": self.nccl_ifname or own}
+        return {name: value for name, value in chosen.items() if value}
+
+    def export_socket_interfaces(self) -> dict[str, str]:
+        """Put :meth:`socket_interfaces` into this process's environment, where gloo and NCCL
+        read them; call it before ``torch.distributed.init_process_group``.
+
+        Returns:
+            the variables set.
+        """
+        chosen = self.socket_interfaces()
+        os.environ.update(chosen)
+        return chosen
+
+    def ignored_warnings(self) -> list[str]:
+        """One message per unsupported BytePS / ps-lite variable that is set (not fatal)."""
+        why = {u.name: u.why for u in UNSUPPORTED}
+        return [f"{name}={value!r} is ignored: it {why[name]}." for name, value in self.ignored]
 
     def as_env(self) -> dict[str, str]:
         """The variables that reproduce this Config, for child processes."""
@@ -332,11 +477,73 @@ class Config:
         return out
 
 
-def _parse_one(var: Variable, raw: str | None) -> Any:
+def _parse_one(var: Variable, raw: str | None, name: str | None = None) -> Any:
     try:
         return var.parse(raw if raw is not None else "")
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{var.name}={raw!r} is invalid: {exc}. {var.doc}") from None
+        raise ConfigError(f"{name or var.name}={raw!r} is invalid: {exc}. {var.doc}") from None
+
+
+# Values of an unsupported variable that ask for nothing (BytePS reads them as "off").
+_OFF = ("", "0", "false", "no", "off")
+
+
+def _unsupported(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The unsupported variables set to a true value; raises for those that change results."""
+    found = []
+    for item in UNSUPPORTED:
+        raw = env.get(item.name)
+        if raw is None or raw.strip().lower() in _OFF:
+            continue
+        if item.fatal:
+            raise ConfigError(f"{item.name}={raw!r} {item.why}.")
+        found.append((item.name, raw))
+    return tuple(found)
+
+
+# ---- addresses ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Address:
+    """The address a process binds and advertises, and why.
+
+    Attributes:
+        host: the address (or host name, when ``DMLC_NODE_HOST`` gives one).
+        interface: the local interface holding it (None when it is on none of them).
+        reason: which rule chose it, for logs and error messages.
+    """
+
+    host: str
+    interface: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"interface {self.interface}" if self.interface else "no local interface"
+        return f"{self.host} ({where}; {self.reason})"
+
+
+def _interface_ipv4(name: str) -> str | None:
+    """IPv4 address of interface ``name`` (Linux SIOCGIFADDR: the primary one), or None."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915  # ioctl number from <linux/sockios.h>
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), siocgifaddr,
+                                 struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return str(ipaddress.IPv4Address(packed[20:24]))
+
+
+def interfaces() -> list[tuple[str, str]]:
+    """``(name, IPv4 address)`` of this host's interfaces that have one, in index order."""
+    found = []
+    for _, name in socket.if_nameindex():
+        address = _interface_ipv4(name)
+        if address is not None:
+            found.append((name, address))
+    return found
 
 
 def interface_address(name: str) -> str:
@@ -345,25 +552,68 @@ def interface_address(name: str) -> str:
     Raises:
         ConfigError: the interface does not exist or has no IPv4 address.
     """
-    import fcntl
-    import socket
-    import struct
+    address = _interface_ipv4(name)
+    if address is None:
+        known = ", ".join(n for n, _ in interfaces()) or "none"
+        raise ConfigError(
+            f"DMLC_INTERFACE={name!r} is not an interface with an IPv4 address (this host "
+            f"has: {known}); set it to one of them, or set DMLC_NODE_HOST.")
+    return address
 
-    siocgifaddr = 0x8915  # ioctl number from <linux/sockios.h>
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            packed = fcntl.ioctl(sock.fileno(), siocgifaddr,
-                                 struct.pack("256s", name.encode()[:15]))
-        except OSError as exc:
-            raise ConfigError(
-                f"DMLC_INTERFACE={name!r} has no IPv4 address ({exc.strerror}); "
-                "set it to an interface listed by `ip -4 addr`, or set DMLC_NODE_HOST."
-            ) from None
-    return str(ipaddress.IPv4Address(packed[20:24]))
+
+def _resolve(host: str, port: int = 0) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)
+    except (socket.gaierror, UnicodeError):
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def _interface_of(host: str) -> str | None:
+    """The local interface holding ``host``'s address (resolved), or None."""
+    addresses = set(_resolve(host))
+    return next((name for name, address in interfaces() if address in addresses), None)
+
+
+def _route_source(host: str, port: int) -> str | None:
+    """The source address the kernel would use to reach ``host`` (a UDP connect sends
+    nothing), or None when it does not resolve or has no route."""
+    for address in _resolve(host, port):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.connect((address, port))
+            except OSError:
+                continue
+            return str(sock.getsockname()[0])
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _select_address(node_host: str | None, interface: str | None, root_uri: str,
+                    root_port: int) -> Address:
+    if node_host:
+        chosen = Address(node_host, _interface_of(node_host), "DMLC_NODE_HOST")
+    elif interface:
+        chosen = Address(interface_address(interface), interface, "DMLC_INTERFACE")
+    elif (routed := _route_source(root_uri, root_port)) is not None:
+        chosen = Address(routed, _interface_of(routed),
+                         f"the route to DMLC_PS_ROOT_URI={root_uri}")
+    else:
+        outside = [(n, a) for n, a in interfaces() if not ipaddress.ip_address(a).is_loopback]
+        if outside:
+            chosen = Address(outside[0][1], outside[0][0],
+                             f"the first non-loopback interface: DMLC_PS_ROOT_URI={root_uri} "
+                             "has no route from here")
+        else:
+            chosen = Address("127.0.0.1", _interface_of("127.0.0.1"),
+                             "this host has no other interface")
+    log.info("advertising %s", chosen)
+    return chosen
 
 
 def markdown_table() -> str:
-    """The README's configuration table, generated from :data:`VARIABLES`."""
+    """The README's configuration tables, generated from :data:`VARIABLES` and
+    :data:`UNSUPPORTED`."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     for var in VARIABLES:
         default = var.default.value if isinstance(var.default, enum.Enum) else var.default
@@ -373,5 +623,13 @@ def markdown_table() -> str:
             default_text = "unset"
         else:
             default_text = f"`{default}`"
-        rows.append(f"| `{var.name}` | {default_text} | {var.doc} |")
+        names = " or ".join(f"`{n}`" for n in (var.name, *var.fallbacks))
+        rows.append(f"| {names} | {default_text} | {var.doc} |")
+    rows += ["", "BytePS and ps-lite variables that are not implemented: set to a true value, "
+             "each is reported once per job (rank 0 logs a warning), or refused before "
+             "anything starts where ignoring it would change the result.", "",
+             "| variable | when set |", "| --- | --- |"]
+    for item in UNSUPPORTED:
+        rows.append(f"| `{item.name}` | {'error' if item.fatal else 'warning'}: it "
+                    f"{item.why}. |")
     return "\n".join(rows)

@@ -7,16 +7,18 @@ Two ways to use it:
       DMLC_ROLE=worker DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=1 DMLC_PS_ROOT_URI=10.0.0.1 \\
       DMLC_PS_ROOT_PORT=9000 DMLC_WORKER_ID=0 BYTEPS_LOCAL_SIZE=4 bpslaunch python train.py
 
-  As a worker it starts ``BYTEPS_LOCAL_SIZE`` copies of the command, each with its
-  ``BYTEPS_LOCAL_RANK`` and one GPU (``CUDA_VISIBLE_DEVICES``) where there are GPUs; as
-  scheduler or server it runs ``python -m byteps_espresso.server`` (the command is ignored,
-  as BytePS does).
+  As a worker it starts one copy of the command per GPU, as BytePS's launcher does
+  (``BYTEPS_LOCAL_SIZE`` if set, else one per GPU listed in ``NVIDIA_VISIBLE_DEVICES``, else
+  one), each with its ``BYTEPS_LOCAL_RANK``; every copy sees all of the machine's GPUs and
+  picks ``cuda:<local rank>``. As scheduler or server it runs ``python -m
+  byteps_espresso.server`` (the command is ignored, as BytePS does).
 
 * **Local** (the embedded default: the whole job on this host)::
 
       espresso-launch --local --machines 2 --workers-per-machine 2 --servers 1 -- python train.py
 
-  starts the scheduler, the servers and every worker with free loopback ports; with
+  starts the scheduler, the servers and every worker with free loopback ports (each emulated
+  machine gets its share of this host's GPUs in ``CUDA_VISIBLE_DEVICES``); with
   ``--emulate`` each machine gets its own network namespace and shaped links instead
   (see :mod:`byteps_espresso.deploy.emulate`).
 
@@ -48,6 +50,7 @@ __all__ = [
     "cluster_specs",
     "free_port_pair",
     "gpu_ids",
+    "local_size",
     "machine_specs",
     "main",
 ]
@@ -110,13 +113,40 @@ def gpu_ids(cfg: Config) -> list[str]:
             enumerate(ln for ln in listing.stdout.splitlines() if ln.startswith("GPU "))]
 
 
-def _gpu_env(index: int, gpus: Sequence[str]) -> dict[str, str]:
+def _machine_gpus(machine: int, per_machine: int, gpus: Sequence[str]) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for emulated machine ``machine`` of a local job: its own
+    ``per_machine`` GPUs, round-robin (and shared, with a warning) when there are too few."""
     if not gpus:
         return {}
-    if index >= len(gpus):
-        log.warning("%d GPUs for more training processes: process %d shares GPU %s",
-                    len(gpus), index, gpus[index % len(gpus)])
-    return {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]}
+    wanted = [gpus[(machine * per_machine + k) % len(gpus)] for k in range(per_machine)]
+    if (machine + 1) * per_machine > len(gpus):
+        log.warning("%d GPUs for more training processes: machine %d shares GPU(s) %s",
+                    len(gpus), machine, ",".join(dict.fromkeys(wanted)))
+    return {"CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(wanted))}
+
+
+# NVIDIA_VISIBLE_DEVICES values of the NVIDIA container runtime that expose no GPU.
+_NO_GPU = ("", "none", "void")
+
+
+def local_size(cfg: Config, gpus: Sequence[str] | None = None) -> int:
+    """Training processes a worker machine starts, as BytePS's launcher decides it.
+
+    ``BYTEPS_LOCAL_SIZE`` when set; else one per GPU in ``NVIDIA_VISIBLE_DEVICES`` (``all``:
+    per GPU in ``gpus``, default :func:`gpu_ids`); else one.
+    """
+    if "BYTEPS_LOCAL_SIZE" in cfg.explicit or cfg.nvidia_visible_devices is None:
+        return cfg.local_size
+    listed = cfg.nvidia_visible_devices.strip().lower()
+    if listed in _NO_GPU:
+        return 1
+    if listed == "all":
+        count = len(gpus if gpus is not None else gpu_ids(cfg))
+        if count == 0:
+            log.warning("NVIDIA_VISIBLE_DEVICES=all but nvidia-smi lists no GPU: starting one "
+                        "training process; set BYTEPS_LOCAL_SIZE to start more")
+        return max(1, count)
+    return len([d for d in listed.split(",") if d.strip()])
 
 
 def _checked(env: dict[str, str]) -> dict[str, str]:
@@ -167,6 +197,9 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
     })
     gpus = gpu_ids(Config.from_env({**common, "DMLC_ROLE": "scheduler"}))
     cpu_only = {"CUDA_VISIBLE_DEVICES": ""}  # servers aggregate on host CPUs
+    # A local machine's own GPUs are decided here: a NVIDIA_VISIBLE_DEVICES inherited from
+    # this host must not make the machines' launch logic count them again.
+    common.pop("NVIDIA_VISIBLE_DEVICES", None)
 
     def ps_spec(role: Role, index: int) -> ProcessSpec:
         where = place(role.value, index)
@@ -177,9 +210,10 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
     specs = [ps_spec(Role.SCHEDULER, 0)] + [ps_spec(Role.SERVER, j) for j in range(servers)]
     for machine in range(machines):
         where = place(Role.WORKER.value, machine)
+        machine_gpus = _machine_gpus(machine, workers_per_machine, gpus)
         for local in range(workers_per_machine):
             rank = machine * workers_per_machine + local
-            env = {**common, **dict(where.env), **_gpu_env(rank, gpus), "DMLC_ROLE": "worker",
+            env = {**common, **dict(where.env), **machine_gpus, "DMLC_ROLE": "worker",
                    "DMLC_NODE_HOST": where.host, "DMLC_WORKER_ID": str(machine),
                    "BYTEPS_LOCAL_RANK": str(local)}
             specs.append(ProcessSpec("worker", rank, (*where.prefix, *command), _checked(env)))
@@ -200,10 +234,17 @@ def machine_specs(command: Sequence[str], environ: Mapping[str, str]) -> list[Pr
     if not command:
         raise ValueError("no training command given: bpslaunch python train.py ...")
     gpus = gpu_ids(cfg)
+    size = local_size(cfg, gpus)
+    if 0 < len(gpus) < size:
+        log.warning("%d training processes but %d GPU(s) visible: local ranks >= %d cannot "
+                    "use torch.cuda.set_device(bps.local_rank()); set BYTEPS_LOCAL_SIZE or "
+                    "NVIDIA_VISIBLE_DEVICES to the GPU count", size, len(gpus), len(gpus))
     specs = []
-    for local in range(cfg.local_size):
-        env = {**base, **_gpu_env(local, gpus), "BYTEPS_LOCAL_RANK": str(local)}
-        rank = cfg.machine_id * cfg.local_size + local
+    for local in range(size):
+        # Every process sees all of the machine's GPUs (CUDA_VISIBLE_DEVICES untouched), as
+        # with BytePS: the script selects one with torch.cuda.set_device(bps.local_rank()).
+        env = {**base, "BYTEPS_LOCAL_SIZE": str(size), "BYTEPS_LOCAL_RANK": str(local)}
+        rank = cfg.machine_id * size + local
         specs.append(ProcessSpec("worker", rank, tuple(command), _checked(env)))
     return specs
 

@@ -18,6 +18,10 @@ Run it under the launcher, or by hand with BytePS's environment on every process
 tensor with ``--compressor``/``--ratio``) or ``strategy`` (``--strategy FILE`` from
 ``espresso plan``). Rank 0 prints per-epoch loss and throughput and, with ``--metrics-out``,
 writes them as JSON.
+
+With GPUs it trains on ``cuda:<local rank>`` as BytePS scripts do: every process of a machine
+sees all of its GPUs and ``torch.cuda.set_device(bps.local_rank())`` picks one (a local job
+with more workers per machine than GPUs shares them round-robin).
 """
 
 from __future__ import annotations
@@ -142,11 +146,21 @@ def main() -> None:
         bps.shutdown()
 
 
+def training_device() -> torch.device:
+    """``cuda:<local rank>`` when there are GPUs (``torch.cuda.set_device(bps.local_rank())``,
+    round-robin when this machine has fewer GPUs than workers), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(bps.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def train(args: argparse.Namespace) -> None:
     rank, world = bps.rank(), bps.size()
+    device = training_device()
     torch.manual_seed(args.seed)
     task = MarkovTask(args.vocab, args.determinism, args.seed)
-    model = MODELS[args.model](args.vocab, args.dim, args.hidden)
+    model = MODELS[args.model](args.vocab, args.dim, args.hidden).to(device)
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
@@ -162,7 +176,7 @@ def train(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         for _ in bar:
             t0 = time.perf_counter()
-            x, y = task.batch(args.batch_size, args.seq, gen)
+            x, y = (t.to(device) for t in task.batch(args.batch_size, args.seq, gen))
             opt.zero_grad()
             loss = loss_fn(model(x).reshape(-1, args.vocab), y.reshape(-1))
             loss.backward()
@@ -171,14 +185,15 @@ def train(args: argparse.Namespace) -> None:
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         elapsed = time.perf_counter() - start
-        mean_loss = bps.push_pull(torch.tensor([statistics.fmean(losses)]), name="epoch.loss")
+        mean_loss = bps.push_pull(torch.tensor([statistics.fmean(losses)], device=device),
+                                  name="epoch.loss")
         row = {"epoch": epoch, "loss": float(mean_loss.item()),
                "samples_per_s": args.batch_size * world * args.steps_per_epoch / elapsed,
                "iteration_ms_median": statistics.median(iter_s) * 1e3}
         history.append(row)
         if rank == 0:
-            logging.info("epoch %d: loss %.4f (best possible %.4f), %.0f samples/s, "
-                         "%.2f ms/iteration", epoch, row["loss"], task.entropy(),
+            logging.info("epoch %d on %s: loss %.4f (best possible %.4f), %.0f samples/s, "
+                         "%.2f ms/iteration", epoch, device, row["loss"], task.entropy(),
                          row["samples_per_s"], row["iteration_ms_median"])
     if rank == 0 and args.metrics_out:
         strategy = bps.planned_strategy()

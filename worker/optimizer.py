@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.executor import Engine, Handle
+from byteps_espresso.worker.reduction import ReduceOp, resolve_op
 from byteps_espresso.worker.session import Session, current
 from byteps_espresso.worker.trials import Trials
 
@@ -193,9 +194,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
 
     def __init__(self, params: Any, named_parameters: Sequence[tuple[str, torch.Tensor]],
-                 compression: CompressionSpec, backward_passes_per_step: int) -> None:
+                 compression: CompressionSpec, backward_passes_per_step: int,
+                 scale: tuple[float, float | None] = (1.0, None)) -> None:
         super(self.__class__, self).__init__(params)  # the wrapped optimizer's own __init__
-        self._bps = _Sync(self, named_parameters, compression, backward_passes_per_step)
+        self._bps = _Sync(self, named_parameters, compression, backward_passes_per_step, scale)
 
     def synchronize(self) -> None:
         """Wait for every gradient of this iteration and write the averages into ``.grad``.
@@ -274,7 +276,8 @@ class _Sync:
     """Hook bookkeeping, buckets, submission order, profiling and planning of one optimizer."""
 
     def __init__(self, opt: torch.optim.Optimizer, named: Sequence[tuple[str, torch.Tensor]],
-                 compression: CompressionSpec, passes: int) -> None:
+                 compression: CompressionSpec, passes: int,
+                 scale: tuple[float, float | None] = (1.0, None)) -> None:
         self.session = current()
         self.compression = compression
         self.passes = passes
@@ -307,6 +310,10 @@ class _Sync:
         self.codec = compression.codec(self.session)
         self.engine: Engine = self.session.plain
         self.options: dict[str, Option] | None = None
+        # Each gradient is divided by `predivide` before it is sent and the sum by `divisor`
+        # after (the world size: the average; 1: the sum; see DistributedOptimizer's op).
+        self.predivide, divisor = scale
+        self.divisor = self.world if divisor is None else divisor
         self._profile_steps = compression.profile_steps(self.session)
         self.probes = None
         self.trials: Trials | None = None
@@ -376,6 +383,9 @@ class _Sync:
                     piece.zero_()
                 else:
                     piece.copy_(grad.reshape(-1))
+        if self.predivide != 1.0:  # the buffer is ours; a bucket of one is the user's .grad
+            flat = flat.div_(self.predivide) if bucket.buffer is not None \
+                else flat / self.predivide
         option = self.options[bucket.name] if self.options is not None else self.session.fp32
         if option.is_compressed and not bool(torch.isfinite(flat).all()):
             self.zeroed.append(self._first_nonfinite(bucket, flat))
@@ -500,7 +510,7 @@ class _Sync:
         """The average over workers into each member's ``.grad``."""
         if bucket.buffer is not None and total.data_ptr() == bucket.buffer.data_ptr():
             total = total.clone()  # the buffer is rewritten next iteration; .grad must not be
-        avg = total.reshape(-1).div_(self.world)
+        avg = total.reshape(-1).div_(self.divisor)
         for name, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels,
                                        strict=True):
             p = self.params[name]
@@ -594,7 +604,9 @@ def _named(optimizer: torch.optim.Optimizer,
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: CompressionSpec = Compression.none,
-                         backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+                         backward_passes_per_step: int = 1, *,
+                         op: ReduceOp = ReduceOp.AVERAGE,
+                         gradient_predivide_factor: float = 1.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies the gradients averaged over all workers.
 
     Args:
@@ -602,6 +614,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         named_parameters: ``model.named_parameters()``; names select per-tensor strategies.
         compression: ``Compression.none``, ``.fp16``, ``.espresso(...)`` or ``.strategy(path)``.
         backward_passes_per_step: local backward passes accumulated before communicating.
+        op: ``ReduceOp.AVERAGE`` or ``ReduceOp.SUM`` of the workers' gradients.
+        gradient_predivide_factor: with AVERAGE, each gradient is divided by it before the
+            sum and the sum by (world size / factor) after, as Horovod does.
 
     Returns:
         An optimizer of the same class whose ``step()`` synchronizes first.
@@ -614,10 +629,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     current()
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    op = resolve_op(None, op)
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor needs op=Average (it divides before the sum "
+                         "and multiplies back after)")
+    world = current().runtime.topology.world_size
+    divisor = world / gradient_predivide_factor if op is ReduceOp.AVERAGE else 1.0
     if not isinstance(compression, CompressionSpec):
         raise TypeError("compression must be Compression.none, Compression.fp16, "
                         "Compression.espresso(...) or Compression.strategy(path)")
     named = _named(optimizer, named_parameters)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named, compression, backward_passes_per_step)
+    return cls(optimizer.param_groups, named, compression, backward_passes_per_step,
+               (gradient_predivide_factor, divisor))

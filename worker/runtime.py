@@ -42,7 +42,11 @@ DEFAULT_LANES = 2
 
 
 def default_device(cfg: Config) -> torch.device:
-    """The training device: ``cuda:<local rank mod GPUs>`` when CUDA is available, else CPU."""
+    """The training device: ``cuda:<local rank mod GPUs>`` when CUDA is available, else CPU.
+
+    Every process of a machine sees all of its GPUs (as with BytePS); the local rank picks
+    one, as ``torch.cuda.set_device(bps.local_rank())`` does in a training script.
+    """
     if torch.cuda.is_available():
         return torch.device("cuda", cfg.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -76,12 +80,18 @@ class Runtime:
         self._store, self._store_socket = None, None
         if self._owns_world:
             timeout_s = max(cfg.start_timeout_s, cfg.op_timeout_s)
+            # gloo and NCCL pick their interface from the host name unless told; point them
+            # at the one this process advertises (or the user's choice).
+            interfaces = cfg.export_socket_interfaces()
             if cfg.num_servers == 0 and self.topology.rank == 0:
                 # No PS scheduler in this job: rank 0 hosts the rendezvous store itself.
                 self._store, self._store_socket = host_store(
                     cfg.bind_host(), cfg.root_uri, cfg.store_port, timeout_s)
+            ifname = interfaces.get("NCCL_SOCKET_IFNAME" if self.backend == "nccl"
+                                    else "GLOO_SOCKET_IFNAME", "the host name's")
             init_distributed(self.topology, cfg.root_uri, cfg.store_port, backend=self.backend,
-                             timeout_s=timeout_s, store=self._store)
+                             timeout_s=timeout_s, store=self._store,
+                             address=f"{cfg.address()}, {self.backend} over {ifname}")
         self.transports = create_groups(self.topology, lanes, backend=self.backend,
                                         comm_device=comm_device)
         self.ps_client = None
@@ -124,12 +134,17 @@ class Runtime:
 
         dist.barrier(group=self.transports[0].groups[Scope.FLAT])
 
-    def broadcast(self, tensor: torch.Tensor, root_rank: int) -> None:
-        """Overwrite ``tensor`` in place with global rank ``root_rank``'s values."""
+    def broadcast(self, tensor: torch.Tensor, root_rank: int, lane: int = 0) -> None:
+        """Overwrite ``tensor`` in place with global rank ``root_rank``'s values.
+
+        Args:
+            lane: whose flat group to use; call it on that lane's thread (``Engine.call``)
+                while the lane may be busy, so that it keeps its place in the lane's order.
+        """
         import torch.distributed as dist
 
-        group = self.transports[0].groups[Scope.FLAT]
-        comm = self.transports[0].comm_device
+        group = self.transports[lane].groups[Scope.FLAT]
+        comm = self.transports[lane].comm_device
         buf = tensor.detach().to(comm).contiguous()
         if self.topology.world_size > 1:
             dist.broadcast(buf, src=root_rank, group=group)
@@ -137,19 +152,19 @@ class Runtime:
             with torch.no_grad():
                 tensor.copy_(buf)
 
-    def broadcast_bytes(self, data: bytes | None, root_rank: int = 0) -> bytes:
+    def broadcast_bytes(self, data: bytes | None, root_rank: int = 0, lane: int = 0) -> bytes:
         """``root_rank``'s bytes on every rank (length first, then a uint8 tensor)."""
         me = self.topology.rank == root_rank
         if me and data is None:
             raise ValueError("the broadcast root must pass the bytes to send")
         length = torch.tensor([len(data) if me else 0], dtype=torch.int64)  # type: ignore[arg-type]
-        self.broadcast(length, root_rank)
+        self.broadcast(length, root_rank, lane)
         if me and data:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             buf = torch.empty(int(length.item()), dtype=torch.uint8)
         if buf.numel():
-            self.broadcast(buf, root_rank)
+            self.broadcast(buf, root_rank, lane)
         return bytes(buf.numpy().tobytes())
 
     def close(self) -> None:

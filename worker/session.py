@@ -17,7 +17,7 @@ from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy.options import Option, Scope
 
-__all__ = ["NotInitializedError", "Session", "current", "fp32_option", "install",
+__all__ = ["NotInitializedError", "Session", "current", "fp32_option", "install", "installed",
            "slowest_across_ranks", "uninstall"]
 
 
@@ -48,6 +48,8 @@ class Session:
         self.lock = threading.Lock()
         # The Strategy planned at start-up or loaded (set by the optimizer's compression).
         self.strategy: Any = None
+        # Tensor names declared with ``declare()``, in declaration order.
+        self.declared: dict[str, int] = {}
 
 
 _session: Session | None = None
@@ -65,6 +67,11 @@ def uninstall() -> Session | None:
     global _session
     session, _session = _session, None
     return session
+
+
+def installed() -> bool:
+    """True while a session is installed (between ``init()`` and ``shutdown()``)."""
+    return _session is not None
 
 
 def current() -> Session:

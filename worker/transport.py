@@ -35,8 +35,8 @@ from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy.options import Scope
 
-__all__ = ["DistTransport", "PSPath", "PayloadSpec", "Transport", "create_groups",
-           "host_store", "init_distributed", "pack", "unpack"]
+__all__ = ["DistTransport", "PSPath", "PayloadSpec", "RendezvousError", "Transport",
+           "create_groups", "host_store", "init_distributed", "pack", "unpack"]
 
 log = logging.getLogger(__name__)
 
@@ -313,25 +313,76 @@ def host_store(bind_host: str, advertise_host: str, port: int,
     return store, sock  # the caller keeps the listening socket alive with the store
 
 
+class RendezvousError(RuntimeError):
+    """This process could not join the torch.distributed world; the message names the store
+    and every address the ranks advertised."""
+
+
+# Store key under which each rank publishes the address it advertises (read back only to
+# name the addresses in a rendezvous error).
+_ADDRESS_KEY = "espresso/address/{rank}"
+
+
 def init_distributed(topology: Topology, host: str, port: int, *, backend: str = "gloo",
-                     timeout_s: float = 60.0, store: Any = None) -> None:
+                     timeout_s: float = 60.0, store: Any = None, address: str = "") -> None:
     """Join the job's ``torch.distributed`` world through the TCPStore at ``host:port``.
 
     The scheduler hosts the store (INTERFACES.md), or rank 0 when the job has no servers
-    (pass its ``host_store`` as ``store``); every other process is a client.
+    (pass its ``host_store`` as ``store``); every other process is a client. Each rank
+    publishes ``address`` (what it advertises, and over which interface) in the store first,
+    so that a rank that cannot complete the rendezvous says which peers it heard of, and at
+    which addresses.
 
     Raises:
-        RuntimeError: the store cannot be reached or the world does not assemble in time.
+        RendezvousError: the store cannot be reached or the world does not assemble in time;
+            the message names the store's address and every rank's advertised address.
     """
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    rank, world = topology.rank, topology.world_size
     if store is None:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=topology.rank,
-                            world_size=topology.world_size, timeout=timeout)
-    log.debug("rank %d joined torch.distributed (%s) via %s:%d", topology.rank, backend, host,
-              port)
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except (RuntimeError, OSError) as exc:
+            raise RendezvousError(
+                f"rank {rank} (advertising {address or 'unknown'}) cannot reach the "
+                f"torch.distributed store at {host}:{port} within {timeout_s:g} s: "
+                f"{_first_line(exc)}. Check that DMLC_PS_ROOT_URI={host} is this job's "
+                f"scheduler (rank 0 when DMLC_NUM_SERVER=0), that it runs, and that port "
+                f"{port} (DMLC_PS_ROOT_PORT + 1) is reachable from this machine") from None
+    store.set(_ADDRESS_KEY.format(rank=rank), address)
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+    except (RuntimeError, OSError) as exc:
+        raise RendezvousError(
+            f"rank {rank} could not form the {backend} world of {world} ranks through the "
+            f"store at {host}:{port} within {timeout_s:g} s: {_first_line(exc)}. Addresses "
+            f"the ranks advertised: {_advertised(store, world)}. Every rank must reach every "
+            "other at its address: set DMLC_NODE_HOST or DMLC_INTERFACE (or "
+            "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) where one is wrong") from None
+    log.debug("rank %d joined torch.distributed (%s) via %s:%d as %s", rank, backend, host,
+              port, address)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+
+
+def _advertised(store: Any, world: int) -> str:
+    """``rank N: address`` for every rank of the world, as published in ``store`` (never
+    blocks on a rank that did not)."""
+    parts = []
+    for rank in range(world):
+        key = _ADDRESS_KEY.format(rank=rank)
+        try:
+            known = store.check([key])
+            value = store.get(key).decode() if known else "never reached the store"
+        except (RuntimeError, OSError):
+            value = "unknown (the store is gone)"
+        parts.append(f"rank {rank}: {value}")
+    return "; ".join(parts)
 
 
 def create_groups(topology: Topology, lanes: int, *, backend: str | None = None,

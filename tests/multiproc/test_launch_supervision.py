@@ -94,14 +94,15 @@ def _kill_leftovers(out: Path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_worker_role_starts_local_size_ranks_with_one_gpu_each(tmp_path):
+def test_worker_role_starts_local_size_ranks_that_see_every_gpu(tmp_path):
     proc = _launch(tmp_path, [], env=_env(CUDA_VISIBLE_DEVICES="5,6,7"))
     try:
         out, err = _finish(proc)
         assert proc.returncode == 0, err
         lines = sorted(line for line in out.splitlines() if "rank=" in line)
-        assert lines == ["[worker 3] rank=3 gpu=5", "[worker 4] rank=4 gpu=6",
-                         "[worker 5] rank=5 gpu=7"]
+        # As with BytePS: each selects cuda:<local rank> among the machine's GPUs.
+        assert lines == ["[worker 3] rank=3 gpu=5,6,7", "[worker 4] rank=4 gpu=5,6,7",
+                         "[worker 5] rank=5 gpu=5,6,7"]
     finally:
         _kill_leftovers(tmp_path)
 

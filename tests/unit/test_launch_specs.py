@@ -45,10 +45,51 @@ def test_inherited_cluster_variables_are_replaced_and_knobs_kept():
     assert specs[-1].env["DMLC_WORKER_ID"] == "1"
 
 
-def test_gpus_are_handed_out_one_per_worker_and_never_to_servers():
-    specs = _plan(base_env={"CUDA_VISIBLE_DEVICES": "2,3,4,5,6,7"})
-    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs[3:]] == ["2", "3", "4", "5", "6", "7"]
+def test_each_local_machine_gets_its_gpus_and_servers_none():
+    specs = _plan(base_env={"CUDA_VISIBLE_DEVICES": "2,3,4,5,6,7",
+                            "NVIDIA_VISIBLE_DEVICES": "all"})
+    # Every process of a machine sees the machine's GPUs; its local rank picks one.
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs[3:]] == ["2,3,4"] * 3 + ["5,6,7"] * 3
     assert all(s.env["CUDA_VISIBLE_DEVICES"] == "" for s in specs[:3])
+    assert not any("NVIDIA_VISIBLE_DEVICES" in s.env for s in specs)
+
+
+def test_too_few_gpus_for_local_machines_are_shared():
+    specs = _plan(base_env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs[3:]] == ["0,1,2"] * 3 + ["3,0,1"] * 3
+
+
+BYTEPS_WORKER = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
+                 "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9000",
+                 "DMLC_WORKER_ID": "1"}
+
+
+def test_bpslaunch_starts_one_process_per_nvidia_visible_device_like_byteps():
+    specs = machine_specs(["python", "train.py"],
+                          {**BYTEPS_WORKER, "NVIDIA_VISIBLE_DEVICES": "0,1,2,3"})
+    configs = [Config.from_env(s.env) for s in specs]
+    assert [(c.local_size, c.local_rank, c.rank) for c in configs] == [
+        (4, k, 4 + k) for k in range(4)]
+    # No process is narrowed to one GPU: each sees the machine's and selects cuda:local_rank.
+    assert not any("CUDA_VISIBLE_DEVICES" in s.env for s in specs)
+    kept = machine_specs(["python", "train.py"], {**BYTEPS_WORKER, "BYTEPS_LOCAL_SIZE": "2",
+                                                  "CUDA_VISIBLE_DEVICES": "4,5"})
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in kept] == ["4,5", "4,5"]
+
+
+@pytest.mark.parametrize(("env", "gpus", "expected"), [
+    ({"NVIDIA_VISIBLE_DEVICES": "GPU-aaa,GPU-bbb"}, [], 2),
+    ({"NVIDIA_VISIBLE_DEVICES": "0,1,2,3", "BYTEPS_LOCAL_SIZE": "2"}, [], 2),
+    ({"NVIDIA_VISIBLE_DEVICES": "all"}, ["0", "1", "2"], 3),
+    ({"NVIDIA_VISIBLE_DEVICES": "all"}, [], 1),
+    ({"NVIDIA_VISIBLE_DEVICES": "none"}, ["0"], 1),
+    ({"NVIDIA_VISIBLE_DEVICES": "void"}, [], 1),
+    ({}, ["0", "1"], 1),
+])
+def test_local_size_as_byteps_decides_it(env, gpus, expected):
+    from byteps_espresso.deploy.launch import local_size
+
+    assert local_size(Config.from_env({**BYTEPS_WORKER, **env}), gpus) == expected
 
 
 def test_placement_sets_prefix_and_addresses():
@@ -73,6 +114,11 @@ def test_placement_sets_prefix_and_addresses():
 def test_bad_counts_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         _plan(**kw)
+
+
+def test_async_training_is_refused_before_anything_starts():
+    with pytest.raises(ConfigError, match="BYTEPS_ENABLE_ASYNC='1' asks for asynchronous"):
+        _plan(base_env={"BYTEPS_ENABLE_ASYNC": "1"})
 
 
 def test_malformed_knob_is_named_before_anything_starts():

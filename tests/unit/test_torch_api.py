@@ -1,5 +1,7 @@
 """Misuse of the drop-in API fails with messages that say what to change."""
 
+import json
+
 import pytest
 import torch
 from byteps_espresso.worker.optimizer import _named
@@ -44,3 +46,129 @@ def test_strategy_file_for_another_world_size_says_how_to_replan(tmp_path):
     strategy = StrategyFileSpec(str(path))._load(
         types.SimpleNamespace(runtime=types.SimpleNamespace(topology=Topology(4, 2))))
     assert strategy.options
+
+
+def test_is_initialized_and_declare_before_init():
+    assert bps.is_initialized() is False
+    with pytest.raises(bps.NotInitializedError):
+        bps.declare("w")
+
+
+# ---- objects on the wire (no pickle) --------------------------------------------------------
+def test_objects_round_trip_with_their_types():
+    import numpy as np
+    from byteps_espresso.worker.objects import decode_object, encode_object
+
+    obj = {"epoch": 3, "lr": 0.1, "betas": (0.9, (0.99,)), 4: [None, True, "x"],
+           "bytes": b"\x00\xff", "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+           "scalar": torch.tensor(2.5), "a": np.arange(4, dtype=np.int16),
+           "__espresso__": "a user key that looks like a tag", "inf": float("-inf")}
+    data = encode_object(obj)
+    assert json.loads(data)  # plain JSON
+    back = decode_object(data)
+    assert back.keys() == obj.keys() and back["betas"] == (0.9, (0.99,)) and back[4] == [
+        None, True, "x"]
+    assert back["t"].dtype == torch.bfloat16 and torch.equal(back["t"], obj["t"])
+    assert back["scalar"].shape == () and back["a"].dtype == np.int16
+    assert back["__espresso__"] == obj["__espresso__"] and back["inf"] == float("-inf")
+
+
+@pytest.mark.parametrize("bad", [object(), {(1, 2): 3}, {"f": print},
+                                 torch.zeros(2).to_sparse()])
+def test_unsupported_objects_are_refused_by_name(bad):
+    from byteps_espresso.worker.objects import encode_object
+
+    with pytest.raises(TypeError, match="cannot encode"):
+        encode_object(bad)
+
+
+def test_received_object_arrays_are_refused():
+    import numpy as np
+    from byteps_espresso.worker.objects import decode_object, encode_object
+
+    forged = encode_object(np.arange(2)).replace(b"<i8", b"|O")
+    with pytest.raises(ValueError, match="not an encoded object"):
+        decode_object(forged)
+
+
+# ---- reduction operators --------------------------------------------------------------------
+def test_op_supersedes_average_as_in_horovod():
+    from byteps_espresso.worker.reduction import ReduceOp, resolve_op
+
+    assert resolve_op(None, None) is ReduceOp.AVERAGE
+    assert resolve_op(False, None) is ReduceOp.SUM
+    assert resolve_op(None, bps.Sum) is ReduceOp.SUM
+    with pytest.raises(ValueError, match="supersedes"):
+        resolve_op(True, bps.Average)
+    with pytest.raises(ValueError, match="Adasum"):
+        resolve_op(None, bps.Adasum)
+
+
+# ---- job-wide compression variables ---------------------------------------------------------
+def _cfg(**env):
+    from byteps_espresso.config import Config
+
+    return Config.from_env({"DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "0",
+                            "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000", **env})
+
+
+def test_espresso_strategy_replaces_any_compression():
+    from byteps_espresso.worker.profiler import StrategyFileSpec
+
+    cfg = _cfg(ESPRESSO_STRATEGY="/plans/s.json")
+    for spec in (bps.Compression.none, bps.Compression.fp16,
+                 bps.Compression.espresso("dgc", ratio=0.01, error_feedback=True)):
+        chosen = bps.job_compression(cfg, spec)
+        assert isinstance(chosen, StrategyFileSpec) and chosen.path == "/plans/s.json"
+        assert chosen.profile_steps(None) == 0  # nothing is profiled or planned
+    assert bps.job_compression(cfg, bps.Compression.espresso("dgc", error_feedback=True)
+                               ).error_feedback is True
+
+
+def test_espresso_compressor_and_seed_apply_to_unchosen_compression():
+    from byteps_espresso.worker.profiler import EspressoSpec
+
+    cfg = _cfg(ESPRESSO_COMPRESSOR="randomk", ESPRESSO_SEED="7")
+    chosen = bps.job_compression(cfg, bps.Compression.none)
+    assert isinstance(chosen, EspressoSpec) and chosen.compressor == "randomk"
+    assert chosen.params == {"seed": 7}
+    assert bps.job_compression(cfg, bps.Compression.fp16) is bps.Compression.fp16
+    own = bps.job_compression(cfg, bps.Compression.espresso("qsgd", seed=3))
+    assert own.compressor == "qsgd" and own.params == {"seed": 3}
+    assert bps.job_compression(_cfg(ESPRESSO_SEED="7"),
+                               bps.Compression.espresso("fp16")).params == {}  # no seed taken
+    assert bps.job_compression(_cfg(), bps.Compression.none) is bps.Compression.none
+
+
+# ---- optimizer state description ------------------------------------------------------------
+def _adam(lr=0.1):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=lr, betas=(0.5, 0.6))
+
+
+def test_a_fresh_optimizer_takes_a_trained_ones_state():
+    from byteps_espresso.worker.objects import decode_object, encode_object
+    from byteps_espresso.worker.optimizer_state import apply_description, describe, state_tensors
+
+    model, trained = _adam()
+    for _ in range(2):
+        trained.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        trained.step()
+    _, fresh = _adam(lr=0.7)
+    fresh.param_groups[0]["betas"] = (0.9, 0.9)
+    description = decode_object(encode_object(describe(trained)))  # as the wire carries it
+    assert apply_description(fresh, description) is None
+    for mine, theirs in zip(state_tensors(fresh, description),
+                            state_tensors(trained, description), strict=True):
+        mine.copy_(theirs)  # what the broadcast does
+    assert encode_object(fresh.state_dict()) == encode_object(trained.state_dict())
+
+
+def test_a_different_optimizer_is_named_not_hung():
+    from byteps_espresso.worker.optimizer_state import apply_description, describe
+
+    _, opt = _adam()
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(5))], lr=0.1)
+    assert "same optimizer over the same model" in apply_description(other, describe(opt))
