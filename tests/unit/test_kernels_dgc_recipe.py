@@ -1,6 +1,7 @@
 """DGC as its paper runs it: warm-up schedule, local clipping, momentum correction, on both
 backends with identical payloads (Lin et al., ICLR 2018, sections 3.2-3.3)."""
 
+import itertools
 import math
 
 import byteps_espresso.kernels as K
@@ -30,7 +31,7 @@ def test_warmup_follows_the_exponential_formula():
     np.testing.assert_allclose(quarter, [0.25, 0.0625, 0.015625, 0.00390625, 0.0009765625])
     # monotone falling
     ratios = [warmup_ratio(t, final, 0.25, steps) for t in range(steps + 1)]
-    assert all(a >= b for a, b in zip(ratios, ratios[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(ratios))
 
 
 @pytest.mark.parametrize("backend", K.BACKENDS)
@@ -75,7 +76,7 @@ def test_clip_factor_is_the_local_threshold_formula():
         MomentumCorrection(create("topk"), clip_norm=1.0, workers=0)
 
 
-def _reference(xs, ratio, warmup, momentum, clip, workers):
+def _reference(xs, *, ratio, warmup, momentum, clip, workers):
     """DGC in float64 numpy from the paper's equations (top-k of the accumulation)."""
     u = np.zeros(xs[0].size)
     v = np.zeros(xs[0].size)
@@ -103,7 +104,7 @@ def test_recipe_matches_the_paper_equations(backend):
     rng = np.random.default_rng(3)
     xs = [(rng.standard_normal(2000) * (1 + 3 * (t % 2))).astype(np.float32) for t in range(8)]
     dgc = recipe(backend, ratio=0.01, warmup_steps=5, momentum=0.9, clip_norm=40.0, workers=4)
-    want = _reference(xs, 0.01, 5, 0.9, 40.0, 4)
+    want = _reference(xs, ratio=0.01, warmup=5, momentum=0.9, clip=40.0, workers=4)
     for t, x in enumerate(xs):
         arg = torch.from_numpy(x) if backend == "torch" else x
         y = dgc.decompress(*dgc.compress(arg, name="w", step=t))
