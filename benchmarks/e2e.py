@@ -47,6 +47,7 @@ from byteps_espresso.deploy.demo import (
     profile_steps,
     run_training,
     target_loss,
+    target_note,
 )
 from train import fp32_prediction  # benchmarks/train.py
 
@@ -142,6 +143,9 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
                 env=env, live=args.verbose, timeout_s=args.timeout_s))
             profiles[(strategy, compressor)].append(profile)
     target = target_loss(runs.get(("fp32", "-"), []), args.target_loss)
+    note = target_note([r for done in runs.values() for r in done], target)
+    if note:
+        print(note, flush=True)
     rows = []
     for cell, done in runs.items():
         strategy, compressor = cell

@@ -1,17 +1,21 @@
-"""The main job: train examples/train.py on the local cluster with fp32, then with Espresso.
+"""The main job: train examples/train.py with fp32, then with Espresso, and compare them.
 
 ``python -m byteps_espresso.deploy.demo`` (what ``make main`` runs) launches the example model
-on the embedded default cluster (2 machines x 2 workers, 1 server, all on this host) twice,
-once uncompressed (fp32) and once with ``Compression.espresso`` (profile, plan per tensor,
-train), and prints:
+on a cluster of 2 machines x 2 workers and 1 server twice, once uncompressed (fp32) and once
+with ``Compression.espresso`` (profile, plan per tensor, train). As root it uses the
+emulated cluster (every machine in its own network namespace, links shaped to
+``--inter-gbps``); otherwise, or with ``--local``, loopback, and it says why. It prints:
 
-* the planned strategy summary (one Option per tensor, predicted iteration time),
-* both runs' throughput and final loss, and Espresso's throughput against fp32,
-* the path of the predicted-timeline picture (Espresso's strategy above fp32's).
+* the strategy in use (one Option per tensor, predicted iteration time) and the trials,
+* per run: the training time until the loss on a fixed held-out batch first reaches the
+  target (``--target-loss``, default fp32's final held-out loss x1.05), the final held-out
+  loss, the throughput and Espresso's start-up (profiling, planning, trials),
+* Espresso against fp32 on all three, whether the strategy compresses anything, and the
+  path of the predicted-timeline picture (Espresso's strategy above fp32's).
 
 Everything lands in ``--out`` (default ``out/demo``): one log per run with every process's
 prefixed output, the metrics JSON written by rank 0, the measured profile and strategy, and
-the picture. ``--emulate --inter-gbps G`` runs it on the emulated cluster instead (root).
+the picture.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TARGET_FACTOR", "RunResult", "Startup", "compressed_tensors", "main",
-           "profile_steps", "run_training", "target_loss"]
+           "profile_steps", "run_training", "target_loss", "target_note"]
 
 # The default target of "time to accuracy": fp32's final held-out loss times this factor
 # (issue "Time to accuracy": within 5% of what uncompressed training reaches).
@@ -150,6 +154,15 @@ def target_loss(fp32_runs: Sequence[RunResult], given: float | None) -> float:
     return statistics.median(finals) * TARGET_FACTOR
 
 
+def target_note(runs: Sequence[RunResult], target: float) -> str | None:
+    """A warning when ``target`` is no target: the loss before training already meets it."""
+    start = [r.heldout[0]["heldout_loss"] for r in runs if r.heldout]
+    if start and min(start) <= target:
+        return (f"note: the loss before training ({min(start):.4f}) already meets the target "
+                f"{target:.4f}, so times to it are 0; train longer or pass --target-loss")
+    return None
+
+
 def profile_steps(env: Mapping[str, str]) -> int:
     """The profiled iterations of a ``Compression.espresso`` job run with ``env``
     (``ESPRESSO_PROFILE_STEPS`` parsed as the workers parse it; at least 1)."""
@@ -171,6 +184,7 @@ def compressed_tensors(profile: Path) -> tuple[int, int]:
 def launcher_args(args: argparse.Namespace) -> list[str]:
     """The ``espresso-launch`` options for the cluster ``args`` describes."""
     mode = ["--emulate", "--inter-gbps", str(args.inter_gbps)] if args.emulate else ["--local"]
+    # (args.emulate is settled by _cluster_mode before this is called)
     return [*mode, "--machines", str(args.machines),
             "--workers-per-machine", str(args.workers_per_machine),
             "--servers", str(args.servers)]
@@ -259,8 +273,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="steps between held-out loss evaluations (time-to-accuracy resolution)")
     p.add_argument("--target-loss", type=float, default=None,
                    help=f"held-out loss to reach (default: fp32's final x{TARGET_FACTOR})")
-    p.add_argument("--emulate", action="store_true", help="emulated cluster (needs root)")
-    p.add_argument("--inter-gbps", type=float, default=1.0, help="with --emulate")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--emulate", action="store_true", default=None,
+                       help="emulated cluster (needs root; the default as root)")
+    where.add_argument("--local", action="store_true",
+                       help="loopback cluster (the default when not root)")
+    p.add_argument("--inter-gbps", type=float, default=1.0,
+                   help="link speed of the emulated cluster, Gbit/s")
     p.add_argument("train_args", nargs=argparse.REMAINDER,
                    help="after --: extra arguments for the training script")
     return p
@@ -290,13 +309,17 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
     espresso = ["--compression", "espresso", "--compressor", args.compressor]
     if "ratio" in params:
         espresso += ["--ratio", str(args.ratio)]
+    try:
+        where = _cluster_mode(args)
+    except RuntimeError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     cluster = launcher_args(args)
     profile = (out / "profile").resolve()
     shape = (f"{args.machines} machines x {args.workers_per_machine} workers, "
              f"{args.servers} server(s), {args.epochs} x {args.steps_per_epoch} steps")
     try:
-        print(f"[1/2] fp32 on the {'emulated' if args.emulate else 'local'} cluster "
-              f"({shape})", flush=True)
+        print(f"[1/2] fp32 on the {where} ({shape})", flush=True)
         fp32 = run_training("fp32", cluster, [*base, "--compression", "fp32"], out, env=env)
         print(f"[2/2] espresso ({args.compressor} {params}) on the same cluster", flush=True)
         esp_env = {**env, "ESPRESSO_PROFILE_OUT": str(profile)}
@@ -311,6 +334,28 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
     _report(fp32, esp, profile, out, compressor=args.compressor, params=params,
             target=target_loss([fp32], args.target_loss), startup=startup)
     return 0
+
+
+def _cluster_mode(args: argparse.Namespace) -> str:
+    """Settle ``args.emulate`` (emulated as root unless ``--local``) and describe the cluster.
+
+    Raises:
+        RuntimeError: ``--emulate`` was asked for on a host that cannot emulate.
+    """
+    from byteps_espresso.deploy.emulate import EmulationError, check_host
+
+    if args.local:
+        args.emulate = False
+        return "loopback cluster (--local)"
+    try:
+        check_host()
+    except EmulationError as exc:
+        if args.emulate:
+            raise RuntimeError(str(exc)) from None
+        args.emulate = False
+        return f"loopback cluster, no shaped links ({exc})"
+    args.emulate = True
+    return f"emulated cluster, links shaped to {args.inter_gbps:g} Gbit/s"
 
 
 def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compressor: str,
@@ -341,6 +386,9 @@ def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compre
         start = startup.text(fp32.iteration_ms) if run is esp else "none"
         print(f"{run.name:10} {to_target} {run.final_heldout:11.4f} {run.samples_per_s:10.1f} "
               f"{run.iteration_ms:9.2f}  {start}")
+    note = target_note([fp32, esp], target)
+    if note:
+        print(note)
     print(f"\n{_verdict(fp32, esp, target)}")
     if compressed == 0:
         print(f"the strategy in use compresses nothing: all {tensors} tensors run uncompressed "

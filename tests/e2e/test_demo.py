@@ -22,7 +22,7 @@ def test_demo_trains_both_ways_and_reports(tmp_path):
     env["ESPRESSO_TRIAL_STEPS"] = "2"  # 2 + up to 7 x 2 trial steps fit in the 18
     result = subprocess.run(
         [sys.executable, "-m", "byteps_espresso.deploy.demo", "--epochs", "2",
-         "--steps-per-epoch", "9", "--eval-every", "3", "--out", str(out)],
+         "--steps-per-epoch", "9", "--eval-every", "3", "--local", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     text = result.stdout

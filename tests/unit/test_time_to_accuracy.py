@@ -3,7 +3,13 @@
 import json
 
 import pytest
-from byteps_espresso.deploy.demo import TARGET_FACTOR, RunResult, Startup, target_loss
+from byteps_espresso.deploy.demo import (
+    TARGET_FACTOR,
+    RunResult,
+    Startup,
+    target_loss,
+    target_note,
+)
 
 
 def _run(tmp_path, name, heldout, ends, log_lines=()):
@@ -21,6 +27,8 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_it(tmp_path):
     assert run.time_to(3.0) == 1.5  # "at or below"
     assert run.time_to(1.0) is None  # never
     assert run.final_heldout == 2.1
+    assert target_note([run], 2.0) is None
+    assert "already meets the target" in target_note([run], 8.0)  # 7.6 before training
 
 
 def test_the_default_target_is_fp32s_final_loss_times_the_factor(tmp_path):
