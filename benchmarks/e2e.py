@@ -133,7 +133,8 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
         for strategy, compressor in cells:
             print(f"-- {gbps:g} Gbit/s: {strategy} {compressor} (round {rep + 1}/"
                   f"{args.repeats})", flush=True)
-            name = f"{gbps:g}gbps-{strategy}-{compressor}-{rep}"
+            label = strategy if strategy == "fp32" else f"{strategy}-{compressor}"
+            name = f"{gbps:g}gbps-{label}-{rep}"
             env = dict(os.environ)
             profile = None if strategy == "fp32" else (out / f"{name}-profile").resolve()
             if profile is not None:
@@ -185,8 +186,10 @@ def _trials(profile: Path) -> dict | None:
         for f in data["finalists"]]}
 
 
-def _fmt(value: float | None, spec: str, width: int, none: str = "-") -> str:
-    return f"{value:{width}{spec}}" if value is not None else f"{none:>{width}}"
+def _fmt(value: float | None, spec: str, width: int, none: str = "-", unit: str = "") -> str:
+    """``value`` with ``unit`` right-aligned in ``width`` characters, or ``none``."""
+    text = f"{value:{spec}}{unit}" if value is not None else none
+    return f"{text:>{width}}"
 
 
 def _accuracy_table(rows: list[dict]) -> str:
@@ -203,10 +206,10 @@ def _accuracy_table(rows: list[dict]) -> str:
                         for c in r["compressed_tensors"])
         lines.append(
             f"{r['gbps']:6g} {r['strategy']:9} {r['compressor']:10} "
-            f"{_fmt(r['time_to_target_s'], '.1f', 9, never)}s "
-            f"{_fmt(r['time_vs_fp32'], '.2f', 7)}x {r['final_heldout_loss']:10.3f} "
-            f"{_fmt(r['loss_vs_fp32'], '.3f', 7)}x {r['startup_s']:10.1f} {split:>19} "
-            f"{_fmt(r['startup_fp32_iterations'], '.1f', 8)}  {comp}")
+            f"{_fmt(r['time_to_target_s'], '.1f', 10, never, 's')} "
+            f"{_fmt(r['time_vs_fp32'], '.2f', 8, unit='x')} {r['final_heldout_loss']:10.3f} "
+            f"{_fmt(r['loss_vs_fp32'], '.3f', 8, unit='x')} {r['startup_s']:10.1f} {split:>19} "
+            f"{_fmt(r['startup_fp32_iterations'], '.0f', 8)}  {comp}")
     return "\n".join(lines)
 
 
@@ -217,9 +220,10 @@ def _speed_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"{r['gbps']:6g} {r['strategy']:9} {r['compressor']:10} {r['samples_per_s']:10.1f} "
-            f"{_fmt(r['vs_fp32'], '.2f', 7)}x {r['final_heldout_loss']:10.3f} "
+            f"{_fmt(r['vs_fp32'], '.2f', 8, unit='x')} {r['final_heldout_loss']:10.3f} "
             f"{r['iteration_ms']:9.1f} {_fmt(r['predicted_ms'], '.1f', 9)} "
-            f"{_fmt(r['prediction_error'], '.0%', 6)}  {','.join(str(k) for k in r['kept'])}")
+            f"{_fmt(r['prediction_error'], '.0%', 6)}  "
+            f"{','.join(k or '-' for k in r['kept'])}")
     return "\n".join(lines)
 
 
