@@ -1,23 +1,29 @@
-"""End-to-end: examples/train.py on the emulated cluster, fp32 vs Espresso vs baselines.
+"""End-to-end: time to accuracy of examples/train.py on the emulated cluster, fp32 vs Espresso.
 
 2 machines x 2 workers and 1 server machine, each in its own network namespace, links
 shaped with tc to each ``--gbps`` setting (default 1 Gbit/s and 0.25 Gbit/s). For every
-setting, each strategy trains the example model for the same steps:
+setting, each strategy trains the example model for the same steps, with each compressor of
+``--compressors`` (default EFSignSGD, DGC and random-k):
 
-    fp32      Compression.none (uncompressed PS / collectives)
-    espresso  Compression.espresso(randomk, ratio), algorithm "espresso" (Algorithms 1+2),
-              then measured trials of its finalists (worker/trials.py; "kept" says which)
-    all-gpu   the same compressor, every tensor compressed on the GPU (baseline)
-    cpu-only  the same compressor, every compression on the host CPUs (baseline)
+    fp32      Compression.none (uncompressed PS / collectives); once per setting and round
+    espresso  Compression.espresso(compressor), algorithm "espresso" (Algorithms 1+2), then
+              measured trials of its finalists (worker/trials.py; "kept" says which)
+    all-gpu   every tensor compressed on the GPU (baseline; on request)
+    cpu-only  every compression on the host CPUs (baseline; on request)
 
-Each strategy runs ``--repeats`` times, interleaved with the others (so slow phases of a
-shared, noisy machine hit every strategy alike). Measured: the median iteration time over
-the epochs after the first (the first profiles and plans), median over repeats; throughput
-is the global batch over that time. Predicted: the planner's iteration time for the strategy
-the run used (``predicted_ms`` written by rank 0; fp32's: BytePS' uncompressed path on every
-tensor priced on the Espresso run's measured profile), median over repeats. Prints a table
-and writes benchmarks/results/e2e.json.
-Needs root (network namespaces).
+The yardstick is time to accuracy: every ``--eval-every`` steps each run evaluates its loss
+on one fixed held-out batch (examples/train.py ``--eval-every``; evaluation time is left out
+of the clock). Per run: the training seconds until the held-out loss first reaches the
+target (``--target-loss``, default fp32's final held-out loss x1.05, median over rounds),
+the final held-out loss, the throughput (global batch over the median iteration time of the
+epochs after the first) and the start-up split into profiling, planning and trials (rank 0's
+step clock, its "planned in" log line and ``trials.json``), also in fp32 iterations. Each
+strategy runs ``--repeats`` times, interleaved with the others (so slow phases of a shared,
+noisy machine hit every strategy alike); the table shows medians over the rounds. The
+planner's predicted iteration time (``predicted_ms`` written by rank 0; fp32's: BytePS'
+uncompressed path priced on an Espresso run's measured profile) is kept beside the measured
+one. Prints the tables and writes benchmarks/results/e2e.json. Needs root (network
+namespaces).
 
     sudo .venv/bin/python benchmarks/e2e.py
 """
@@ -34,22 +40,38 @@ import sys
 import time
 from pathlib import Path
 
-from byteps_espresso.deploy.demo import RunResult, run_training
+from byteps_espresso.deploy.demo import (
+    TARGET_FACTOR,
+    RunResult,
+    compressed_tensors,
+    profile_steps,
+    run_training,
+    target_loss,
+    target_note,
+)
 from train import fp32_prediction  # benchmarks/train.py
 
 STRATEGIES = ("fp32", "espresso", "all-gpu", "cpu-only")
+# The compressors of the recipes that keep accuracy (EFSignSGD, DGC) and random-k, the
+# compressor the earlier tables used, reported beside them.
+COMPRESSORS = ("efsignsgd", "dgc", "randomk")
+SPARSIFIERS = ("randomk", "topk", "dgc")  # the ones examples/train.py passes --ratio to
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train_args(strategy: str, args: argparse.Namespace) -> list[str]:
+def _train_args(strategy: str, compressor: str, args: argparse.Namespace) -> list[str]:
     base = [sys.executable, str(ROOT / "examples" / "train.py"), "--quiet",
-            "--batch-size", str(args.batch_size),
+            "--batch-size", str(args.batch_size), "--eval-every", str(args.eval_every),
             "--epochs", str(args.epochs), "--steps-per-epoch", str(args.steps_per_epoch),
             *args.train_args]
     if strategy == "fp32":
         return [*base, "--compression", "fp32"]
-    return [*base, "--compression", "espresso", "--compressor", args.compressor,
+    return [*base, "--compression", "espresso", "--compressor", compressor,
             "--ratio", str(args.ratio), "--algorithm", strategy]
+
+
+def _params(compressor: str, args: argparse.Namespace) -> dict:
+    return {"ratio": args.ratio} if compressor in SPARSIFIERS else {}
 
 
 def _cluster(gbps: float, args: argparse.Namespace) -> list[str]:
@@ -62,50 +84,94 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _row(gbps: float, strategy: str, runs: list[RunResult], predicted: list,
-         batch_size: int) -> dict:
+def _cells(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(strategy, compressor) pairs to run; fp32 once (it compresses nothing)."""
+    return [(s, c) for s in args.strategies
+            for c in (["-"] if s == "fp32" else args.compressors)]
+
+
+def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
+         profiles: list[Path | None], predicted: list, target: float,
+         args: argparse.Namespace) -> dict:
+    strategy, compressor = cell
     measured = _median([r.iteration_ms for r in runs])
     predicted_ms = _median(predicted)
     error = None if predicted_ms is None else abs(predicted_ms - measured) / measured
-    global_batch = batch_size * runs[0].metrics["world_size"]
-    return {"gbps": gbps, "strategy": strategy, "samples_per_s": global_batch / measured * 1e3,
+    global_batch = args.batch_size * runs[0].metrics["world_size"]
+    steps = 0 if strategy == "fp32" else profile_steps(os.environ)
+    startups = [r.startup(steps, prof) for r, prof in zip(runs, profiles, strict=True)]
+    reached = [r.time_to(target) for r in runs]
+    return {"gbps": gbps, "strategy": strategy, "compressor": compressor,
+            "params": {} if strategy == "fp32" else _params(compressor, args),
+            "target_loss": target,
+            "time_to_target_s": _median(reached), "time_to_target_s_runs": reached,
+            "reached": sum(t is not None for t in reached),
+            "final_heldout_loss": _median([r.final_heldout for r in runs]),
+            "final_heldout_loss_runs": [r.final_heldout for r in runs],
+            "heldout": [r.heldout for r in runs],
+            "final_train_loss": _median([r.final_loss for r in runs]),
+            "samples_per_s": global_batch / measured * 1e3,
             "iteration_ms": measured, "iteration_ms_runs": [r.iteration_ms for r in runs],
             "epoch_samples_per_s": [r.samples_per_s for r in runs],
             "predicted_ms": predicted_ms, "prediction_error": error,
-            "final_loss": _median([r.final_loss for r in runs]),
+            "startup_s": _median([s.total_s for s in startups]),
+            "startup_runs": [{"profiling_s": s.profiling_s, "planning_s": s.planning_s,
+                              "trials_s": s.trials_s} for s in startups],
+            # per run: (tensors compressed, tensors) by the strategy it ended with
+            "compressed_tensors": [compressed_tensors(p) if p is not None else None
+                                   for p in profiles],
             # the strategy each run ended with (espresso: the finalist its trials kept)
             "kept": [r.metrics.get("algorithm") for r in runs]}
 
 
 def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
-    """Every strategy on links of ``gbps``, ``args.repeats`` interleaved rounds."""
-    runs: dict[str, list[RunResult]] = {s: [] for s in args.strategies}
+    """Every (strategy, compressor) on links of ``gbps``, ``args.repeats`` interleaved rounds."""
+    cells = _cells(args)
+    runs: dict[tuple[str, str], list[RunResult]] = {c: [] for c in cells}
+    profiles: dict[tuple[str, str], list[Path | None]] = {c: [] for c in cells}
     for rep in range(args.repeats):
-        for strategy in args.strategies:
-            print(f"-- {gbps:g} Gbit/s: {strategy} (round {rep + 1}/{args.repeats})",
-                  flush=True)
-            name = f"{gbps:g}gbps-{strategy}-{rep}"
+        for strategy, compressor in cells:
+            print(f"-- {gbps:g} Gbit/s: {strategy} {compressor} (round {rep + 1}/"
+                  f"{args.repeats})", flush=True)
+            label = strategy if strategy == "fp32" else f"{strategy}-{compressor}"
+            name = f"{gbps:g}gbps-{label}-{rep}"
             env = dict(os.environ)
-            if strategy == "espresso":
-                env["ESPRESSO_PROFILE_OUT"] = str(out / f"{name}-profile")
-            runs[strategy].append(run_training(
-                name, _cluster(gbps, args), _train_args(strategy, args), out, env=env,
-                live=args.verbose, timeout_s=args.timeout_s))
-    fp32_predicted = [fp32_prediction(out / f"{gbps:g}gbps-espresso-{rep}-profile",
-                                      args.compressor, {"ratio": args.ratio})
-                      for rep in range(len(runs.get("espresso", [])))]
+            profile = None if strategy == "fp32" else (out / f"{name}-profile").resolve()
+            if profile is not None:
+                env["ESPRESSO_PROFILE_OUT"] = str(profile)
+            runs[(strategy, compressor)].append(run_training(
+                name, _cluster(gbps, args), _train_args(strategy, compressor, args), out,
+                env=env, live=args.verbose, timeout_s=args.timeout_s))
+            profiles[(strategy, compressor)].append(profile)
+    target = target_loss(runs.get(("fp32", "-"), []), args.target_loss)
+    note = target_note([r for done in runs.values() for r in done], target)
+    if note:
+        print(note, flush=True)
     rows = []
-    for strategy, done in runs.items():
-        predicted = fp32_predicted if strategy == "fp32" else [
-            r.metrics.get("predicted_ms") for r in done]
-        rows.append(_row(gbps, strategy, done, predicted, args.batch_size))
-    for row in rows:
-        if row["strategy"] == "espresso":
-            row["trials"] = [_trials(out / f"{gbps:g}gbps-espresso-{rep}-profile")
-                             for rep in range(len(runs["espresso"]))]
+    for cell, done in runs.items():
+        strategy, compressor = cell
+        if strategy == "fp32":
+            espresso = next((c for c in cells if c[0] == "espresso"), None)
+            predicted = [] if espresso is None else [
+                fp32_prediction(p, espresso[1], _params(espresso[1], args))
+                for p in profiles[espresso]]
+        else:
+            predicted = [r.metrics.get("predicted_ms") for r in done]
+        rows.append(_row(gbps, cell, done, profiles=profiles[cell], predicted=predicted,
+                         target=target, args=args))
+        if strategy == "espresso":
+            rows[-1]["trials"] = [_trials(p) for p in profiles[cell]]
     fp32 = next((r for r in rows if r["strategy"] == "fp32"), None)
     for row in rows:
         row["vs_fp32"] = row["samples_per_s"] / fp32["samples_per_s"] if fp32 else None
+        both = fp32 is not None and None not in (row["time_to_target_s"],
+                                                 fp32["time_to_target_s"])
+        row["time_vs_fp32"] = row["time_to_target_s"] / fp32["time_to_target_s"] if both \
+            else None
+        row["loss_vs_fp32"] = row["final_heldout_loss"] / fp32["final_heldout_loss"] if fp32 \
+            else None
+        row["startup_fp32_iterations"] = (row["startup_s"] * 1e3 / fp32["iteration_ms"]
+                                          if fp32 else None)
     return rows
 
 
@@ -120,16 +186,44 @@ def _trials(profile: Path) -> dict | None:
         for f in data["finalists"]]}
 
 
-def _table(rows: list[dict]) -> str:
-    lines = [f"{'Gbit/s':>6} {'strategy':9} {'samples/s':>10} {'vs fp32':>8} {'iter ms':>9} "
-             f"{'predicted':>9} {'error':>6} {'loss':>7}  kept"]
+def _fmt(value: float | None, spec: str, width: int, none: str = "-", unit: str = "") -> str:
+    """``value`` with ``unit`` right-aligned in ``width`` characters, or ``none``."""
+    text = f"{value:{spec}}{unit}" if value is not None else none
+    return f"{text:>{width}}"
+
+
+def _accuracy_table(rows: list[dict]) -> str:
+    """The leading table: time to the target loss, final loss and start-up per strategy."""
+    lines = [f"{'Gbit/s':>6} {'strategy':9} {'compressor':10} {'to target':>10} {'vs fp32':>8} "
+             f"{'final loss':>10} {'vs fp32':>8} {'start-up s':>10} {'(prof+plan+trials)':>19} "
+             f"{'fp32 its':>8}  compressed"]
     for r in rows:
-        pred = f"{r['predicted_ms']:9.1f}" if r["predicted_ms"] is not None else f"{'-':>9}"
-        err = f"{r['prediction_error']:6.0%}" if r["prediction_error"] is not None else "     -"
-        vs = f"{r['vs_fp32']:7.2f}x" if r["vs_fp32"] is not None else f"{'-':>8}"
-        lines.append(f"{r['gbps']:6g} {r['strategy']:9} {r['samples_per_s']:10.1f} "
-                     f"{vs} {r['iteration_ms']:9.1f} {pred} {err} "
-                     f"{r['final_loss']:7.3f}  {','.join(str(k) for k in r['kept'])}")
+        never = f"never {r['reached']}/{len(r['time_to_target_s_runs'])}"
+        parts = r["startup_runs"]
+        split = "+".join(f"{_median([p[k] for p in parts]):.1f}"
+                         for k in ("profiling_s", "planning_s", "trials_s"))
+        comp = ",".join("-" if c is None else ("none" if c[0] == 0 else f"{c[0]}/{c[1]}")
+                        for c in r["compressed_tensors"])
+        lines.append(
+            f"{r['gbps']:6g} {r['strategy']:9} {r['compressor']:10} "
+            f"{_fmt(r['time_to_target_s'], '.1f', 10, never, 's')} "
+            f"{_fmt(r['time_vs_fp32'], '.2f', 8, unit='x')} {r['final_heldout_loss']:10.3f} "
+            f"{_fmt(r['loss_vs_fp32'], '.3f', 8, unit='x')} {r['startup_s']:10.1f} {split:>19} "
+            f"{_fmt(r['startup_fp32_iterations'], '.0f', 8)}  {comp}")
+    return "\n".join(lines)
+
+
+def _speed_table(rows: list[dict]) -> str:
+    """Throughput and the planner's prediction, the final loss beside every speedup."""
+    lines = [f"{'Gbit/s':>6} {'strategy':9} {'compressor':10} {'samples/s':>10} {'vs fp32':>8} "
+             f"{'final loss':>10} {'iter ms':>9} {'predicted':>9} {'error':>6}  kept"]
+    for r in rows:
+        lines.append(
+            f"{r['gbps']:6g} {r['strategy']:9} {r['compressor']:10} {r['samples_per_s']:10.1f} "
+            f"{_fmt(r['vs_fp32'], '.2f', 8, unit='x')} {r['final_heldout_loss']:10.3f} "
+            f"{r['iteration_ms']:9.1f} {_fmt(r['predicted_ms'], '.1f', 9)} "
+            f"{_fmt(r['prediction_error'], '.0%', 6)}  "
+            f"{','.join(k or '-' for k in r['kept'])}")
     return "\n".join(lines)
 
 
@@ -137,15 +231,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gbps", type=float, nargs="+", default=[1.0, 0.25],
                    help="link settings, Gbit/s (default 1 and 0.25)")
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument("--strategies", nargs="+", default=["fp32", "espresso"], choices=STRATEGIES)
+    p.add_argument("--compressors", nargs="+", default=list(COMPRESSORS),
+                   help="compressors for every strategy but fp32")
     p.add_argument("--machines", type=int, default=2)
     p.add_argument("--workers-per-machine", type=int, default=2)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps-per-epoch", type=int, default=80)
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds per strategy")
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
-    p.add_argument("--compressor", default="randomk")
-    p.add_argument("--ratio", type=float, default=0.01)
+    p.add_argument("--ratio", type=float, default=0.01, help="sparsifiers' kept fraction")
+    p.add_argument("--eval-every", type=int, default=10,
+                   help="steps between held-out evaluations (time-to-target resolution)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help=f"held-out loss to reach (default: fp32's final x{TARGET_FACTOR})")
     p.add_argument("--timeout-s", type=float, default=1800, help="per training run")
     p.add_argument("--out", default=str(ROOT / "out" / "e2e"), help="logs and metrics")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "e2e.json"))
@@ -154,6 +253,10 @@ def main() -> int:
                    help="after --: extra arguments for examples/train.py")
     args = p.parse_args()
     args.train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if args.eval_every < 1:
+        p.error("--eval-every must be >= 1: time to accuracy needs held-out losses")
+    if "fp32" not in args.strategies and args.target_loss is None:
+        p.error("without fp32 there is no default target: add fp32 or pass --target-loss")
     if os.geteuid() != 0:
         print("e2e: the emulated cluster needs root (network namespaces, tc)", file=sys.stderr)
         return 2
@@ -161,7 +264,12 @@ def main() -> int:
     rows = []
     for gbps in args.gbps:
         rows += run_setting(gbps, args, Path(args.out))
-    print(_table(rows))
+    target = sorted({round(r["target_loss"], 4) for r in rows})
+    print(f"\n== time to accuracy: held-out loss <= {target} (median over {args.repeats} "
+          f"rounds; start-up in seconds and in fp32 iterations) ==")
+    print(_accuracy_table(rows))
+    print("\n== throughput (median iteration of the epochs after the first) ==")
+    print(_speed_table(rows))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     result = {"benchmark": "e2e", "host": platform.node(), "cpus": os.cpu_count(),

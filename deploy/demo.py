@@ -1,31 +1,43 @@
-"""The main job: train examples/train.py on the local cluster with fp32, then with Espresso.
+"""The main job: train examples/train.py with fp32, then with Espresso, and compare them.
 
 ``python -m byteps_espresso.deploy.demo`` (what ``make main`` runs) launches the example model
-on the embedded default cluster (2 machines x 2 workers, 1 server, all on this host) twice,
-once uncompressed (fp32) and once with ``Compression.espresso`` (profile, plan per tensor,
-train), and prints:
+on a cluster of 2 machines x 2 workers and 1 server twice, once uncompressed (fp32) and once
+with ``Compression.espresso`` (profile, plan per tensor, train). As root it uses the
+emulated cluster (every machine in its own network namespace, links shaped to
+``--inter-gbps``); otherwise, or with ``--local``, loopback, and it says why. It prints:
 
-* the planned strategy summary (one Option per tensor, predicted iteration time),
-* both runs' throughput and final loss, and Espresso's throughput against fp32,
-* the path of the predicted-timeline picture (Espresso's strategy above fp32's).
+* the strategy in use (one Option per tensor, predicted iteration time) and the trials,
+* per run: the training time until the loss on a fixed held-out batch first reaches the
+  target (``--target-loss``, default fp32's final held-out loss x1.05), the final held-out
+  loss, the throughput and Espresso's start-up (profiling, planning, trials),
+* Espresso against fp32 on all three, whether the strategy compresses anything, and the
+  path of the predicted-timeline picture (Espresso's strategy above fp32's).
 
 Everything lands in ``--out`` (default ``out/demo``): one log per run with every process's
 prefixed output, the metrics JSON written by rank 0, the measured profile and strategy, and
-the picture. ``--emulate --inter-gbps G`` runs it on the emulated cluster instead (root).
+the picture.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RunResult", "main", "run_training"]
+__all__ = ["TARGET_FACTOR", "RunResult", "Startup", "compressed_tensors", "main",
+           "profile_steps", "run_training", "target_loss", "target_note"]
+
+# The default target of "time to accuracy": fp32's final held-out loss times this factor
+# (issue "Time to accuracy": within 5% of what uncompressed training reaches).
+TARGET_FACTOR = 1.05
+# Rank 0's log line for the planner's search (worker/profiler.py), in milliseconds.
+_PLANNED = re.compile(r"^\[worker 0\].*planned in ([0-9.]+) ms")
 
 # Lines of the launcher's output shown live: rank 0's progress bar and per-epoch summary,
 # and the launcher's own verdict. Everything is also written to the run's log file.
@@ -58,12 +70,121 @@ class RunResult:
 
     @property
     def final_loss(self) -> float:
+        """The last epoch's mean training loss (over the ranks)."""
         return self.metrics["history"][-1]["loss"]
+
+    @property
+    def heldout(self) -> list[dict]:
+        """``{"step", "elapsed_s", "heldout_loss"}`` per evaluation (``--eval-every``)."""
+        return list(self.metrics.get("heldout") or [])
+
+    @property
+    def final_heldout(self) -> float | None:
+        """The held-out loss after the last step (None without ``--eval-every``)."""
+        return self.heldout[-1]["heldout_loss"] if self.heldout else None
+
+    def time_to(self, target: float) -> float | None:
+        """Training seconds until the held-out loss first reached ``target`` (None: never)."""
+        return next((e["elapsed_s"] for e in self.heldout if e["heldout_loss"] <= target), None)
+
+    def startup(self, profile_steps: int, profile: Path | None) -> Startup:
+        """Where the start-up went: profiled iterations, planning, trials of the finalists.
+
+        Args:
+            profile_steps: the job's ``ESPRESSO_PROFILE_STEPS`` (0 for fp32: no start-up).
+            profile: the run's ``ESPRESSO_PROFILE_OUT`` folder (for ``trials.json``).
+        """
+        ends = self.metrics.get("steps_elapsed_s") or []
+        if profile_steps == 0 or not ends:
+            return Startup(0.0, 0.0, 0.0)
+        planning = 0.0
+        for line in self.log.read_text(errors="replace").splitlines():
+            match = _PLANNED.match(line)
+            if match:
+                planning = float(match.group(1)) / 1e3
+        planned_at = ends[min(profile_steps, len(ends)) - 1]  # the last profiled step plans
+        trial_steps = 0
+        trials = profile / "trials.json" if profile is not None else None
+        if trials is not None and trials.exists():
+            data = json.loads(trials.read_text())
+            trial_steps = len(data["finalists"]) * data["steps"]
+        kept_at = ends[min(profile_steps + trial_steps, len(ends)) - 1]
+        return Startup(planned_at - planning, planning, kept_at - planned_at)
+
+
+@dataclass(frozen=True)
+class Startup:
+    """Seconds from the first step to the first iteration under the kept strategy.
+
+    Attributes:
+        profiling_s: the profiled (uncompressed) iterations, planning left out.
+        planning_s: the planner's search (rank 0's "planned in" log line).
+        trials_s: the finalists' trial iterations (0 without trials).
+    """
+
+    profiling_s: float
+    planning_s: float
+    trials_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.profiling_s + self.planning_s + self.trials_s
+
+    def text(self, fp32_iteration_ms: float | None = None) -> str:
+        """``"4.1 s (profiling 2.0 + planning 0.1 + trials 2.0)"``, in fp32 iterations too."""
+        if self.total_s == 0:
+            return "none"
+        per = (f" = {self.total_s * 1e3 / fp32_iteration_ms:.0f} fp32 iterations"
+               if fp32_iteration_ms else "")
+        return (f"{self.total_s:.1f} s (profiling {self.profiling_s:.1f} + planning "
+                f"{self.planning_s:.2f} + trials {self.trials_s:.1f}){per}")
+
+
+def target_loss(fp32_runs: Sequence[RunResult], given: float | None) -> float:
+    """The held-out loss to reach: ``given``, else fp32's final one (median) x TARGET_FACTOR.
+
+    Raises:
+        ValueError: no target given and no fp32 run with held-out losses to derive it from.
+    """
+    if given is not None:
+        return given
+    finals = [r.final_heldout for r in fp32_runs if r.final_heldout is not None]
+    if not finals:
+        raise ValueError("no target loss: run fp32 with --eval-every > 0 or pass --target-loss")
+    return statistics.median(finals) * TARGET_FACTOR
+
+
+def target_note(runs: Sequence[RunResult], target: float) -> str | None:
+    """A warning when ``target`` is no target: the loss before training already meets it."""
+    start = [r.heldout[0]["heldout_loss"] for r in runs if r.heldout]
+    if start and min(start) <= target:
+        return (f"note: the loss before training ({min(start):.4f}) already meets the target "
+                f"{target:.4f}, so times to it are 0; train longer or pass --target-loss")
+    return None
+
+
+def profile_steps(env: Mapping[str, str]) -> int:
+    """The profiled iterations of a ``Compression.espresso`` job run with ``env``
+    (``ESPRESSO_PROFILE_STEPS`` parsed as the workers parse it; at least 1)."""
+    from byteps_espresso.config import VARIABLES
+
+    var = next(v for v in VARIABLES if v.attr == "profile_steps")
+    raw = env.get(var.name)
+    return max(1, var.parse(raw) if raw else var.default)
+
+
+def compressed_tensors(profile: Path) -> tuple[int, int]:
+    """(tensors compressed, tensors) by the strategy in use (``profile/strategy.json``)."""
+    from byteps_espresso.strategy import Strategy
+
+    options = Strategy.load(profile / "strategy.json").options
+    return sum(o.is_compressed for o in options.values()), len(options)
 
 
 def launcher_args(args: argparse.Namespace) -> list[str]:
     """The ``espresso-launch`` options for the cluster ``args`` describes."""
     mode = ["--emulate", "--inter-gbps", str(args.inter_gbps)] if args.emulate else ["--local"]
+    # (args.emulate is settled by _cluster_mode before this is called)
     return [*mode, "--machines", str(args.machines),
             "--workers-per-machine", str(args.workers_per_machine),
             "--servers", str(args.servers)]
@@ -146,10 +267,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps-per-epoch", type=int, default=100)
-    p.add_argument("--compressor", default="randomk")
-    p.add_argument("--ratio", type=float, default=0.01)
-    p.add_argument("--emulate", action="store_true", help="emulated cluster (needs root)")
-    p.add_argument("--inter-gbps", type=float, default=1.0, help="with --emulate")
+    p.add_argument("--compressor", default="efsignsgd")
+    p.add_argument("--ratio", type=float, default=0.01, help="sparsifiers' kept fraction")
+    p.add_argument("--eval-every", type=int, default=10,
+                   help="steps between held-out loss evaluations (time-to-accuracy resolution)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help=f"held-out loss to reach (default: fp32's final x{TARGET_FACTOR})")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--emulate", action="store_true", default=None,
+                       help="emulated cluster (needs root; the default as root)")
+    where.add_argument("--local", action="store_true",
+                       help="loopback cluster (the default when not root)")
+    p.add_argument("--inter-gbps", type=float, default=1.0,
+                   help="link speed of the emulated cluster, Gbit/s")
     p.add_argument("train_args", nargs=argparse.REMAINDER,
                    help="after --: extra arguments for the training script")
     return p
@@ -166,37 +296,70 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
         print(f"demo: {train_script} not found; run from the repository root or pass --train",
               file=sys.stderr)
         return 2
+    if args.eval_every < 1:
+        print("demo: --eval-every must be >= 1 (time to accuracy needs held-out losses)",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     extra = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     base = [sys.executable, str(train_script), "--epochs", str(args.epochs),
-            "--steps-per-epoch", str(args.steps_per_epoch), *extra]
+            "--steps-per-epoch", str(args.steps_per_epoch), "--eval-every",
+            str(args.eval_every), *extra]
     params = {"ratio": args.ratio} if args.compressor in ("randomk", "topk", "dgc") else {}
     espresso = ["--compression", "espresso", "--compressor", args.compressor]
     if "ratio" in params:
         espresso += ["--ratio", str(args.ratio)]
+    try:
+        where = _cluster_mode(args)
+    except RuntimeError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     cluster = launcher_args(args)
     profile = (out / "profile").resolve()
     shape = (f"{args.machines} machines x {args.workers_per_machine} workers, "
              f"{args.servers} server(s), {args.epochs} x {args.steps_per_epoch} steps")
     try:
-        print(f"[1/2] fp32 on the {'emulated' if args.emulate else 'local'} cluster "
-              f"({shape})", flush=True)
+        print(f"[1/2] fp32 on the {where} ({shape})", flush=True)
         fp32 = run_training("fp32", cluster, [*base, "--compression", "fp32"], out, env=env)
         print(f"[2/2] espresso ({args.compressor} {params}) on the same cluster", flush=True)
-        esp = run_training("espresso", cluster, [*base, *espresso], out,
-                           env={**env, "ESPRESSO_PROFILE_OUT": str(profile)})
+        esp_env = {**env, "ESPRESSO_PROFILE_OUT": str(profile)}
+        esp = run_training("espresso", cluster, [*base, *espresso], out, env=esp_env)
     except RuntimeError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("demo: interrupted", file=sys.stderr)
         return 130
-    _report(fp32, esp, profile, out, compressor=args.compressor, params=params)
+    startup = esp.startup(profile_steps(esp_env), profile)
+    _report(fp32, esp, profile, out, compressor=args.compressor, params=params,
+            target=target_loss([fp32], args.target_loss), startup=startup)
     return 0
 
 
+def _cluster_mode(args: argparse.Namespace) -> str:
+    """Settle ``args.emulate`` (emulated as root unless ``--local``) and describe the cluster.
+
+    Raises:
+        RuntimeError: ``--emulate`` was asked for on a host that cannot emulate.
+    """
+    from byteps_espresso.deploy.emulate import EmulationError, check_host
+
+    if args.local:
+        args.emulate = False
+        return "loopback cluster (--local)"
+    try:
+        check_host()
+    except EmulationError as exc:
+        if args.emulate:
+            raise RuntimeError(str(exc)) from None
+        args.emulate = False
+        return f"loopback cluster, no shaped links ({exc})"
+    args.emulate = True
+    return f"emulated cluster, links shaped to {args.inter_gbps:g} Gbit/s"
+
+
 def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compressor: str,
-            params: dict) -> None:
+            params: dict, target: float, startup: Startup) -> None:
     from byteps_espresso.worker.trials import table
 
     from byteps_espresso.strategy import Strategy
@@ -212,18 +375,44 @@ def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compre
                      for f in data["finalists"]], data["kept"]))
     picture = draw_predicted_timeline(profile, out.resolve() / "timeline.png", compressor,
                                       params)
-    speedup = esp.samples_per_s / fp32.samples_per_s
-    print("\n== results (median over the epochs after the first) ==")
-    print(f"{'run':10} {'samples/s':>10} {'iter ms':>9} {'final loss':>11}")
+    compressed, tensors = compressed_tensors(profile)
+    print(f"\n== time to accuracy: held-out loss <= {target:.4f} "
+          f"(fp32's final {fp32.final_heldout:.4f}; training seconds, evaluation left out) ==")
+    print(f"{'run':10} {'to target':>10} {'final loss':>11} {'samples/s':>10} {'iter ms':>9}  "
+          "start-up")
     for run in (fp32, esp):
-        print(f"{run.name:10} {run.samples_per_s:10.1f} {run.iteration_ms:9.2f} "
-              f"{run.final_loss:11.4f}")
-    print(f"\nespresso throughput vs fp32: {speedup:.2f}x (strategy in use: "
-          f"{strategy.algorithm}, predicted iteration {strategy.predicted_ms:.2f} ms; the "
-          f"planner's fp32 baseline {strategy.baselines.get('fp32', float('nan')):.2f} ms)")
+        reached = run.time_to(target)
+        to_target = f"{reached:9.1f}s" if reached is not None else f"{'never':>10}"
+        start = startup.text(fp32.iteration_ms) if run is esp else "none"
+        print(f"{run.name:10} {to_target} {run.final_heldout:11.4f} {run.samples_per_s:10.1f} "
+              f"{run.iteration_ms:9.2f}  {start}")
+    note = target_note([fp32, esp], target)
+    if note:
+        print(note)
+    print(f"\n{_verdict(fp32, esp, target)}")
+    if compressed == 0:
+        print(f"the strategy in use compresses nothing: all {tensors} tensors run uncompressed "
+              f"({strategy.algorithm}); the difference to fp32 is the uncompressed path alone")
+    else:
+        print(f"the strategy in use compresses {compressed} of {tensors} tensors with "
+              f"{compressor} {params} ({strategy.algorithm}, predicted iteration "
+              f"{strategy.predicted_ms:.2f} ms; the planner's fp32 baseline "
+              f"{strategy.baselines.get('fp32', float('nan')):.2f} ms)")
     print(f"best possible loss (chain entropy): {esp.metrics['entropy']:.4f}")
     print(f"predicted-timeline picture: {picture}")
     print(f"logs and metrics: {out.resolve()}")
+
+
+def _verdict(fp32: RunResult, esp: RunResult, target: float) -> str:
+    """Espresso against fp32: time to the target, final loss and throughput, side by side."""
+    loss = f"final held-out loss {esp.final_heldout / fp32.final_heldout:.3f}x fp32's"
+    speed = f"throughput {esp.samples_per_s / fp32.samples_per_s:.2f}x"
+    t_esp, t_fp32 = esp.time_to(target), fp32.time_to(target)
+    if t_esp is None:
+        return f"espresso vs fp32: never reached the target; {loss}, {speed}"
+    if t_fp32 is None:
+        return f"espresso vs fp32: reached the target, fp32 did not; {loss}, {speed}"
+    return (f"espresso vs fp32: time to target {t_esp / t_fp32:.2f}x fp32's, {loss}, {speed}")
 
 
 if __name__ == "__main__":

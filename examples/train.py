@@ -97,6 +97,56 @@ class MarkovTask:
         return -(p_next * math.log(p_next) + (v - 1) * p_other * math.log(p_other))
 
 
+# ---- held-out loss (time to accuracy) ----
+# The held-out batch's generator seed: apart from the training generators (seed * 1000 + rank
+# + 1), identical in every run, so every run is measured on the same sequences.
+HELDOUT_SEED = 2**31 - 1
+
+
+class HeldOut:
+    """The training clock and the loss on a fixed held-out batch every ``--eval-every`` steps.
+
+    Every rank evaluates (all at the same steps, so no rank waits for another), and the time
+    spent evaluating is left out of the clock: ``elapsed_s`` is training time only.
+    """
+
+    def __init__(self, task: MarkovTask, model: nn.Module, loss_fn: nn.Module,
+                 args: argparse.Namespace) -> None:
+        self.model, self.loss_fn, self.every = model, loss_fn, args.eval_every
+        self.vocab = args.vocab
+        self.batch = task.batch(args.eval_batch, args.seq,
+                                torch.Generator().manual_seed(HELDOUT_SEED - args.seed))
+        self.start = time.perf_counter()
+        self.excluded = 0.0
+        self.steps = 0
+        self.steps_elapsed_s: list[float] = []  # training clock at the end of each step
+        self.evals: list[dict] = []
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start - self.excluded
+
+    def step_done(self) -> None:
+        self.steps += 1
+        self.steps_elapsed_s.append(self.elapsed())
+        if self.every and self.steps % self.every == 0:
+            self.evaluate(self.steps)
+
+    def evaluate(self, step: int) -> None:
+        if not self.every:
+            return
+        t0 = time.perf_counter()
+        elapsed = self.elapsed()
+        x, y = self.batch
+        with torch.no_grad():
+            loss = self.loss_fn(self.model(x).reshape(-1, self.vocab), y.reshape(-1))
+        self.evals.append({"step": step, "elapsed_s": elapsed, "heldout_loss": float(loss)})
+        self.excluded += time.perf_counter() - t0
+
+    def metrics(self) -> dict:
+        return {"steps_elapsed_s": self.steps_elapsed_s, "heldout": self.evals}
+# ---- end held-out loss ----
+
+
 def compression(args: argparse.Namespace) -> bps.CompressionSpec:
     if args.compression == "fp32":
         return bps.Compression.none
@@ -133,6 +183,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", help="rank 0 writes loss and throughput JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    # ---- held-out loss (time to accuracy) ----
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="every N steps (and before the first and after the last) evaluate the "
+                        "loss on a fixed held-out batch; 0: never")
+    p.add_argument("--eval-batch", type=int, default=64, help="held-out sequences")
     return p.parse_args()
 
 
@@ -169,6 +224,8 @@ def train(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
     loss_fn = nn.CrossEntropyLoss()
     history = []
+    clock = HeldOut(task, model, loss_fn, args)
+    clock.evaluate(0)
     for epoch in range(args.epochs):
         losses, iter_s = [], []
         bar = tqdm(range(args.steps_per_epoch), desc=f"epoch {epoch}",
@@ -183,6 +240,7 @@ def train(args: argparse.Namespace) -> None:
             opt.step()
             iter_s.append(time.perf_counter() - t0)
             losses.append(loss.item())
+            clock.step_done()
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         elapsed = time.perf_counter() - start
         mean_loss = bps.push_pull(torch.tensor([statistics.fmean(losses)], device=device),
@@ -195,6 +253,8 @@ def train(args: argparse.Namespace) -> None:
             logging.info("epoch %d on %s: loss %.4f (best possible %.4f), %.0f samples/s, "
                          "%.2f ms/iteration", epoch, device, row["loss"], task.entropy(),
                          row["samples_per_s"], row["iteration_ms_median"])
+    if clock.steps % max(1, args.eval_every) != 0:
+        clock.evaluate(clock.steps)  # the final held-out loss
     if rank == 0 and args.metrics_out:
         strategy = bps.planned_strategy()
         Path(args.metrics_out).write_text(json.dumps({
@@ -203,6 +263,7 @@ def train(args: argparse.Namespace) -> None:
             "predicted_ms": strategy.predicted_ms if strategy is not None else None,
             "algorithm": strategy.algorithm if strategy is not None else None,
             "baselines_ms": dict(strategy.baselines) if strategy is not None else None,
+            **clock.metrics(),
         }, indent=1) + "\n")
 
 

@@ -21,6 +21,7 @@ from byteps_espresso.kernels import (  # noqa: F401
     int8,
     natural,
     onebit,
+    powersgd,
     qsgd,
     randomk,
     signsgd,
@@ -30,6 +31,7 @@ from byteps_espresso.kernels import (  # noqa: F401
 )
 from byteps_espresso.kernels.base import (
     BACKENDS,
+    Capabilities,
     Compressor,
     Ctx,
     NonFiniteError,
@@ -41,10 +43,21 @@ from byteps_espresso.kernels.base import (
 )
 from byteps_espresso.kernels.error_feedback import ErrorFeedback
 from byteps_espresso.kernels.momentum import MomentumCorrection
-from byteps_espresso.kernels.registry import by_wire_id, create, defaults, names, wire_id
+from byteps_espresso.kernels.powersgd import PowerSGD
+from byteps_espresso.kernels.registry import (
+    by_wire_id,
+    capabilities,
+    collective_names,
+    create,
+    create_collective,
+    defaults,
+    names,
+    wire_id,
+)
 
 __all__ = [
     "BACKENDS",
+    "Capabilities",
     "Compressor",
     "Ctx",
     "ErrorFeedback",
@@ -52,8 +65,12 @@ __all__ = [
     "NonFiniteError",
     "Payload",
     "PayloadError",
+    "PowerSGD",
     "by_wire_id",
+    "capabilities",
+    "collective_names",
     "create",
+    "create_collective",
     "defaults",
     "key_seed",
     "names",

@@ -35,6 +35,7 @@ __all__ = [
     "block_mean",
     "block_total",
     "blocks_non_finite",
+    "l2_norm",
     "nchunks",
     "sign_block_sums",
     "sign_block_sums_torch",
@@ -114,6 +115,19 @@ def sqrt_sum(bins: Sequence[int]) -> float:
         if b:
             total += int(b) << j
     return math.sqrt(total / (1 << 300))
+
+
+def l2_norm(flat: torch.Tensor | np.ndarray) -> float:
+    """The exact L2 norm of a 1-D float32 tensor or array, identical on both backends.
+
+    Returns:
+        the norm as a Python float (``inf`` when the input holds NaN/Inf).
+    """
+    if isinstance(flat, torch.Tensor):
+        bins = square_bins_torch(flat)
+    else:
+        bins = square_bins(flat.view(np.uint32), nchunks(flat.size))
+    return math.inf if square_non_finite(bins) else sqrt_sum(bins)
 
 
 # ---- sums of |x| split by sign: block-relative fixed point --------------------------------------

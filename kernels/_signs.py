@@ -35,10 +35,10 @@ class SignCodec(Compressor):
 
     n_scales: ClassVar[int] = 0
 
-    def compressed_nbytes(self, numel: int) -> int:
+    def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
         return packed_len(numel, 1) + 4 * self.n_scales
 
-    def payload_lengths(self, numel: int) -> tuple[int, ...]:
+    def payload_lengths(self, numel: int, step: int | None = None) -> tuple[int, ...]:
         return (packed_len(numel, 1),) + ((self.n_scales,) if self.n_scales else ())
 
     def table(self, payload: Payload) -> Any:

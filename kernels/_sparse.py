@@ -3,6 +3,10 @@
 Payload: ``(float32[k] values, int32[k] indices)`` with indices strictly ascending in
 ``[0, numel)`` and ``k = max(1, int(numel * ratio))``. Decoding scatters the values into
 zeros; aggregation scatter-adds every payload into one buffer in list order.
+
+A sparsifier that declares the parameters ``warmup_steps`` and ``warmup_ratio`` (dgc) keeps
+a larger fraction in its first iterations (:func:`warmup_ratio`), so its ``k``, and hence its
+payload lengths, depend on the step as well.
 """
 
 from __future__ import annotations
@@ -12,15 +16,39 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from byteps_espresso.kernels.base import Compressor, Ctx, Payload, PayloadError, check_ratio
+from byteps_espresso.kernels.base import (
+    Compressor,
+    Ctx,
+    Payload,
+    PayloadError,
+    check_int,
+    check_ratio,
+)
 from numba import njit
 
-__all__ = ["Sparse", "SparseNumba", "SparseTorch", "keep_count"]
+__all__ = ["Sparse", "SparseNumba", "SparseTorch", "keep_count", "warmup_ratio"]
 
 
 def keep_count(numel: int, ratio: float) -> int:
     """Elements kept by a sparsifier: ``max(1, int(numel * ratio))``."""
     return max(1, min(numel, int(numel * ratio)))
+
+
+def warmup_ratio(step: int | None, ratio: float, start: float, steps: int) -> float:
+    """The kept fraction at ``step`` under DGC's sparsity warm-up (Lin et al., ICLR 2018, 3.3).
+
+    DGC raises the sparsity exponentially from 75% to 99.9% over the first epochs (kept
+    fraction 0.25, 0.0625, 0.015625, 0.004, 0.001: a factor 4 per epoch). Here the kept
+    fraction falls exponentially from ``start`` to ``ratio`` over ``steps`` iterations::
+
+        ratio(t) = start * (ratio / start) ** (t / steps)   for 0 <= t < steps
+        ratio(t) = ratio                                     for t >= steps (or t None)
+
+    computed in float64 on the host, so every worker and backend gets the same ``k``.
+    """
+    if step is None or steps <= 0 or step >= steps or start <= ratio:
+        return ratio
+    return start * (ratio / start) ** (max(step, 0) / steps)
 
 
 @njit(cache=True)
@@ -48,16 +76,24 @@ class Sparse(Compressor):
 
     def validate_params(self) -> None:
         self.ratio = check_ratio(self.name, self.params["ratio"])
+        self.warmup_steps = check_int(self.name, "warmup_steps",
+                                      self.params.get("warmup_steps", 0), 0, 2**31 - 1)
+        self.warmup_start = check_ratio(f"{self.name} warmup_ratio",
+                                        self.params.get("warmup_ratio", 1.0))
 
-    def keep(self, numel: int) -> int:
-        """Elements kept for a tensor of ``numel`` elements."""
-        return keep_count(numel, self.ratio)
+    def ratio_at(self, step: int | None) -> float:
+        """The kept fraction at iteration ``step`` (None: after the warm-up)."""
+        return warmup_ratio(step, self.ratio, self.warmup_start, self.warmup_steps)
 
-    def compressed_nbytes(self, numel: int) -> int:
-        return 8 * self.keep(numel)
+    def keep(self, numel: int, step: int | None = None) -> int:
+        """Elements kept for a tensor of ``numel`` elements at iteration ``step``."""
+        return keep_count(numel, self.ratio_at(step))
 
-    def payload_lengths(self, numel: int) -> tuple[int, ...]:
-        k = self.keep(numel)
+    def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
+        return 8 * self.keep(numel, step)
+
+    def payload_lengths(self, numel: int, step: int | None = None) -> tuple[int, ...]:
+        k = self.keep(numel, step)
         return (k, k)
 
 

@@ -31,7 +31,9 @@ import torch
 
 __all__ = [
     "BACKENDS",
+    "ELEMENTWISE",
     "MAX_NUMEL",
+    "Capabilities",
     "Compressor",
     "Ctx",
     "NonFiniteError",
@@ -86,6 +88,36 @@ class Ctx:
         return n
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a compressor needs from the Option that carries it (CONTRACT.md, "Capabilities").
+
+    The decision tree reads these to prune the Options a compressor cannot follow.
+
+    Attributes:
+        elementwise: compresses any flat range of a tensor on its own (a shard after a
+            divisible step, a PS partition); False: needs the whole tensor.
+        needs_shape: needs the tensor's matrix shape, not just its element count.
+        linear: payloads of several workers sum (element by element) to the payload of the
+            summed input, so aggregation is a plain all-reduce of payloads.
+        collective_rounds: all-reduces of payloads inside one compression (0: the codec
+            compresses alone; PowerSGD: 2, P then Q).
+        backends: the backends that implement it (``Comp(cpu)`` needs ``numba``).
+        recompressible: a server or a later step may decompress, sum and compress again.
+    """
+
+    elementwise: bool = True
+    needs_shape: bool = False
+    linear: bool = False
+    collective_rounds: int = 0
+    backends: tuple[str, ...] = BACKENDS
+    recompressible: bool = True
+
+
+#: The capabilities of every codec that compresses a flat range alone (the default).
+ELEMENTWISE = Capabilities()
+
+
 class Compressor(abc.ABC):
     """Base class: subclasses implement the pure kernels for one algorithm and backend.
 
@@ -106,6 +138,8 @@ class Compressor(abc.ABC):
     # Signs required of the float32 scales in the payload's last array (+1: >= 0, -1: <= 0);
     # empty when the payload carries no scales. Checked on decode (finite, right sign).
     scale_signs: ClassVar[tuple[int, ...]] = ()
+    # What the Option carrying it must provide (see Capabilities).
+    capabilities: ClassVar[Capabilities] = ELEMENTWISE
 
     def __init__(self, **params: Any) -> None:
         unknown = sorted(set(params) - set(self.defaults))
@@ -173,8 +207,12 @@ class Compressor(abc.ABC):
         """Pure kernel step: a checked payload -> 1-D float32 array of ``ctx.numel``."""
 
     @abc.abstractmethod
-    def compressed_nbytes(self, numel: int) -> int:
-        """Exact bytes on the wire for a tensor of ``numel`` elements."""
+    def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
+        """Exact bytes on the wire for a tensor of ``numel`` elements.
+
+        ``step`` matters only to codecs with a schedule (dgc's sparsity warm-up); None means
+        the steady state after any warm-up, which is what the cost model prices.
+        """
 
     # ---- shared helpers ---------------------------------------------------------------------
     def context(self, shape: Sequence[int], dtype: str = "float32", *, name: str = "",
@@ -193,23 +231,24 @@ class Compressor(abc.ABC):
                 total += int(arr.nbytes)
         return total
 
-    def payload_lengths(self, numel: int) -> tuple[int, ...]:
+    def payload_lengths(self, numel: int, step: int | None = None) -> tuple[int, ...]:
         """Element count of each payload array for a tensor of ``numel`` elements.
 
         The default derives them from :meth:`compressed_nbytes` for single-array payloads;
         multi-array codecs override it. The wire decoder checks received frames against it.
+        ``step``: the iteration, for codecs with a schedule (None: the steady state).
         """
         if len(self.payload_dtypes) != 1:
             raise NotImplementedError(f"{type(self).__name__} must define payload_lengths")
         itemsize = np.dtype(self.payload_dtypes[0]).itemsize
-        return (self.compressed_nbytes(numel) // itemsize,)
+        return (self.compressed_nbytes(numel, step) // itemsize,)
 
     def check_payload(self, payload: Payload, ctx: Ctx) -> None:
         """Raise :class:`PayloadError` unless the payload's arrays fit ``ctx``."""
         if not isinstance(payload, tuple | list):
             raise PayloadError(f"{self.name}: payload must be a tuple of arrays, "
                                f"got {type(payload).__name__}")
-        expected = self.payload_lengths(ctx.numel)
+        expected = self.payload_lengths(ctx.numel, ctx.step)
         if len(payload) != len(expected):
             raise PayloadError(
                 f"{self.name}: payload has {len(payload)} arrays, expected {len(expected)}"

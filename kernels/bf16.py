@@ -43,7 +43,7 @@ class _Bf16(Compressor):
     wire_id = WIRE_ID
     payload_dtypes: ClassVar = (np.dtype(np.uint16),)
 
-    def compressed_nbytes(self, numel: int) -> int:
+    def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
         return 2 * numel
 
 

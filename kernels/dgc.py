@@ -6,8 +6,13 @@ selects among the few candidates at or above it. Because the wire needs exactly 
 entries, the candidates are cut to the exact top-k with the topk tie rule, and when the
 sampled threshold admits fewer than ``k`` candidates the selection falls back to a full
 top-k. The payload is therefore identical to ``topk``'s for the same input (deterministic,
-identical on both backends); the sample only changes how fast it is found. Momentum
-correction is a separate wrapper (:class:`~byteps_espresso.kernels.momentum.MomentumCorrection`).
+identical on both backends); the sample only changes how fast it is found.
+
+DGC as its paper runs it is this codec with its sparsity warm-up (``warmup_steps``,
+``warmup_ratio``: the kept fraction falls exponentially from 25% to ``ratio``, see
+:func:`~byteps_espresso.kernels._sparse.warmup_ratio`) inside
+:class:`~byteps_espresso.kernels.momentum.MomentumCorrection` (momentum correction, local
+gradient clipping, momentum factor masking); :func:`recipe` builds that combination.
 
 Payload: ``(float32[k] values, int32[k] indices)``. NaN/Inf raise :class:`NonFiniteError`.
 """
@@ -24,10 +29,15 @@ from byteps_espresso.kernels._random import hash_positions, hash_positions_torch
 from byteps_espresso.kernels._select import topk_positions, topk_positions_torch
 from byteps_espresso.kernels._sparse import Sparse, SparseNumba, SparseTorch
 from byteps_espresso.kernels.base import Ctx, Payload, check_int, key_seed
-from byteps_espresso.kernels.registry import register
+from byteps_espresso.kernels.momentum import MomentumCorrection
+from byteps_espresso.kernels.registry import create, register
 from numba import njit, prange
 
+__all__ = ["DGC_WARMUP_RATIO", "recipe", "sample_plan"]
+
 WIRE_ID = 6
+# DGC's warm-up starts at 75% sparsity (Lin et al., ICLR 2018, section 3.3): kept fraction.
+DGC_WARMUP_RATIO = 0.25
 # Below this many sampled entries the estimate is too noisy and the sample too costly
 # relative to the tensor: select over the whole tensor (DGC samples 0.1%-1% of large layers).
 MIN_SAMPLE = 256
@@ -85,7 +95,9 @@ def _gather_at_least(u, thr, offsets, nc, out_pos, out_mag):  # noqa: PLR0917  #
 class _Dgc(Sparse):
     name = "dgc"
     wire_id = WIRE_ID
-    defaults: ClassVar[dict[str, Any]] = {"ratio": 0.01, "seed": 0, "sample_ratio": 0.01}
+    # warmup_steps 0: no warm-up (the codec alone); recipe() turns it on.
+    defaults: ClassVar[dict[str, Any]] = {"ratio": 0.01, "seed": 0, "sample_ratio": 0.01,
+                                          "warmup_steps": 0, "warmup_ratio": DGC_WARMUP_RATIO}
 
     def validate_params(self) -> None:
         super().validate_params()
@@ -102,7 +114,7 @@ class DgcTorch(_Dgc, SparseTorch):
         if not bool(torch.isfinite(flat).all()):
             raise self.non_finite(ctx)
         n = flat.numel()
-        k = self.keep(n)
+        k = self.keep(n, ctx.step)
         mag = flat.abs()
         size, rank = sample_plan(n, k, self.sample_ratio)
         pos = None
@@ -123,7 +135,7 @@ class DgcNumba(_Dgc, SparseNumba):
     def encode(self, flat: np.ndarray, ctx: Ctx) -> Payload:
         u = flat.view(np.uint32)
         n = flat.size
-        k = self.keep(n)
+        k = self.keep(n, ctx.step)
         size, rank = sample_plan(n, k, self.sample_ratio)
         if size:
             s0, s1 = split_seed(key_seed(self.seed, ctx.name, ctx.step))
@@ -146,3 +158,32 @@ class DgcNumba(_Dgc, SparseNumba):
         if bad:
             raise self.non_finite(ctx)
         return flat[pos], pos
+
+
+def recipe(backend: str = "torch", *, ratio: float = 0.001, warmup_steps: int = 0,
+           momentum: float = 0.9, clip_norm: float | None = None, workers: int = 1,
+           seed: int = 0, sample_ratio: float = 0.01) -> MomentumCorrection:
+    """DGC as its paper runs it (Lin et al., ICLR 2018): one wrapped codec, no copy.
+
+    Momentum correction and local accumulation, local gradient clipping (the global
+    threshold ``clip_norm`` scaled by ``workers ** -0.5``), momentum factor masking, and the
+    sparsity warm-up from 75% to ``1 - ratio`` over ``warmup_steps`` iterations. The
+    optimizer then runs without momentum of its own (the velocity is accumulated here).
+
+    Args:
+        backend: ``torch`` or ``numba``.
+        ratio: the kept fraction after the warm-up (the paper: 0.001, 99.9% sparsity).
+        warmup_steps: iterations of the warm-up (the paper: 4 epochs); 0: none.
+        momentum: the momentum coefficient the optimizer would have used.
+        clip_norm: the global gradient-norm threshold; None: no clipping.
+        workers: the number of workers (scales the local clipping threshold).
+        seed, sample_ratio: dgc's threshold sampling.
+
+    Example:
+        >>> from byteps_espresso.kernels.dgc import recipe
+        >>> dgc = recipe("numba", ratio=0.001, warmup_steps=1000, clip_norm=5.0, workers=4)
+    """
+    inner = create("dgc", backend=backend, ratio=ratio, seed=seed, sample_ratio=sample_ratio,
+                   warmup_steps=warmup_steps)
+    return MomentumCorrection(inner, momentum=momentum, masking=True, clip_norm=clip_norm,
+                              workers=workers)

@@ -55,7 +55,7 @@ class _Fp16(Compressor):
     wire_id = WIRE_ID
     payload_dtypes: ClassVar = (np.dtype(np.float16),)
 
-    def compressed_nbytes(self, numel: int) -> int:
+    def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
         return 2 * numel
 
 

@@ -49,10 +49,10 @@ class _Int8(Compressor):
     scale_signs = (1,)
     payload_dtypes: ClassVar = (np.dtype(np.int8), np.dtype(np.float32))
 
-    def compressed_nbytes(self, numel: int) -> int:
+    def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
         return numel + 4
 
-    def payload_lengths(self, numel: int) -> tuple[int, ...]:
+    def payload_lengths(self, numel: int, step: int | None = None) -> tuple[int, ...]:
         return (numel, 1)
 
     def _scale(self, amax_bits: int, ctx: Ctx) -> np.float32:

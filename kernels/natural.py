@@ -99,10 +99,10 @@ class _Natural(Compressor):
     def validate_params(self) -> None:
         self.seed = check_int(self.name, "seed", self.params["seed"], 0, 2**63 - 1)
 
-    def compressed_nbytes(self, numel: int) -> int:
+    def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
         return numel + 4
 
-    def payload_lengths(self, numel: int) -> tuple[int, ...]:
+    def payload_lengths(self, numel: int, step: int | None = None) -> tuple[int, ...]:
         return (numel, 1)
 
     def check_payload_content(self, payload: Payload, ctx: Ctx) -> None:

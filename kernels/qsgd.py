@@ -93,10 +93,10 @@ class _Qsgd(Compressor):
         self.seed = check_int(self.name, "seed", self.params["seed"], 0, 2**63 - 1)
         self.bits = code_bits(self.levels)
 
-    def compressed_nbytes(self, numel: int) -> int:
+    def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
         return packed_len(numel, self.bits) + 4
 
-    def payload_lengths(self, numel: int) -> tuple[int, ...]:
+    def payload_lengths(self, numel: int, step: int | None = None) -> tuple[int, ...]:
         return (packed_len(numel, self.bits), 1)
 
     def _norm_value(self, reduced: Any, ctx: Ctx) -> np.float32:

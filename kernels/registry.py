@@ -1,5 +1,16 @@
 """Compressors by name: one registry for both backends, refusing duplicates.
 
+Two kinds share one namespace (a name is never both):
+
+* codecs (:func:`register`, :func:`create`, :func:`names`): ``compress -> payload`` on one
+  worker, on both backends; every Option's Comp/Decomp steps can carry them;
+* collective compressors (:func:`register_collective`, :func:`create_collective`,
+  :func:`collective_names`): compression that is itself a sequence of all-reduces
+  (PowerSGD); they declare in their :class:`~byteps_espresso.kernels.base.Capabilities`
+  which Options they can follow.
+
+:func:`capabilities` answers for either kind.
+
 Example:
     >>> from byteps_espresso.kernels import create
     >>> c = create("fp16", backend="numba")
@@ -9,12 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from byteps_espresso.kernels.base import BACKENDS, Compressor
+from byteps_espresso.kernels.base import BACKENDS, Capabilities, Compressor
 
-__all__ = ["by_wire_id", "create", "defaults", "names", "register", "wire_id"]
+__all__ = ["by_wire_id", "capabilities", "collective_names", "create", "create_collective",
+           "defaults", "names", "register", "register_collective", "wire_id"]
 
 _CLASSES: dict[tuple[str, str], type[Compressor]] = {}
 _WIRE_IDS: dict[int, str] = {}
+_COLLECTIVE: dict[str, type] = {}
 
 
 def register(cls: type[Compressor]) -> type[Compressor]:
@@ -26,6 +39,8 @@ def register(cls: type[Compressor]) -> type[Compressor]:
     if cls.backend not in BACKENDS:
         raise ValueError(f"{cls.__name__}: backend {cls.backend!r} is not one of {BACKENDS}")
     key = (cls.name, cls.backend)
+    if cls.name in _COLLECTIVE:
+        raise ValueError(f"compressor {cls.name!r} is already a collective compressor")
     if key in _CLASSES:
         raise ValueError(f"compressor {cls.name!r} for backend {cls.backend!r} is registered twice")
     owner = _WIRE_IDS.get(cls.wire_id)
@@ -36,9 +51,57 @@ def register(cls: type[Compressor]) -> type[Compressor]:
     return cls
 
 
+def register_collective(cls: type) -> type:
+    """Class decorator: add a collective compressor (``name``, ``capabilities``, ``defaults``).
+
+    Raises:
+        ValueError: the name is taken (by a codec or another collective compressor).
+    """
+    name = cls.name
+    if name in _COLLECTIVE or name in names():
+        raise ValueError(f"compressor {name!r} is registered twice")
+    if not isinstance(getattr(cls, "capabilities", None), Capabilities):
+        raise ValueError(f"{cls.__name__}: a collective compressor declares its capabilities")
+    _COLLECTIVE[name] = cls
+    return cls
+
+
 def names() -> list[str]:
-    """Registered algorithm names, sorted."""
+    """Registered codec names (elementwise, both backends), sorted."""
     return sorted({name for name, _ in _CLASSES})
+
+
+def collective_names() -> list[str]:
+    """Registered collective compressor names (PowerSGD), sorted."""
+    return sorted(_COLLECTIVE)
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(f"unknown compressor {name!r}; choose one of {', '.join(names())} "
+                      f"(collective: {', '.join(collective_names())})")
+
+
+def capabilities(name: str) -> Capabilities:
+    """What compressor ``name`` needs from an Option (codec or collective compressor)."""
+    if name in _COLLECTIVE:
+        return _COLLECTIVE[name].capabilities
+    for (algo, _), cls in _CLASSES.items():
+        if algo == name:
+            return cls.capabilities
+    raise _unknown(name)
+
+
+def create_collective(name: str, **params: Any) -> Any:
+    """Build collective compressor ``name`` (its state object) with its parameters.
+
+    Raises:
+        ValueError: unknown name or a bad parameter.
+    """
+    cls = _COLLECTIVE.get(name)
+    if cls is None:
+        raise ValueError(f"unknown collective compressor {name!r}; choose one of "
+                         f"{', '.join(collective_names())}")
+    return cls(**params)
 
 
 def create(name: str, backend: str = "torch", **params: Any) -> Compressor:
@@ -50,9 +113,13 @@ def create(name: str, backend: str = "torch", **params: Any) -> Compressor:
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if name in _COLLECTIVE:
+        raise ValueError(f"{name!r} compresses through collective all-reduces and has no "
+                         f"standalone payload: build it with create_collective({name!r}) and "
+                         "run it on the Options kernels/CONTRACT.md lists for it")
     cls = _CLASSES.get((name, backend))
     if cls is None:
-        raise ValueError(f"unknown compressor {name!r}; choose one of {', '.join(names())}")
+        raise _unknown(name)
     return cls(**params)
 
 
@@ -62,10 +129,12 @@ def defaults(name: str) -> dict[str, Any]:
     Callers holding job-wide settings (such as ``ESPRESSO_SEED``) pass only the ones the
     algorithm accepts: ``create`` refuses unknown parameters.
     """
+    if name in _COLLECTIVE:
+        return dict(_COLLECTIVE[name].defaults)
     for (algo, _), cls in _CLASSES.items():
         if algo == name:
             return dict(cls.defaults)
-    raise ValueError(f"unknown compressor {name!r}; choose one of {', '.join(names())}")
+    raise _unknown(name)
 
 
 def wire_id(name: str) -> int:

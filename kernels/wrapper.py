@@ -32,6 +32,7 @@ class Wrapper(Compressor):
         self.payload_dtypes = inner.payload_dtypes
         self.defaults = inner.defaults
         self.deterministic = inner.deterministic
+        self.capabilities = inner.capabilities
         self.unbiased = False
         self.params = inner.params
         self.state: dict[str, Any] = {}
@@ -81,11 +82,11 @@ class Wrapper(Compressor):
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx) -> Any:
         return self.inner.aggregate(payloads, ctx)
 
-    def compressed_nbytes(self, numel: int) -> int:
-        return self.inner.compressed_nbytes(numel)
+    def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
+        return self.inner.compressed_nbytes(numel, step)
 
-    def payload_lengths(self, numel: int) -> tuple[int, ...]:
-        return self.inner.payload_lengths(numel)
+    def payload_lengths(self, numel: int, step: int | None = None) -> tuple[int, ...]:
+        return self.inner.payload_lengths(numel, step)
 
     def check_payload(self, payload: Payload, ctx: Ctx) -> None:
         self.inner.check_payload(payload, ctx)

@@ -1,0 +1,60 @@
+"""Time to accuracy as the main job and benchmarks/e2e.py compute it from a run's files."""
+
+import json
+
+import pytest
+from byteps_espresso.deploy.demo import (
+    TARGET_FACTOR,
+    RunResult,
+    Startup,
+    target_loss,
+    target_note,
+)
+
+
+def _run(tmp_path, name, heldout, ends, log_lines=()):
+    log = tmp_path / f"{name}.log"
+    log.write_text("".join(f"{line}\n" for line in log_lines))
+    metrics = {"history": [{"loss": 2.0, "samples_per_s": 10.0, "iteration_ms_median": 5.0}],
+               "heldout": [{"step": s, "elapsed_s": t, "heldout_loss": v} for s, t, v in heldout],
+               "steps_elapsed_s": ends}
+    return RunResult(name, metrics, log)
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_below_it(tmp_path):
+    run = _run(tmp_path, "r", [(0, 0.0, 7.6), (10, 1.5, 3.0), (20, 3.0, 1.9), (30, 4.5, 2.1)], [])
+    assert run.time_to(2.0) == 3.0
+    assert run.time_to(3.0) == 1.5  # "at or below"
+    assert run.time_to(1.0) is None  # never
+    assert run.final_heldout == 2.1
+    assert target_note([run], 2.0) is None
+    assert "already meets the target" in target_note([run], 8.0)  # 7.6 before training
+
+
+def test_the_default_target_is_fp32s_final_loss_times_the_factor(tmp_path):
+    fp32 = [_run(tmp_path, f"f{i}", [(0, 0.0, 7.0), (10, 1.0, v)], []) for i, v in
+            enumerate((1.0, 1.2, 1.1))]
+    assert target_loss(fp32, None) == pytest.approx(1.1 * TARGET_FACTOR)  # the median
+    assert target_loss(fp32, 3.5) == 3.5
+    with pytest.raises(ValueError, match="--target-loss"):
+        target_loss([_run(tmp_path, "x", [], [])], None)
+
+
+def test_startup_splits_profiling_planning_and_trials(tmp_path):
+    # 3 profiled steps (the third plans: 0.25 s in the log), 2 finalists x 2 trial steps
+    ends = [1.0, 2.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.2]
+    log = ["[worker 1] x: planned in 99.0 ms:", "[worker 0] 2026 profiler: planned in 250.0 ms:"]
+    run = _run(tmp_path, "e", [], ends, log)
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    (profile / "trials.json").write_text(json.dumps(
+        {"steps": 2, "kept": "espresso", "finalists": [{}, {}]}))
+    s = run.startup(3, profile)
+    # steps 0-2 profile (the last one plans), steps 3-6 are the trials, step 7 runs the kept
+    assert s == Startup(3.25, 0.25, 2.0)
+    assert s.total_s == 5.5  # the end of the last trial step
+    assert "5.5 s" in s.text(500.0) and "11 fp32 iterations" in s.text(500.0)
+    # without trials the start-up ends with planning; fp32 has none
+    assert run.startup(3, tmp_path / "none") == Startup(3.25, 0.25, 0.0)
+    assert run.startup(0, profile).total_s == 0.0
+    assert Startup(0.0, 0.0, 0.0).text(5.0) == "none"
