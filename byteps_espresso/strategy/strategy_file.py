@@ -50,6 +50,8 @@ class Strategy:
         baselines: baseline name -> predicted iteration time (ms) under the same model.
         algorithm: which algorithm produced the options.
         search_time_ms: how long the algorithm took.
+        plan_time_ms: from the loaded profile to the strategy: model build + search (not
+            stored in the file; 0.0 for a loaded strategy).
         workload, cluster, compressor, params, constraints: the inputs.
     """
 
@@ -63,6 +65,7 @@ class Strategy:
     compressor: str
     params: dict[str, Any] = field(default_factory=dict)
     constraints: Constraints = field(default_factory=Constraints)
+    plan_time_ms: float = 0.0
 
     @property
     def compressed_tensors(self) -> list[str]:
