@@ -6,7 +6,8 @@ profile, and show a saved one again.
         --timeline timeline.png
     espresso show strategy.json --timeline timeline.png
 
-``--workload`` takes a profile JSON file or a built-in name (bert, lstm, resnet50, vgg16);
+``--workload`` takes a profile JSON file or a built-in name (``BUILTIN_WORKLOADS``:
+bert, gpt2, lstm, resnet101, resnet50, ugatit, vgg16);
 ``--cluster FILE`` (a JSON of Cluster fields) replaces the machine flags. Without ``--out``
 the plan is printed and nothing is written. Outputs are written only after planning
 succeeded, each through a temporary file and a rename. Bad input exits with status 2 and a
@@ -144,6 +145,7 @@ def _json_report(strategy: Strategy, n_options: int) -> dict[str, Any]:
         "iteration_time_ms": round(strategy.predicted_ms, 4),
         "baselines": {k: round(v, 4) for k, v in strategy.baselines.items()},
         "search_time_ms": round(strategy.search_time_ms, 3),
+        "plan_time_ms": round(strategy.plan_time_ms, 3),
         "options_per_tensor": n_options,
         "compressed_tensors": len(strategy.compressed_tensors),
         "cpu_offloaded_tensors": len(strategy.cpu_offloaded_tensors),

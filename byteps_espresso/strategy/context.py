@@ -28,7 +28,7 @@ import numpy as np
 
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
-from byteps_espresso.strategy.costs import CompressedSizes, Pricer
+from byteps_espresso.strategy.costs import CompressedSizes, Pricer, StepTasks
 from byteps_espresso.strategy.options import Device, Kind, Option, Step
 from byteps_espresso.strategy.timeline import Evaluator
 from byteps_espresso.strategy.tree import Constraints, enumerate_options, option_set
@@ -138,10 +138,9 @@ class PlanContext:
         self._fronts: dict[int, tuple[Sequence[Option], list[list[Option]]]] = {}
         self._single: dict[Device, list[Option]] = {}
         self._moved: dict[tuple[Option, Device], Option] = {}
+        self._placements: dict[int, np.ndarray] = {}
         self._stacked: dict[int, tuple[Sequence[Option], tuple[np.ndarray, np.ndarray]]] = {}
         self._device_fronts: dict[Device, Fronts] = {}
-        self._cpu_index: dict[int, int] = {}
-        self._variant_index: dict[int, np.ndarray] = {}
         self._uncompressed_index: np.ndarray | None = None
         # The search's visit order: tensors by size, largest first; within a size, closest to
         # the output layer (backward index 0) first. size_groups: the same, per size index.
@@ -175,27 +174,12 @@ class PlanContext:
         return constraints
 
     def prepare(self) -> None:
-        """Price the options the search uses (single-device ones: Algorithm 1's candidates
-        and Algorithm 2's offloaded versions; and their mixed GPU/CPU placements) for every
-        tensor size now: the cost model of this workload, built once, so that a timed search
-        measures the search alone. Also catalogues them for the search as evaluator indices
-        (:meth:`fronts`, :meth:`cpu_index`, :meth:`variant_indices`): facts of the model,
-        the same whichever strategy the search is at."""
-        for device in self.constraints.devices:
-            options = self.single_device(device)
-            self._stacks(options)
-            self.evaluator.add(options)
-        if Device.GPU in self.constraints.devices:
-            compressed = [o for o in self.single_device(Device.GPU) if o.is_compressed]
-            variants = [self.device_variants(o) for o in compressed]
-            # the refinement's mixed placements, priced and added in one go
-            self.evaluator.add([v for vs in variants for v in vs])
-            for k, vs in zip(self.index(compressed).tolist(), variants, strict=True):
-                idx = self._variant_index[k] = self.index(vs)
-                # Algorithm 2's CPU twin is the all-CPU placement (absent when not allowed)
-                twin = [j for j, v in zip(idx.tolist(), vs, strict=True)
-                        if v.devices == {Device.CPU}]
-                self._cpu_index[k] = twin[0] if twin else -1
+        """Price the options Algorithm 1 chooses from (the single-device options of the
+        primary device, uncompressed ones included) for every tensor size, catalogue them for
+        the search as evaluator indices (:meth:`fronts`) and load the numba kernels. The
+        device placements Algorithm 2 and the refinement try are priced when first asked for
+        (:meth:`placements`): only those of the options the search chose."""
+        self.evaluator.add(self.single_device(self.primary_device()))
         self.evaluator.warm_up()
         pareto_front(np.zeros((1, 1, 1)))
         self.fronts(self.primary_device())  # Algorithm 1's candidates
@@ -270,22 +254,43 @@ class PlanContext:
                 fastest_alone=self.index(alone))
         return got
 
-    def cpu_index(self, k: int) -> int:
-        """Evaluator index of option ``k`` with every Comp/Decomp on the CPU; -1 when the
-        constraints forbid that option (cached)."""
-        got = self._cpu_index.get(k)
-        if got is None:
-            cpu_opt = self.on_device(self.evaluator.options[k], Device.CPU)
-            got = int(self.index([cpu_opt])[0]) if self.allowed(cpu_opt) else -1
-            self._cpu_index[k] = got
-        return got
+    def placements(self, k: int) -> np.ndarray:
+        """Evaluator indices of every device placement of option ``k``'s Comp/Decomp steps:
+        entry ``mask`` runs the j-th compute step (in step order) on the CPU where bit j of
+        ``mask`` is set, on the GPU elsewhere; -1 where the tree under the constraints does
+        not hold that option (cached; ``k``'s own placement is among them).
 
-    def variant_indices(self, k: int) -> np.ndarray:
-        """Evaluator indices of :meth:`device_variants` of option ``k`` (cached)."""
-        got = self._variant_index.get(k)
-        if got is None:
-            got = self._variant_index[k] = self.index(
-                self.device_variants(self.evaluator.options[k]))
+        A placement changes only its compute steps' tasks (the device's resource and cost;
+        the communication steps and the extents they leave do not depend on devices), so
+        the placements are priced from the all-GPU and all-CPU versions of the option, task
+        by task, instead of walking each one."""
+        got = self._placements.get(k)
+        if got is not None:
+            return got
+        option = self.evaluator.options[k]
+        gpu, cpu = self.on_device(option, Device.GPU), self.on_device(option, Device.CPU)
+        where = [j for j, st in enumerate(option.steps) if st.device is not None]
+        masks = np.arange(1 << len(where))
+        g, c = self.pricer.tasks(gpu), self.pricer.tasks(cpu)
+        ordinal = np.array([where.index(j) if j in where else -1 for j in g.step.tolist()],
+                           dtype=np.int64)
+        on_cpu = (ordinal >= 0) & ((masks[:, None] >> np.maximum(ordinal, 0)) & 1).astype(bool)
+        resource = np.where(on_cpu, c.resource, g.resource)
+        duration = np.where(on_cpu[:, None, :], c.duration[None], g.duration[None])
+        options, priced, rows = [], [], []
+        for mask in masks.tolist():
+            cand = Option(tuple(
+                Step(st.kind, device=Device.CPU if (mask >> where.index(j)) & 1
+                     else Device.GPU) if st.device is not None else st
+                for j, st in enumerate(option.steps)))
+            if self.allowed(cand):
+                options.append(cand)
+                priced.append(StepTasks(resource[mask], g.step, duration[mask]))
+                rows.append(mask)
+        got = np.full(len(masks), -1, dtype=np.int64)
+        got[rows] = self.evaluator.add(options, priced)
+        for idx in got[rows].tolist():  # every placement of a form shares the table
+            self._placements[idx] = got
         return got
 
     def _stacks(self, candidates: Sequence[Option]) -> tuple[np.ndarray, np.ndarray]:
@@ -319,17 +324,3 @@ class PlanContext:
                 Step(s.kind, device=device) if s.device is not None else s
                 for s in option.steps))
         return got
-
-    def device_variants(self, option: Option) -> list[Option]:
-        """The allowed options equal to ``option`` but with its Comp steps on one device and
-        its Decomp steps on one device (four placements at most)."""
-        out = []
-        for comp_dev in (Device.GPU, Device.CPU):
-            for decomp_dev in (Device.GPU, Device.CPU):
-                cand = Option(tuple(
-                    s if s.device is None else
-                    Step(s.kind, device=comp_dev if s.kind is Kind.COMP else decomp_dev)
-                    for s in option.steps))
-                if self.allowed(cand):
-                    out.append(cand)
-        return out

@@ -19,16 +19,19 @@ Algorithm 1 (``gpu_greedy``)
        least as large as the smallest compressed one.
 
 Algorithm 2 (``cpu_offload``)
-    1. Group the compressed tensors by (size, option).
+    1. Group the compressed all-GPU tensors by (size, option).
     2. Within a group, offloading ``c`` tensors means moving the compression of the ``c``
        tensors farthest from the output layer to the CPUs (the same option, all its
        Comp/Decomp on ``cpu``).
-    3. Enumerate the per-group counts and keep the best: exhaustively when the product of
-       (group size + 1) is at most ``EXHAUSTIVE_LIMIT`` evaluations, else group by group with
-       the others fixed, repeated until no count changes (at most ``OFFLOAD_ROUNDS``).
+    3. Return the optimum over every combination of per-group counts, the paper's traversal
+       (``offload_exhaustive`` simulates each one), found by a branch and bound over the
+       tensors in backward order (:meth:`Evaluator.best_offload`): the same optimum, with the
+       prefix schedule shared among siblings and branches cut by lower bounds.
 
-Refinement (ours, after Algorithm 2): each compressed tensor tries the device variants of its
-option (mixed GPU/CPU placements of its Comp/Decomp steps) with the others fixed.
+Refinement (ours, after Algorithm 2): each tensor with the others fixed tries every device
+placement of its option's Comp/Decomp steps, one step at a time or together (so every Option
+of the tree, mixed devices included, can be chosen); an uncompressed tensor first tries the
+non-dominated all-CPU options of its size.
 """
 
 from __future__ import annotations
@@ -36,25 +39,30 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.options import Device
 
-__all__ = ["EXHAUSTIVE_LIMIT", "GREEDY_PASSES", "OFFLOAD_ROUNDS", "cpu_offload", "espresso",
-           "gpu_greedy", "uniform_best"]
+__all__ = ["GREEDY_PASSES", "OFFLOAD_NODE_LIMIT", "OffloadUnits", "cpu_offload", "espresso",
+           "gpu_greedy", "offload_exhaustive", "offload_units", "uniform_best"]
 
 log = logging.getLogger(__name__)
 
-# Algorithm 2 enumerates all per-group counts up to this many evaluations.
-EXHAUSTIVE_LIMIT = 256
+# Algorithm 2's branch and bound stops after this many search nodes (one node: one tensor
+# placement scheduled on a restored prefix). Far above what the 8 x 8 workloads of
+# benchmarks/plan.py need (its table (d) lists the nodes); a stop is logged.
+OFFLOAD_NODE_LIMIT = 2_000_000
 # Per-tensor passes of Algorithm 1. With the group moves one pass found the same or better
 # strategies than two on the 24 workload settings and 100 random instances of
 # benchmarks/plan.py (measured 2026-11-30), in less time.
 GREEDY_PASSES = 1
-OFFLOAD_ROUNDS = 3
+# Rounds of offload_descent at most (each round: every pair of units).
+OFFLOAD_ROUNDS = 4
 
 
 def uniform_best(ctx: PlanContext, candidates: list) -> np.ndarray:  # type: ignore[type-arg]
@@ -132,75 +140,163 @@ def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarra
     return current
 
 
-def _offload_groups(ctx: PlanContext, choice: np.ndarray) -> list[tuple[np.ndarray, int]]:
-    """(members farthest-from-output first, CPU option index) per (size, GPU option) group."""
+@dataclass(frozen=True)
+class OffloadUnits:
+    """Algorithm 2's traversal as tables for :meth:`Evaluator.best_offload`.
+
+    Attributes:
+        tunit: (tensors, Q) the units of each tensor, -1 padded (no unit: not offloadable).
+        tbits: (tensors, Q) the compute steps (bit j: the j-th Comp/Decomp) each unit moves.
+        table: (tensors, 2^m) the option of each placement mask (-1: not in the tree).
+        members: per unit, its tensors in backward order.
+    """
+
+    tunit: np.ndarray
+    tbits: np.ndarray
+    table: np.ndarray
+    members: list[list[int]]
+
+    @property
+    def combinations(self) -> int:
+        """How many strategies the exhaustive traversal simulates: prod(members + 1)."""
+        return math.prod(len(m) + 1 for m in self.members)
+
+
+def offload_units(ctx: PlanContext, choice: np.ndarray, per_step: bool = False) -> OffloadUnits:
+    """The groups of Algorithm 2 for ``choice``: tensors of one size with one all-GPU
+    compressed option form a group; per_step makes each of the option's Comp/Decomp steps a
+    unit of its own (offloaded independently, as the paper offloads compression operations),
+    else the group is one unit moving all its steps (the option's all-CPU twin)."""
     options = ctx.evaluator.options
+    n = ctx.n_tensors
     groups: dict[tuple[int, int], list[int]] = {}
     for i, k in enumerate(choice.tolist()):
         opt = options[k]
-        if opt.is_compressed and Device.GPU in opt.devices:
+        if opt.is_compressed and opt.devices == {Device.GPU} and ctx.constraints.allow_cpu:
             groups.setdefault((ctx.workload.tensors[i].numel, k), []).append(i)
-    plans = []
-    for (_, k), members in groups.items():
-        target = ctx.cpu_index(k)
-        if target >= 0:
-            plans.append((np.array(members[::-1], dtype=np.int64), target))
-    return plans
+    entries: dict[int, list[tuple[int, int]]] = {}
+    tables: dict[int, np.ndarray] = {}
+    members: list[list[int]] = []
+    for (_, k), group in groups.items():
+        table = ctx.placements(k)
+        m = len(table).bit_length() - 1
+        masks = [1 << j for j in range(m)] if per_step else [(1 << m) - 1]
+        masks = [b for b in masks if table[b] >= 0]  # the step alone may not be allowed
+        if not per_step and not masks:
+            continue
+        for bits in masks:
+            unit = len(members)
+            members.append(group)
+            for i in group:
+                entries.setdefault(i, []).append((unit, bits))
+                tables[i] = table
+    width = max((len(e) for e in entries.values()), default=0)
+    tunit = np.full((n, max(width, 1)), -1, dtype=np.int64)
+    tbits = np.zeros((n, max(width, 1)), dtype=np.int64)
+    table = np.full((n, max((len(t) for t in tables.values()), default=1)), -1, dtype=np.int64)
+    table[:, 0] = choice
+    for i, units in entries.items():
+        tunit[i, : len(units)] = [u for u, _ in units]
+        tbits[i, : len(units)] = [b for _, b in units]
+        table[i, : len(tables[i])] = tables[i]
+    return OffloadUnits(tunit, tbits, table, members)
 
 
-def _offloaded(choice: np.ndarray, plans: list[tuple[np.ndarray, int]],
-               counts: np.ndarray) -> np.ndarray:
-    """One strategy per row of ``counts``: ``choice`` with the first counts[r, g] members of
-    group g moved to the group's CPU option."""
-    out = np.repeat(choice[None, :], len(counts), axis=0)
-    for g, (members, target) in enumerate(plans):
-        for j, member in enumerate(members.tolist()):
-            out[counts[:, g] > j, member] = target
-    return out
-
-
-def cpu_offload(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
-    """Algorithm 2 on ``choice`` (modified copy returned).
-
-    The trials of one enumeration are evaluated in one call (:meth:`Evaluator.best_row`),
-    which keeps the first strictly better trial in enumeration order like a sequential loop.
-    """
-    plans = _offload_groups(ctx, choice) if ctx.constraints.allow_cpu else []
-    if not plans:
+def cpu_offload(ctx: PlanContext, choice: np.ndarray, per_step: bool = False) -> np.ndarray:
+    """Algorithm 2 on ``choice`` (modified copy returned): the optimum of the traversal of
+    per-unit offload counts (:func:`offload_units`), found by branch and bound
+    (:meth:`Evaluator.best_offload`) instead of simulating every combination."""
+    units = offload_units(ctx, choice, per_step)
+    if not units.members:
         return choice.copy()
-    sizes = [len(m) + 1 for m, _ in plans]
-    counts = np.zeros(len(plans), dtype=np.int64)
+    current = ctx.iteration_us(choice)
+    best, _, nodes, complete = ctx.evaluator.best_offload(
+        choice, units.tunit, units.tbits, table=units.table, n_units=len(units.members),
+        current=current, node_limit=OFFLOAD_NODE_LIMIT)
+    if not complete:
+        log.warning("Algorithm 2 stopped after %d nodes (OFFLOAD_NODE_LIMIT): its strategy is "
+                    "the best found, not proven optimal", nodes)
+    return best
+
+
+def offload_exhaustive(ctx: PlanContext, choice: np.ndarray, per_step: bool = False) \
+        -> tuple[np.ndarray, float]:
+    """Algorithm 2 as the paper states it: simulate every combination of per-unit counts
+    (offloading ``c`` of a unit moves its steps of the unit's last ``c`` members to the CPU)
+    and keep the first fastest. For checking :func:`cpu_offload`; as slow as it sounds."""
+    units = offload_units(ctx, choice, per_step)
+    current = ctx.iteration_us(choice)
+    if not units.members:
+        return choice.copy(), current
+    counts = np.indices([len(m) + 1 for m in units.members]).reshape(len(units.members), -1).T
+    rows = _strategies(units, counts)
+    r, t = ctx.evaluator.best_row(rows, current)
+    return (rows[r].copy() if r >= 0 else choice.copy()), t
+
+
+def _strategies(units: OffloadUnits, counts: np.ndarray) -> np.ndarray:
+    """One strategy per row of ``counts`` (per-unit offload counts): each unit's steps move
+    to the CPU on its last counts[r, u] members. A combination the tree lacks (a placement
+    not allowed) keeps the first allowed strategy instead, which the caller already has."""
+    masks = np.zeros((len(counts), units.tunit.shape[0]), dtype=np.int64)
+    for u, group in enumerate(units.members):
+        for pos, i in enumerate(group):
+            q = int(np.flatnonzero(units.tunit[i] == u)[0])
+            moved = counts[:, u] >= len(group) - pos  # among the last counts[u] members
+            masks[moved, i] |= units.tbits[i, q]
+    rows = np.take_along_axis(units.table, masks.T, axis=1).T
+    bad = (rows < 0).any(axis=1)
+    rows[bad] = units.table[:, 0]
+    return np.ascontiguousarray(rows)
+
+
+def offload_descent(ctx: PlanContext, choice: np.ndarray, units: OffloadUnits) \
+        -> tuple[np.ndarray, float]:
+    """Pairwise descent over the per-unit counts: every pair of units tries all its count
+    pairs with the other counts fixed (a unit alone when it is the only one), keeping the
+    first strictly better, until a round changes nothing."""
+    n_units = len(units.members)
+    sizes = [len(m) + 1 for m in units.members]
+    counts = np.zeros(n_units, dtype=np.int64)
     best_t = ctx.iteration_us(choice)
-    if int(np.prod(sizes)) <= EXHAUSTIVE_LIMIT:
-        # every combination, in itertools.product order (the last group varies fastest)
-        trials = np.indices(sizes).reshape(len(sizes), -1).T
-        r, best_t = ctx.evaluator.best_row(_offloaded(choice, plans, trials), best_t)
-        if r >= 0:
-            counts = trials[r]
-        return _offloaded(choice, plans, counts[None, :])[0]
+    pairs = [(u, v) for u in range(n_units) for v in range(u + 1, n_units)] or [(0, 0)]
     for _ in range(OFFLOAD_ROUNDS):
         before = counts.copy()
-        for g, size in enumerate(sizes):
-            # this group's counts with the others fixed
-            trials = np.repeat(counts[None, :], size, axis=0)
-            trials[:, g] = np.arange(size)
-            r, best_t = ctx.evaluator.best_row(_offloaded(choice, plans, trials), best_t)
+        for u, v in pairs:
+            grid = np.indices((sizes[u], sizes[v])).reshape(2, -1).T
+            trials = np.repeat(counts[None, :], len(grid), axis=0)
+            trials[:, u] = grid[:, 0]
+            trials[:, v] = grid[:, 1]
+            r, best_t = ctx.evaluator.best_row(_strategies(units, trials), best_t)
             if r >= 0:
                 counts = trials[r]
         if np.array_equal(counts, before):
             break
-    return _offloaded(choice, plans, counts[None, :])[0]
+    return _strategies(units, counts[None, :])[0], best_t
 
 
 def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
+    """Each tensor, in visit order, with the others fixed: a compressed one tries every device
+    placement of its option's Comp/Decomp steps (:meth:`PlanContext.placements`); an
+    uncompressed one tries the non-dominated all-CPU options of its size (compression that
+    did not pay on the GPU, where it would have delayed the backward pass, may pay on the
+    host), then the placements of the option it took."""
     choice = choice.copy()
     options = ctx.evaluator.options
+    if not ctx.constraints.allow_cpu or not ctx.constraints.allow_gpu:
+        return choice
+    cpu_front = ctx.fronts(Device.CPU).index
+    size_idx = ctx.evaluator.size_idx
     for i in ctx.visit_order:
         keep = int(choice[i])
         if not options[keep].is_compressed:
-            continue
-        best_k, _ = ctx.evaluator.best_of(choice, i,
-                                          _current_first(keep, ctx.variant_indices(keep)))
+            keep, _ = ctx.evaluator.best_of(choice, i,
+                                            _current_first(keep, cpu_front[size_idx[i]]))
+            choice[i] = keep
+            if not options[keep].is_compressed:
+                continue
+        table = ctx.placements(keep)
+        best_k, _ = ctx.evaluator.best_of(choice, i, _current_first(keep, table[table >= 0]))
         choice[i] = best_k
     return choice
 

@@ -59,6 +59,8 @@ class Strategy:
         workload, cluster, compressor, params, constraints: the inputs (with fusion the
             workload has one tensor per bucket).
         buckets: the member gradients of each option's bucket (empty: one gradient each).
+        plan_time_ms: from the loaded profile to the strategy: model build + search (not
+            stored in the file; 0.0 for a loaded strategy).
     """
 
     options: dict[str, Option]
@@ -72,6 +74,7 @@ class Strategy:
     params: dict[str, Any] = field(default_factory=dict)
     constraints: Constraints = field(default_factory=Constraints)
     buckets: tuple[Bucket, ...] = ()
+    plan_time_ms: float = 0.0
 
     @property
     def layout(self) -> tuple[Bucket, ...]:

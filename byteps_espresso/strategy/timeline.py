@@ -36,7 +36,7 @@ import numba
 import numpy as np
 
 from byteps_espresso.strategy.cluster import lane_of
-from byteps_espresso.strategy.costs import GPU, RESOURCES, Pricer
+from byteps_espresso.strategy.costs import GPU, RESOURCES, Pricer, StepTasks
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.workload import Workload
 
@@ -322,6 +322,149 @@ def _exhaustive(gaps, size_idx, lane, allowed, n_allowed, cat_len, cat_res, cat_
     return best, best_choice
 
 
+@numba.njit(cache=True)
+def _save(lv, starts, ends, count, acc, s_st, s_en, s_ct, s_ac):  # pragma: no cover  # noqa: PLR0917
+    width = count.max()
+    s_st[lv, :, :width] = starts[:, :width]
+    s_en[lv, :, :width] = ends[:, :width]
+    s_ct[lv] = count
+    s_ac[lv] = acc
+
+
+@numba.njit(cache=True)
+def _restore(lv, starts, ends, count, acc, s_st, s_en, s_ct, s_ac):  # pragma: no cover  # noqa: PLR0917
+    count[:] = s_ct[lv]
+    acc[:] = s_ac[lv]
+    width = count.max()
+    starts[:, :width] = s_st[lv, :, :width]
+    ends[:, :width] = s_en[lv, :, :width]
+
+
+@numba.njit(cache=True)
+def _tail_bound(starts, ends, count, acc, gaps, j, work_left, reach, forward):  # pragma: no cover  # noqa: PLR0917
+    """A lower bound of the iteration time once tensors ..j-1 are scheduled: tensor j is
+    ready at acc[0] + gaps[j] at the earliest, and from then on each resource must still run
+    what is already placed after that time plus work_left[j, r]; a later tensor l also
+    cannot finish before its own ready time plus its shortest placement (reach[j])."""
+    ready = acc[0] + gaps[j]
+    low = acc[0] + reach[j]
+    for r in range(work_left.shape[1]):
+        busy = 0.0
+        k = count[r] - 1
+        while k >= 0 and ends[r, k] > ready:
+            busy += ends[r, k] - max(starts[r, k], ready)
+            k -= 1
+        low = max(low, ready + busy + work_left[j, r])
+    return forward + low
+
+
+@numba.njit(cache=True)
+def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, cat_len,  # noqa: PLR0912, PLR0915, PLR0917
+                    cat_res, cat_dur, n_res, forward, best_t, tol, node_limit, work_left,
+                    reach):  # pragma: no cover - compiled
+    """Branch and bound over Algorithm 2's traversal: each unit (a set of Comp/Decomp steps of
+    a group of tensors, members in backward order) is switched to the CPU at one member, and
+    then stays switched for every later member (offloading ``c`` of a group = its last ``c``
+    members). Tensor i's placement is the OR of tbits[i, q] over its switched units tunit[i, q];
+    table[i, mask] is the option of that placement (-1: not allowed).
+
+    Depth-first in backward order; the schedule of the prefix is kept per branching tensor and
+    restored for each sibling, and a branch is cut as soon as a lower bound shows it cannot get
+    strictly below the best time so far: _advance's, and at each branching tensor j
+    _tail_bound's (work_left[j, r]: the least busy time tensors j.. still need on resource r
+    whatever their placement; reach[j]: max over l >= j of the backward before l plus l's
+    shortest placement, less the backward before j). Returns (best time, best choice, nodes,
+    complete): complete is False when node_limit nodes were visited first."""
+    n = gaps.shape[0]
+    cap = _capacity(choice, cat_len) + cat_len.max()
+    starts, ends, count, acc = _schedule_state(n_res, cap, lane)
+    nxt = np.full(n + 1, n, dtype=np.int64)  # first branching tensor >= i
+    for i in range(n - 1, -1, -1):
+        nxt[i] = i if tunit[i, 0] >= 0 else nxt[i + 1]
+    levels = 1
+    for i in range(n):
+        if tunit[i, 0] >= 0:
+            levels += 1
+    s_st = np.empty((levels, n_res, cap))
+    s_en = np.empty((levels, n_res, cap))
+    s_ct = np.empty((levels, n_res), dtype=np.int64)
+    s_ac = np.empty((levels, acc.shape[0]))
+    lv_b = np.zeros(levels, dtype=np.int64)
+    lv_free = np.zeros(levels, dtype=np.int64)
+    lv_next = np.zeros(levels, dtype=np.int64)
+    lv_sub = np.zeros(levels, dtype=np.int64)
+    switched = np.zeros(max(n_units, 1), dtype=np.bool_)
+    work = choice.copy()
+    best_choice = choice.copy()
+    dummy = np.zeros((1, 1))
+    dummy1 = np.zeros(1)
+    q_max = tunit.shape[1]
+    depth = 0
+    nodes = 0
+    j0, j1 = 0, nxt[0]
+    while True:
+        # (A) schedule tensors j0..j1-1 (their options fixed), open a level at branch j1
+        nodes += 1
+        ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, j1, -1, 0,
+                      cat_len, cat_res, cat_dur, forward, best_t, -np.inf, tol, False, dummy,
+                      dummy, dummy1, dummy1)
+        if ok and j1 == n:
+            t = forward + max(acc[0], acc[1])
+            if t < best_t - tol:
+                best_t = t
+                best_choice[:] = work
+        elif ok and _tail_bound(starts, ends, count, acc, gaps, j1, work_left, reach,
+                                forward) < best_t - tol:
+            _save(depth, starts, ends, count, acc, s_st, s_en, s_ct, s_ac)
+            free = 0
+            for q in range(q_max):
+                u = tunit[j1, q]
+                if u >= 0 and not switched[u]:
+                    free |= 1 << q
+            lv_b[depth] = j1
+            lv_free[depth] = free
+            lv_next[depth] = 0
+            lv_sub[depth] = 0
+            depth += 1
+        if nodes >= node_limit:
+            return best_t, best_choice, nodes, False
+        # (B) the next sibling of the deepest open level
+        found = False
+        while depth > 0 and not found:
+            lv = depth - 1
+            b = lv_b[lv]
+            for q in range(q_max):  # undo the previous sibling's switches
+                if (lv_sub[lv] >> q) & 1:
+                    switched[tunit[b, q]] = False
+            lv_sub[lv] = 0
+            s = lv_next[lv]
+            free = lv_free[lv]
+            while s < (1 << q_max) and (s & ~free) != 0:
+                s += 1
+            if s >= (1 << q_max):
+                depth -= 1
+                continue
+            lv_next[lv] = s + 1
+            mask = 0
+            for q in range(q_max):
+                u = tunit[b, q]
+                if u >= 0 and (switched[u] or (s >> q) & 1):
+                    mask |= tbits[b, q]
+            opt = table[b, mask]
+            if opt < 0:
+                continue
+            for q in range(q_max):
+                if (s >> q) & 1:
+                    switched[tunit[b, q]] = True
+            lv_sub[lv] = s
+            _restore(lv, starts, ends, count, acc, s_st, s_en, s_ct, s_ac)
+            work[b] = opt
+            j0, j1 = b, nxt[b + 1]
+            found = True
+        if not found:
+            return best_t, best_choice, nodes, True
+
+
 @dataclass(frozen=True)
 class Task:
     """One scheduled task: which tensor and step, where, when (microseconds)."""
@@ -387,27 +530,34 @@ class Evaluator:
         self.calls = 0
         self._dummy = (np.zeros((1, 1)), np.zeros(1))  # unused outputs of unrecorded runs
 
-    def add(self, options: Sequence[Option]) -> list[int]:
-        """Add options (priced now) and return their indices."""
+    def add(self, options: Sequence[Option],
+            priced: Sequence[StepTasks] | None = None) -> list[int]:
+        """Add options and return their indices; ``priced`` gives their tasks (in the order of
+        ``options``) when the caller has them, else the pricer prices them now. The catalogue
+        grows by doubling, so adding options one group at a time stays linear."""
+        given = dict(zip(options, priced, strict=True)) if priced is not None else {}
         new = [o for o in dict.fromkeys(options) if o not in self.index]
         if new:
-            priced = [self.pricer.tasks(o) for o in new]
-            width = max(self._res.shape[1], *(len(p.resource) for p in priced))
+            tasks = [given[o] if o in given else self.pricer.tasks(o) for o in new]
             n_old = len(self.options)
-            n_sizes = len(self.pricer.numels)
-            res = np.zeros((n_old + len(new), width), dtype=np.int64)
-            dur = np.zeros((n_old + len(new), n_sizes, width))
-            res[:n_old, : self._res.shape[1]] = self._res
-            dur[:n_old, :, : self._dur.shape[2]] = self._dur
-            lens = np.concatenate([self._len, np.zeros(len(new), dtype=np.int64)])
-            for k, (opt, p) in enumerate(zip(new, priced, strict=True)):
+            n_all = n_old + len(new)
+            width = max(self._res.shape[1], *(len(p.resource) for p in tasks))
+            if n_all > self._res.shape[0] or width > self._res.shape[1]:
+                rows = max(n_all, 2 * self._res.shape[0], 64)
+                res = np.zeros((rows, width), dtype=np.int64)
+                dur = np.zeros((rows, len(self.pricer.numels), width))
+                lens = np.zeros(rows, dtype=np.int64)
+                res[:n_old, : self._res.shape[1]] = self._res[:n_old]
+                dur[:n_old, :, : self._dur.shape[2]] = self._dur[:n_old]
+                lens[:n_old] = self._len[:n_old]
+                self._res, self._dur, self._len = res, dur, lens
+            for k, (opt, p) in enumerate(zip(new, tasks, strict=True)):
                 row = n_old + k
-                res[row, : len(p.resource)] = p.resource
-                dur[row, :, : len(p.resource)] = p.duration
-                lens[row] = len(p.resource)
+                self._res[row, : len(p.resource)] = p.resource
+                self._dur[row, :, : len(p.resource)] = p.duration
+                self._len[row] = len(p.resource)
                 self.index[opt] = row
                 self.options.append(opt)
-            self._res, self._dur, self._len = res, dur, lens
         return [self.index[o] for o in options]
 
     def _run(self, choice: np.ndarray, record: bool):  # type: ignore[no-untyped-def]
@@ -463,6 +613,10 @@ class Evaluator:
                         dur, len(RESOURCES), 0.0, np.inf, 1e-6)
             _best_row(np.ones(1), one, lane, np.zeros((1, 1), dtype=np.int64),
                       np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0, np.inf, 1e-6)
+            _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
+                            np.ones((1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1,
+                            np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0, np.inf,
+                            1e-6, 10, np.zeros((2, len(RESOURCES))), np.zeros(2))
             _exhaustive(np.ones(1), one, lane, np.zeros((1, 1), dtype=np.int64),
                         np.ones(1, dtype=np.int64), np.ones(1, dtype=np.int64), res, dur,
                         len(RESOURCES), 0.0)
@@ -477,6 +631,43 @@ class Evaluator:
                            self._dur, len(RESOURCES), self.forward_us, current, tol)
         self.calls += len(cands)
         return int(k), float(t)
+
+    def best_offload(self, choice: np.ndarray, tunit: np.ndarray, tbits: np.ndarray, *,
+                     table: np.ndarray, n_units: int, current: float, tol: float = 1e-6,
+                     node_limit: int = 1 << 62) -> tuple[np.ndarray, float, int, bool]:
+        """The fastest strategy of Algorithm 2's traversal (see ``_offload_search``) that is
+        strictly below ``current - tol``, else ``choice``. Returns (strategy, time, nodes
+        visited, complete); it is the traversal's optimum whenever ``complete``."""
+        t, best, nodes, complete = _offload_search(
+            self.gaps, self.size_idx, self.lane, np.asarray(choice, dtype=np.int64),
+            np.ascontiguousarray(tunit, dtype=np.int64),
+            np.ascontiguousarray(tbits, dtype=np.int64),
+            np.ascontiguousarray(table, dtype=np.int64), int(n_units), self._len, self._res,
+            self._dur, len(RESOURCES), self.forward_us, float(current), tol, int(node_limit),
+            *self._tail_tables(table))
+        self.calls += int(nodes)
+        return best, float(t), int(nodes), bool(complete)
+
+    def _tail_tables(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The bound tables of ``_offload_search`` for tensors whose options are among
+        table[i] (entries >= 0): work_left (n + 1, R) and reach (n + 1,)."""
+        n = len(self.gaps)
+        rows = np.where(table >= 0, table, table[:, :1])  # (n, M) every candidate option
+        dur = self._dur[rows, self.size_idx[:, None], :]  # (n, M, L)
+        busy = np.zeros((n, rows.shape[1], len(RESOURCES)))
+        for r in range(len(RESOURCES)):
+            busy[:, :, r] = np.where(self._res[rows] == r, dur, 0.0).sum(axis=2)
+        work_left = np.zeros((n + 1, len(RESOURCES)))
+        work_left[:n] = np.cumsum(busy.min(axis=1)[::-1], axis=0)[::-1]
+        # the GPU also runs the backward segments after j's
+        work_left[:n, GPU] += np.cumsum(self.gaps[::-1])[::-1] - self.gaps
+        # the backward before l, counted from the start of j's segment: cumulative gaps
+        before = np.cumsum(self.gaps)
+        start = before - self.gaps
+        own = before + dur.sum(axis=2).min(axis=1)
+        reach = np.zeros(n + 1)
+        reach[:n] = np.maximum.accumulate(own[::-1])[::-1] - start
+        return work_left, reach
 
     def best_row(self, rows: np.ndarray, current: float, tol: float = 1e-6) \
             -> tuple[int, float]:

@@ -28,7 +28,9 @@ from typing import Any
 __all__ = ["BUILTIN_WORKLOADS", "TensorProfile", "Workload", "WorkloadError",
            "atomic_write_text"]
 
-BUILTIN_WORKLOADS = ("bert", "lstm", "resnet50", "vgg16")
+# The paper's six evaluation models plus ResNet50 (profiles and their source:
+# byteps_espresso/data/workloads/README.md).
+BUILTIN_WORKLOADS = ("bert", "gpt2", "lstm", "resnet101", "resnet50", "ugatit", "vgg16")
 
 # When a profile has no forward time we take half the backward time: the backward pass does
 # about twice the forward's arithmetic (Kaplan et al. 2020, "Scaling Laws for Neural Language
@@ -181,7 +183,7 @@ class Workload:
 
     @classmethod
     def builtin(cls, model: str) -> Workload:
-        """One of the shipped V100 profiles: bert, lstm, resnet50, vgg16.
+        """One of the shipped V100 profiles (``BUILTIN_WORKLOADS``).
 
         Raises:
             WorkloadError: unknown model name.

@@ -28,11 +28,12 @@ def test_plan_writes_strategy_and_timeline(tmp_path, capsys):
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"algorithm", "iteration_time_ms", "baselines", "search_time_ms",
-                           "options_per_tensor", "compressed_tensors",
+                           "plan_time_ms", "options_per_tensor", "compressed_tensors",
                            "cpu_offloaded_tensors"}
     assert "bruteforce" not in report["baselines"] and "fp32" in report["baselines"]
     assert report["iteration_time_ms"] <= min(report["baselines"].values()) + 1e-6 or \
         report["iteration_time_ms"] >= report["baselines"]["upper-bound"]
+    assert report["plan_time_ms"] >= report["search_time_ms"] > 0
     strategy = Strategy.load(out)
     assert strategy.predicted_ms == pytest.approx(report["iteration_time_ms"], rel=1e-4)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

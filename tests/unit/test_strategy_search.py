@@ -117,6 +117,6 @@ def test_search_catalogue_agrees_with_the_options():
         if not opt.is_compressed:
             continue
         k = ctx.evaluator.index[opt]
-        assert [options[v] for v in ctx.variant_indices(k)] == ctx.device_variants(opt)
-        twin = ctx.on_device(opt, Device.CPU)
-        assert ctx.cpu_index(k) == (ctx.evaluator.index[twin] if ctx.allowed(twin) else -1)
+        table = ctx.placements(k)
+        assert table[0] == k and options[table[-1]] == ctx.on_device(opt, Device.CPU)
+        assert len(table) == 1 << sum(s.device is not None for s in opt.steps)

@@ -1,0 +1,98 @@
+"""Algorithm 2 and device placements: priced like the walk, exact against the traversal,
+and every Option of the tree reachable."""
+
+import numpy as np
+import pytest
+
+from byteps_espresso.strategy import Cluster, TensorProfile, Workload, baselines, search
+from byteps_espresso.strategy.context import PlanContext
+from byteps_espresso.strategy.instances import random_instance
+from byteps_espresso.strategy.options import Device
+from byteps_espresso.strategy.timeline import Evaluator
+
+COMPRESSOR = "randomk"
+PARAMS = {"ratio": 0.01}
+
+
+@pytest.mark.parametrize("cluster", [Cluster.preset(2, 2, servers=2),
+                                     Cluster.preset(4, 2, "pcie", 25)])
+def test_placements_cover_the_tree_and_price_like_the_walk(cluster):
+    wl = Workload((TensorProfile("a", 2_000_000, 300.0), TensorProfile("b", 5000, 40.0)), 500.0)
+    ctx = PlanContext(wl, cluster, COMPRESSOR, PARAMS)
+    ctx.prepare()
+    reached = set()
+    for opt in ctx.single_device(Device.GPU):
+        table = ctx.placements(ctx.evaluator.index[opt])
+        reached.update(ctx.evaluator.options[k] for k in table[table >= 0])
+    assert reached == set(ctx.options)  # every Option is a placement of an all-GPU one
+    mixed = [o for o in ctx.options if o.devices == {Device.GPU, Device.CPU}]
+    assert len(mixed) > 100
+    mixed = [mixed[k] for k in np.random.default_rng(0).choice(len(mixed), 100, replace=False)]
+    walked = Evaluator(wl, ctx.pricer, mixed)  # each priced by the step-by-step walk
+    for j, opt in enumerate(mixed):
+        k = ctx.evaluator.index[opt]
+        for other in (0, k):
+            mine = ctx.iteration_us(np.array([k, other]))
+            ref_other = j if other == k else walked.add([ctx.evaluator.options[0]])[0]
+            assert mine == pytest.approx(walked.iteration_us(np.array([j, ref_other])),
+                                         rel=1e-12, abs=1e-9)
+
+
+def _grouped_problem(seed: int):
+    """Six tensors of two sizes, each on a random compressed all-GPU option of its size's
+    front with one Comp and one Decomp: groups of several members for Algorithm 2."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.choice([300_000, 4_000_000], size=6)
+    gaps = rng.uniform(100, 3000, size=6)
+    wl = Workload(tuple(TensorProfile(f"t{i}", int(sizes[i]), float(gaps[i]))
+                        for i in range(6)), float(rng.uniform(0, 5000)))
+    cluster = Cluster.preset(2, 2, "pcie", 10.0, servers=1, cpu_threads=int(rng.choice([2, 8])))
+    ctx = PlanContext(wl, cluster, COMPRESSOR, PARAMS)
+    ctx.prepare()
+    fronts = ctx.fronts(Device.GPU)
+    compressed = {u: [k for k in f.tolist() if ctx.evaluator.options[k].compressions == 1
+                      and len(ctx.evaluator.options[k].devices) == 1]
+                  for u, f in enumerate(fronts.index)}
+    pick = {u: int(rng.choice(c)) for u, c in compressed.items()}
+    choice = np.array([pick[int(u)] for u in ctx.evaluator.size_idx], dtype=np.int64)
+    return ctx, choice
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("per_step", [False, True])
+def test_branch_and_bound_is_the_exhaustive_traversal(seed, per_step):
+    ctx, choice = _grouped_problem(seed)
+    units = search.offload_units(ctx, choice, per_step)
+    assert units.members and units.combinations <= 20_000
+    want_choice, want = search.offload_exhaustive(ctx, choice, per_step)
+    got_choice = search.cpu_offload(ctx, choice, per_step)
+    assert ctx.iteration_us(got_choice) == pytest.approx(want, abs=1e-6)
+    assert ctx.iteration_us(want_choice) == pytest.approx(want, abs=1e-9)
+    assert want <= ctx.iteration_us(choice) + 1e-9
+
+
+def test_offload_on_lstm_8x8_matches_the_traversal():
+    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(8, 8, "pcie", 25), COMPRESSOR,
+                      PARAMS)
+    ctx.prepare()
+    start = search.uniform_best(ctx, ctx.uncompressed())
+    choice = search.gpu_greedy(ctx, start, Device.GPU)
+    _, want = search.offload_exhaustive(ctx, choice)
+    assert ctx.iteration_us(search.cpu_offload(ctx, choice)) == pytest.approx(want, abs=1e-6)
+
+
+def test_search_equals_bruteforce_with_mixed_device_options():
+    seeds = [s for s in range(60) if random_instance(s).constraints.allow_cpu][:20]
+    equal, cpu_optima = 0, 0
+    for seed in seeds:
+        inst = random_instance(seed)
+        ctx = PlanContext(inst.workload, inst.cluster, COMPRESSOR, PARAMS,
+                          constraints=inst.constraints)
+        assert any(o.devices == {Device.GPU, Device.CPU} for o in ctx.options)
+        found = baselines.get("espresso").run(ctx)
+        best = baselines.get("bruteforce").run(ctx)
+        assert found.iteration_us >= best.iteration_us - 1e-6
+        equal += found.iteration_us <= best.iteration_us * (1 + 1e-9)
+        cpu_optima += any(o.uses_cpu for o in best.options)
+    assert cpu_optima >= 3  # the check is about placements: some optima use the CPU
+    assert equal >= 0.95 * len(seeds)
