@@ -93,7 +93,7 @@ class LocalTransport:
         values = self.hub.exchange(members, self.topology.rank, value, self.lane)
         return values, members.index(self.topology.rank)
 
-    def allreduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor:
+    def allreduce(self, scope: Scope, x: torch.Tensor, *, owned: bool = False) -> torch.Tensor:
         values, _ = self._all(scope, x.detach().clone())
         return _sum(values)
 

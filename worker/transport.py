@@ -49,7 +49,8 @@ class Transport(Protocol):
 
     topology: Topology
 
-    def allreduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor: ...
+    def allreduce(self, scope: Scope, x: torch.Tensor, *,
+                  owned: bool = False) -> torch.Tensor: ...
     def reduce_scatter(self, scope: Scope, x: torch.Tensor,
                        sizes: Sequence[int]) -> torch.Tensor: ...
     def allgather(self, scope: Scope, shard: torch.Tensor,
@@ -142,11 +143,15 @@ class DistTransport:
         return x.detach().to(self.comm_device).contiguous()
 
     # dense ----------------------------------------------------------------------------------
-    def allreduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor:
+    def allreduce(self, scope: Scope, x: torch.Tensor, *, owned: bool = False) -> torch.Tensor:
+        """``owned``: ``x`` belongs to the caller's run (not a user's tensor) and may be
+        overwritten with the sum instead of copied first."""
         import torch.distributed as dist
 
         group, members, _ = self._ctx(scope)
-        buf = self._to_comm(x).clone()
+        buf = self._to_comm(x)
+        if not owned and buf.data_ptr() == x.data_ptr():  # x itself: copy, keep x intact
+            buf = buf.clone()
         if len(members) > 1 and buf.numel() > 0:
             dist.all_reduce(buf, group=group)
         return buf.to(x.device)
