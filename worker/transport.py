@@ -35,7 +35,7 @@ from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy.options import Scope
 
-__all__ = ["DistTransport", "PSPath", "PayloadSpec", "Transport", "create_groups",
+__all__ = ["DistTransport", "PSPath", "PayloadSpec", "Transport", "create_groups", "packed_nbytes",
            "host_store", "init_distributed", "pack", "unpack"]
 
 log = logging.getLogger(__name__)
