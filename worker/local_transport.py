@@ -167,7 +167,7 @@ class LocalTransport:
         values = self.hub.exchange(members, self.topology.rank, value, self.lane)
         return values, members.index(self.topology.rank)
 
-    def _count(self, what: str, scope: Scope, me: int, schedule: str, nbytes: float,
+    def _count(self, what: str, scope: Scope, me: int, schedule: str, nbytes: float, *,
                rounds: int = 1) -> None:
         """Record the collective's traffic once per group (by its rank 0) when asked to;
         DistTransport skips a collective of one member or of no bytes."""
@@ -189,7 +189,8 @@ class LocalTransport:
         values, me = self._all(scope, x.detach().clone())
         # gloo's ring all-reduce: a reduce-scatter then an all-gather of n/p chunks
         p = self.topology.size(scope)
-        self._count("allreduce", scope, me, "ring", x.numel() * FLOAT32_BYTES / p, 2 * (p - 1))
+        self._count("allreduce", scope, me, "ring", x.numel() * FLOAT32_BYTES / p,
+                    rounds=2 * (p - 1))
         return _sum(values)
 
     def reduce_scatter(self, scope: Scope, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
@@ -200,7 +201,7 @@ class LocalTransport:
     def allgather(self, scope: Scope, shard: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         values, me = self._all(scope, shard.detach().clone())
         self._count("allgather", scope, me, "ring", max(sizes) * FLOAT32_BYTES,
-                    self.topology.size(scope) - 1)
+                    rounds=self.topology.size(scope) - 1)
         return torch.cat(values)
 
     def reduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor | None:
@@ -217,7 +218,7 @@ class LocalTransport:
                            specs: Sequence[PayloadSpec]) -> list[tuple]:
         values, me = self._all(scope, tuple(payload))
         self._count("allgather_payloads", scope, me, "ring",
-                    max(packed_nbytes(s) for s in specs), self.topology.size(scope) - 1)
+                    max(packed_nbytes(s) for s in specs), rounds=self.topology.size(scope) - 1)
         return list(values)
 
     def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],

@@ -35,8 +35,18 @@ from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy.options import Scope
 
-__all__ = ["DistTransport", "PSPath", "PayloadSpec", "Transport", "create_groups", "packed_nbytes",
-           "host_store", "init_distributed", "pack", "unpack"]
+__all__ = [
+    "DistTransport",
+    "PSPath",
+    "PayloadSpec",
+    "Transport",
+    "create_groups",
+    "host_store",
+    "init_distributed",
+    "pack",
+    "packed_nbytes",
+    "unpack",
+]
 
 log = logging.getLogger(__name__)
 
