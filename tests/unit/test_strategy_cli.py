@@ -90,3 +90,15 @@ def test_installed_command_runs(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["algorithm"] == "espresso"
+
+
+def test_plan_models_the_runtimes_lanes(tmp_path):
+    from byteps_espresso.worker.runtime import DEFAULT_LANES
+
+    from byteps_espresso.strategy.cli import RUNTIME_LANES
+
+    assert RUNTIME_LANES == DEFAULT_LANES
+    for lanes, expected in (([], DEFAULT_LANES), (["--lanes", "3"], 3), (["--lanes", "0"], None)):
+        out = tmp_path / f"s{expected}.json"
+        assert main([*BASE, "--workload", "lstm", "--out", str(out), *lanes]) == 0
+        assert Strategy.load(out).cluster.lanes == expected
