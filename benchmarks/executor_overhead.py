@@ -102,7 +102,9 @@ def _job_env(root: int, pythonpath: str) -> dict[str, str]:
     env.update({"DMLC_NUM_WORKER": str(MACHINES), "BYTEPS_LOCAL_SIZE": str(LOCAL),
                 "DMLC_NUM_SERVER": str(SERVERS), "DMLC_PS_ROOT_URI": "127.0.0.1",
                 "DMLC_PS_ROOT_PORT": str(root), "ESPRESSO_LOG_LEVEL": "WARNING",
-                "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
+                "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath,
+                # a fresh tree compiles its numba kernels at start-up (no cache yet)
+                "ESPRESSO_START_TIMEOUT": "600"})
     return env
 
 

@@ -106,6 +106,9 @@ class _Bound:
     asleep: bool  # a non-root member of an open Reduce/GatherC: skip the step
     owned: bool  # the value this step finds is the executor's own (not the caller's tensor)
     root: bool = False  # group rank 0 of the step's scope
+    k: int = 1  # members of the step's group
+    me: int = 0  # this rank's index in it
+    tail: Callable[..., Any] | None = None  # the last step: issue it, return a waiting call
     ext: Extent = _EMPTY  # the extent the step finds
     after: Extent = _EMPTY  # the extent it leaves (a closer: the restored parent)
     exts: list[Extent] | None = None  # Comp before AlltoallC: the chunks' extents
@@ -162,6 +165,19 @@ class Executor:
             ExecutionError: a step cannot run here (wrong form, missing codec or PS) or a
                 transport call failed; the message names the tensor and the step.
         """
+        return self.start(option, tensor, name=name, step=step)()
+
+    def start(self, option: Option, tensor: torch.Tensor, *, name: str,
+              step: int) -> Callable[[], torch.Tensor]:
+        """Run ``option`` up to its last step and issue that one; returns the call that
+        waits for it and gives the result (as :meth:`run`). An ``Allreduce`` or ``Allgather``
+        as the last step stays in flight (``async_op``) until that call, so a lane can issue
+        the next Option's collectives meanwhile; other last steps and profiled runs
+        (``timings`` set) complete before this returns.
+
+        Raises:
+            ExecutionError: as :meth:`run` (the returned call raises it for the last step).
+        """
         numel = tensor.numel()
         bound = self._bound.get((option, name, numel))
         if bound is None:
@@ -173,18 +189,14 @@ class Executor:
         logged = log.isEnabledFor(logging.DEBUG)
         timed = logged or record is not None
         times: list[str] = []
+        last = bound[-1]
         for b in bound:
             t0 = time.perf_counter() if timed else 0.0
+            if b is last and last.tail is not None and not timed and trace is None:
+                wait = _named(option, b, name, last.tail, self, b, value)
+                return lambda: _named(option, b, name, wait).reshape(tensor.shape)
             if not b.asleep:
-                try:
-                    value = b.fn(self, b, value, name, step)
-                except ExecutionError as exc:
-                    raise ExecutionError(f"tensor {name!r}, step {b.op.index} {b.op.step} of "
-                                         f"[{option}]: {exc}") from None
-                except Exception as exc:
-                    raise ExecutionError(f"tensor {name!r}, step {b.op.index} {b.op.step} of "
-                                         f"[{option}] failed: {type(exc).__name__}: {exc}") \
-                        from exc
+                value = _named(option, b, name, b.fn, self, b, value, name, step)
             if trace is not None:
                 trace(b.op.index, value)
             if timed:
@@ -195,7 +207,8 @@ class Executor:
                     times.append(f"{b.op.step} {sec * 1e3:.2f}")
         if logged:
             log.debug("%s step %d ms: %s", name, step, ", ".join(times))
-        return value.reshape(tensor.shape)
+        out = value.reshape(tensor.shape)
+        return lambda: out
 
     # ---- binding: everything a run would otherwise recompute ---------------------------------
     def _bind(self, option: Option, name: str, numel: int) -> list[_Bound]:
@@ -211,7 +224,8 @@ class Executor:
                 b = _Bound(op, _HANDLERS[op.kind], self._asleep(op), owned=op.index > 0,
                            ext=ext, after=after)
                 if op.scope is not None:
-                    b.root = self.topo.index(op.scope) == 0
+                    b.k, b.me = self.topo.size(op.scope), self.topo.index(op.scope)
+                    b.root = b.me == 0
                 if op.feeds is not None:
                     b.feeds = prog.ops[op.feeds].scope
                 if not b.asleep:
@@ -221,6 +235,7 @@ class Executor:
                                      f"[{option}]: {exc}") from None
             out.append(b)
             ext = after
+        out[-1].tail = _TAILS.get(out[-1].op.kind)
         return out
 
     def _asleep(self, op: Op) -> bool:
@@ -358,6 +373,15 @@ class Executor:
     def _allgather(self, b: _Bound, value: torch.Tensor, name: str, step: int) -> torch.Tensor:
         return self._here(self.transport.allgather(b.op.scope, value, b.sizes))
 
+    # The last step of an Option may be left in flight (Executor.start): issue, then wait later.
+    def _allreduce_tail(self, b: _Bound, value: torch.Tensor) -> Callable[[], torch.Tensor]:
+        wait = self.transport.allreduce_start(b.op.scope, value, owned=b.owned)
+        return lambda: self._here(wait())
+
+    def _allgather_tail(self, b: _Bound, value: torch.Tensor) -> Callable[[], torch.Tensor]:
+        wait = self.transport.allgather_start(b.op.scope, value, b.sizes)
+        return lambda: self._here(wait())
+
     def _reduce(self, b: _Bound, value: torch.Tensor, name: str, step: int) -> Any:
         out = self.transport.reduce(b.op.scope, value)
         return self._here(out) if b.root else None  # type: ignore[arg-type]
@@ -376,8 +400,7 @@ class Executor:
     def _allgather_c(self, b: _Bound, value: list, name: str, step: int) -> list:
         codec = self.codec
         assert codec is not None
-        k = self.topo.size(b.op.scope)  # type: ignore[arg-type]
-        members = b.members if b.members is not None else [b.parts] * k
+        members = b.members if b.members is not None else [b.parts] * b.k
         got = self.transport.allgather_payloads(b.op.scope, codec.flatten(value),
                                                 [p.spec for p in members])  # type: ignore[union-attr]
         return [p.unflatten(g) for g, p in zip(got, members, strict=True)]  # type: ignore[union-attr]
@@ -385,17 +408,16 @@ class Executor:
     def _alltoall_c(self, b: _Bound, value: list, name: str, step: int) -> list:
         codec, members = self.codec, b.members
         assert codec is not None and members is not None
-        me = self.topo.index(b.op.scope)  # type: ignore[arg-type]
         specs = [p.spec for p in members]
         got = self.transport.alltoall_payloads(b.op.scope, [codec.flatten(c) for c in value],
-                                               specs, [specs[me]] * len(members))
-        return [members[me].unflatten(g) for g in got]
+                                               specs, [specs[b.me]] * b.k)
+        return [members[b.me].unflatten(g) for g in got]
 
     def _gather_c(self, b: _Bound, value: list, name: str, step: int) -> list | None:
         codec, parts = self.codec, b.parts
         assert codec is not None and parts is not None
         got = self.transport.gather_payloads(b.op.scope, codec.flatten(value),
-                                             [parts.spec] * self.topo.size(b.op.scope))
+                                             [parts.spec] * b.k)
         return [parts.unflatten(g) for g in got] if b.root else None  # type: ignore[union-attr]
 
     def _push_pull(self, b: _Bound, value: torch.Tensor, name: str, step: int) -> torch.Tensor:
@@ -413,6 +435,20 @@ class Executor:
         return [tuple(p) for p in self.ps.push_pull(b.key, pushed, step)]  # type: ignore[union-attr]
 
 
+def _named(option: Option, b: _Bound, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with any failure re-raised as an ExecutionError naming tensor and step."""
+    try:
+        return fn(*args)
+    except ExecutionError as exc:
+        raise ExecutionError(f"tensor {name!r}, step {b.op.index} {b.op.step} of "
+                             f"[{option}]: {exc}") from None
+    except Exception as exc:
+        raise ExecutionError(f"tensor {name!r}, step {b.op.index} {b.op.step} of [{option}] "
+                             f"failed: {type(exc).__name__}: {exc}") from exc
+
+
+_TAILS: dict[Kind, Callable[..., Any]] = {Kind.ALLREDUCE: Executor._allreduce_tail,
+                                          Kind.ALLGATHER: Executor._allgather_tail}
 _COMPUTE: dict[Kind, Callable[..., Any]] = {Kind.COMP: Executor._comp,
                                             Kind.DECOMP: Executor._decomp}
 # One handler per step kind (program.RULES has one row per kind; asserted below).
@@ -447,14 +483,25 @@ _BINDERS: dict[Kind, Callable[..., None]] = {
 assert set(_HANDLERS) == set(RULES) and set(_BINDERS) <= set(RULES)
 
 
-class Handle:
-    """An Option in flight: ``done()`` polls, ``wait()`` returns the dense sum or raises."""
+_UNSET = object()
 
-    def __init__(self, name: str) -> None:
+
+class Handle:
+    """An Option in flight: ``done()`` polls, ``wait()`` returns the dense sum or raises.
+
+    For a submitted Option the lane's result is the call that waits for its last collective
+    (:meth:`Executor.start`); ``wait()`` makes it, once, on the waiting thread.
+    """
+
+    def __init__(self, name: str, deferred: bool = False) -> None:
         self.name = name
-        self._future: Future[torch.Tensor] = Future()
+        self._future: Future[Any] = Future()
+        self._deferred = deferred
+        self._lock = threading.Lock()
+        self._result: Any = _UNSET
 
     def done(self) -> bool:
+        """Whether the lane ran the Option (its last collective may still be in flight)."""
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
@@ -464,11 +511,17 @@ class Handle:
             ExecutionError: the Option failed, or ``timeout`` seconds passed first.
         """
         try:
-            return self._future.result(timeout)
+            got = self._future.result(timeout)
         except TimeoutError:
             raise ExecutionError(f"tensor {self.name!r} not synchronized within {timeout} s; "
                                  "another rank may have failed or submitted tensors in a "
                                  "different order") from None
+        if not self._deferred:
+            return got
+        with self._lock:
+            if self._result is _UNSET:
+                self._result = got()
+            return self._result
 
 
 _STOP = object()
@@ -524,7 +577,10 @@ class Engine:
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
         lane = self.lane_of(name) if lane is None else lane
-        return self.call(lane, lambda ex: ex.run(option, tensor, name=name, step=step), name)
+        handle = Handle(name, deferred=True)
+        self._queues[lane % self.lanes].put(
+            (handle, lambda ex: ex.start(option, tensor, name=name, step=step)))
+        return handle
 
     def run(self, name: str, tensor: torch.Tensor, option: Option) -> torch.Tensor:
         """Synchronous :meth:`submit` + wait."""

@@ -20,7 +20,7 @@ member (:class:`Traffic`). Tests compare these with the cost model's terms.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,6 +184,16 @@ class LocalTransport:
         msgs, total = tally.busiest()
         with self.hub._cond:
             traffic.append(Traffic(what, scope, p, msgs, total))
+
+    def allreduce_start(self, scope: Scope, x: torch.Tensor, *,
+                        owned: bool = False) -> Callable[[], torch.Tensor]:
+        out = self.allreduce(scope, x, owned=owned)
+        return lambda: out
+
+    def allgather_start(self, scope: Scope, shard: torch.Tensor,
+                        sizes: Sequence[int]) -> Callable[[], torch.Tensor]:
+        out = self.allgather(scope, shard, sizes)
+        return lambda: out
 
     def allreduce(self, scope: Scope, x: torch.Tensor, *, owned: bool = False) -> torch.Tensor:
         values, me = self._all(scope, x.detach().clone())
