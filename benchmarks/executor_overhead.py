@@ -8,7 +8,9 @@ lane 0 (nothing else in flight, so the times are the executor's own path). Measu
 Option: the wall time of ``Executor.run`` and the CPU time of the lane thread during it
 (``time.thread_time``: Python, copies and kernels of this thread, without the time spent
 blocked on peers); per step: the wall time the executor records (``Executor.timings``).
-Reported: medians over iterations, then the median over the 4 ranks.
+Reported: medians over iterations, then the median over the 4 ranks. Then batches: 50
+tensors submitted to the engine at once and all waited for (as the optimizer does in one
+iteration), for the uncompressed Options, median wall time per batch.
 
 ``--baseline REV`` runs the same measurement against the tree of git revision ``REV`` too
 (its ``byteps_espresso`` package assembled in a temporary folder and put first on the
@@ -48,6 +50,14 @@ OPTIONS = [
     "Comp(cpu) -> PushPullC(flat) -> Decomp(cpu)",
 ]
 SIZES = [1024, 262_144]  # elements (4 KB: overhead-bound; 1 MB: copies start to count)
+# Batches: BATCH tensors submitted to the engine at once (both lanes), then all waited for,
+# as the optimizer does each iteration (a 4-layer transformer encoder has about 50 tensors).
+BATCH_OPTIONS = [
+    "Allreduce(flat)",
+    "ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)",
+    "ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)",
+]
+BATCH, BATCH_NUMEL = 50, 4096
 
 
 # ---- worker ------------------------------------------------------------------------------------
@@ -89,10 +99,25 @@ def worker(out: Path, warmup: int, iters: int) -> None:
                              "cpu_ms": statistics.median(cpus) * 1e3,
                              "steps_ms": [statistics.median(s) * 1e3
                                           for s in zip(*steps, strict=True)]})
+        batches = []
+        for oi, text in enumerate(BATCH_OPTIONS):
+            option = Option.parse(text)
+            xs = [torch.randn(BATCH_NUMEL) for _ in range(BATCH)]
+            walls = []
+            for it in range(warmup + iters):
+                rt.barrier()
+                t0 = time.perf_counter()
+                handles = [engine.submit(f"b{oi}t{j}", x, option) for j, x in enumerate(xs)]
+                for h in handles:
+                    h.wait(60)
+                if it >= warmup:
+                    walls.append(time.perf_counter() - t0)
+            batches.append({"option": text, "tensors": BATCH, "numel": BATCH_NUMEL,
+                            "wall_ms": statistics.median(walls) * 1e3})
         rt.barrier()
     finally:
         rt.close()
-    (out / f"rank{rank}.json").write_text(json.dumps(rows))
+    (out / f"rank{rank}.json").write_text(json.dumps({"options": rows, "batches": batches}))
 
 
 # ---- launcher ----------------------------------------------------------------------------------
@@ -158,8 +183,17 @@ def baseline_tree(rev: str, into: Path) -> str:
     return str(src)
 
 
+def _merge_batches(runs: list[list[dict]]) -> list[dict]:
+    """Median over rounds and ranks of each batch's median wall time."""
+    first = runs[0][0]["batches"]
+    return [{**row, "wall_ms": statistics.median(rk["batches"][i]["wall_ms"]
+                                                 for rnd in runs for rk in rnd)}
+            for i, row in enumerate(first)]
+
+
 def _merge(runs: list[list[list[dict]]]) -> list[dict]:
     """Median over rounds of each rank's medians, then the median over ranks."""
+    runs = [[rk["options"] for rk in rnd] for rnd in runs]  # type: ignore[index]
     out = []
     for i, row in enumerate(runs[0][0]):
         per_rank = [[rnd[r][i] for rnd in runs] for r in range(len(runs[0]))]
@@ -212,16 +246,22 @@ def main(argv: list[str] | None = None) -> int:
             for n, path in paths.items():
                 runs[n].append(run_job(path, args))
     trees = {n: _merge(r) for n, r in runs.items()}
+    batches = {n: _merge_batches(r) for n, r in runs.items()}
     print(f"executor overhead, {MACHINES} x {LOCAL} workers + {SERVERS} server, loopback, "
           f"{os.cpu_count()} cores (shared with other jobs); medians of {args.iters} "
           f"iterations x {args.rounds} rounds")
     print(table(trees))
+    print(f"\nbatches of {BATCH} tensors x {BATCH_NUMEL} floats submitted at once, median ms")
+    for i, row in enumerate(batches[next(iter(batches))]):
+        print("  ".join(f"{n}: {batches[n][i]['wall_ms']:8.2f}" for n in batches)
+              + f"  {row['option']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": "python benchmarks/executor_overhead.py " + " ".join(argv or sys.argv[1:]),
         "host": {"cores": os.cpu_count(), "python": platform.python_version()},
         "machines": MACHINES, "local_size": LOCAL, "servers": SERVERS,
-        "iters": args.iters, "rounds": args.rounds, "trees": trees}, indent=1))
+        "iters": args.iters, "rounds": args.rounds, "trees": trees, "batches": batches},
+        indent=1))
     return 0
 
 
