@@ -46,47 +46,85 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from byteps_espresso.worker.codecs import CodecPair
-from byteps_espresso.worker.layout import At, Extent, Origin, pieces, ps_key, split
+from byteps_espresso.worker.layout import Extent, Piece, piece_names, ps_key, split
 from byteps_espresso.worker.topology import Topology
-from byteps_espresso.worker.transport import PSPath, Transport
+from byteps_espresso.worker.transport import PayloadSpec, PSPath, Transport
 
 from byteps_espresso.strategy.cluster import lane_of
-from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
+from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope
+from byteps_espresso.strategy.program import RULES, Form, Op, Origin, compile_option
 
 __all__ = ["Engine", "ExecutionError", "Executor", "Handle"]
 
 log = logging.getLogger(__name__)
 
-DENSE, PAYLOAD, CHUNKS, SUM, CONCAT, NONE = (
-    "dense", "payload", "chunks", "sum", "concat", "none")
 # BYTEPS_PARTITION_BYTES default (config.py); only used to name pieces when no PS exists.
 _DEFAULT_PARTITION_BYTES = 4_096_000
+_EMPTY = Extent(0, 0)
 
 
 class ExecutionError(RuntimeError):
     """An Option failed on this rank; the message names the tensor, step and cause."""
 
 
+class _Parts:
+    """The pieces of one payload, resolved once: extents and ctx names; the iteration is
+    stamped per run (:meth:`at`)."""
+
+    __slots__ = ("arrays", "names", "spec")
+
+    def __init__(self, names: list[tuple[Extent, str]], codec: CodecPair | None) -> None:
+        self.names = names
+        specs = [codec.spec(e.numel) for e, _ in names] if codec is not None else []
+        self.spec: PayloadSpec = tuple(a for s in specs for a in s)
+        self.arrays = [len(s) for s in specs]  # arrays per piece (to unflatten)
+
+    def at(self, step: int) -> list[Piece]:
+        return [Piece(e, n, step) for e, n in self.names]
+
+    def unflatten(self, arrays: Sequence[Any]) -> list[tuple]:
+        out, i = [], 0
+        for n in self.arrays:
+            out.append(tuple(arrays[i:i + n]))
+            i += n
+        return out
+
+
 @dataclass
-class _State:
-    form: str
-    value: Any
-    extent: Extent
-    extents: list[Extent] = field(default_factory=list)  # chunk / member extents
-    stack: list[tuple[str, Scope, Extent]] = field(default_factory=list)
-    origin: Origin | None = None  # the step that made the current payload pieces
-    asleep: Scope | None = None
-    tensor: str = ""
+class _Bound:
+    """One step of one Option, resolved for this rank and one tensor size at first use: the
+    extents, shard sizes, piece layouts, payload specs and PS keys it needs, so that a run
+    only moves data."""
+
+    op: Op
+    fn: Callable[..., Any]
+    asleep: bool  # a non-root member of an open Reduce/GatherC: skip the step
+    owned: bool  # the value this step finds is the executor's own (not the caller's tensor)
+    root: bool = False  # group rank 0 of the step's scope
+    k: int = 1  # members of the step's group
+    me: int = 0  # this rank's index in it
+    tail: Callable[..., Any] | None = None  # the last step: issue it, return a waiting call
+    ext: Extent = _EMPTY  # the extent the step finds
+    after: Extent = _EMPTY  # the extent it leaves (a closer: the restored parent)
+    exts: list[Extent] | None = None  # Comp before AlltoallC: the chunks' extents
+    feeds: Scope | None = None  # Comp: the scope of the communication step it feeds
+    sizes: list[int] | None = None  # shard sizes of the split opened or closed here
+    parts: _Parts | None = None  # pieces of the payload it makes / decodes / moves
+    members: list[_Parts] | None = None  # per group member (or chunk) pieces
+    key: str = ""  # PS key
 
 
 class Executor:
     """Runs Options for one rank over one lane's transport.
+
+    Each (Option, tensor name, size) is compiled and bound to this rank once, at its first
+    run (:func:`~byteps_espresso.strategy.program.compile_option`, then the extents, piece
+    layouts, payload specs and PS keys); later runs only move data.
 
     Args:
         transport: collectives per scope for this rank.
@@ -108,6 +146,10 @@ class Executor:
         # When a list: every step's wall time, appended as (tensor, iteration, step index,
         # seconds); the start-up profile prices the links from them (worker/profiler.py).
         self.timings: list[tuple[str, int, int, float]] | None = None
+        # When set: called with (step index, value held) after every step (tests compare
+        # the values' forms and extents with the compiled program).
+        self.trace: Callable[[int, Any], None] | None = None
+        self._bound: dict[tuple[Option, str, int], list[_Bound]] = {}
 
     # ---- entry point -------------------------------------------------------------------------
     def run(self, option: Option, tensor: torch.Tensor, *, name: str, step: int) -> torch.Tensor:
@@ -123,46 +165,94 @@ class Executor:
             ExecutionError: a step cannot run here (wrong form, missing codec or PS) or a
                 transport call failed; the message names the tensor and the step.
         """
-        flat = tensor.detach().reshape(-1).to(self.device, torch.float32)
-        st = _State(DENSE, flat, Extent(0, flat.numel()), tensor=name)
+        return self.start(option, tensor, name=name, step=step)()
+
+    def start(self, option: Option, tensor: torch.Tensor, *, name: str,
+              step: int) -> Callable[[], torch.Tensor]:
+        """Run ``option`` up to its last step and issue that one; returns the call that
+        waits for it and gives the result (as :meth:`run`). An ``Allreduce`` or ``Allgather``
+        as the last step stays in flight (``async_op``) until that call, so a lane can issue
+        the next Option's collectives meanwhile; other last steps and profiled runs
+        (``timings`` set) complete before this returns.
+
+        Raises:
+            ExecutionError: as :meth:`run` (the returned call raises it for the last step).
+        """
+        numel = tensor.numel()
+        bound = self._bound.get((option, name, numel))
+        if bound is None:
+            bound = self._bound[option, name, numel] = self._bind(option, name, numel)
+        value: Any = tensor.detach().reshape(-1)
+        if value.dtype is not torch.float32 or value.device != self.device:
+            value = value.to(self.device, torch.float32)
+        record, trace = self.timings, self.trace
         logged = log.isEnabledFor(logging.DEBUG)
-        record = self.timings
+        timed = logged or record is not None
         times: list[str] = []
-        for i, s in enumerate(option.steps):
-            t0 = time.perf_counter() if logged or record is not None else 0.0
-            try:
-                self._step(st, At(i, s, name, step, option.steps))
+        last = bound[-1]
+        for b in bound:
+            t0 = time.perf_counter() if timed else 0.0
+            if b is last and last.tail is not None and not timed and trace is None:
+                wait = _named(option, b, name, last.tail, self, b, value)
+                return lambda: _named(option, b, name, wait).reshape(tensor.shape)
+            if not b.asleep:
+                value = _named(option, b, name, b.fn, self, b, value, name, step)
+            if trace is not None:
+                trace(b.op.index, value)
+            if timed:
+                sec = time.perf_counter() - t0
                 if record is not None:
-                    record.append((name, step, i, time.perf_counter() - t0))
+                    record.append((name, step, b.op.index, sec))
                 if logged:
-                    times.append(f"{s} {(time.perf_counter() - t0) * 1e3:.2f}")
-            except (OptionError, ExecutionError) as exc:
-                raise ExecutionError(f"tensor {name!r}, step {i} {s} of [{option}]: {exc}") \
-                    from None
-            except Exception as exc:
-                raise ExecutionError(f"tensor {name!r}, step {i} {s} of [{option}] failed: "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                    times.append(f"{b.op.step} {sec * 1e3:.2f}")
         if logged:
             log.debug("%s step %d ms: %s", name, step, ", ".join(times))
-        if st.form != DENSE or st.extent.numel != flat.numel() or st.stack:
-            raise ExecutionError(f"tensor {name!r}: [{option}] does not end with the full dense "
-                                 f"sum (holds {st.form} over {st.extent})")
-        return st.value.reshape(tensor.shape)
+        out = value.reshape(tensor.shape)
+        return lambda: out
 
-    def _step(self, st: _State, at: At) -> None:
-        s = at.st
-        if s.kind.is_compute:
-            if st.asleep is None:
-                if s.device is Device.CPU and self.cpu_pool is not None:
-                    self.cpu_pool.submit(self._compute, st, at).result()
-                else:
-                    self._compute(st, at)
-            return
-        if st.asleep is not None:
-            closes = s.kind in (Kind.BROADCAST, Kind.BROADCAST_C) and s.scope is st.asleep
-            if not closes:
-                return
-        _COMM[s.kind](self, st, at)
+    # ---- binding: everything a run would otherwise recompute ---------------------------------
+    def _bind(self, option: Option, name: str, numel: int) -> list[_Bound]:
+        try:
+            prog = compile_option(option)
+        except OptionError as exc:
+            raise ExecutionError(f"tensor {name!r}: [{option}] cannot run: {exc}") from None
+        out = []
+        ext = Extent(0, numel)
+        for op in prog.ops:
+            after = self._extent(numel, op.shards)
+            try:
+                b = _Bound(op, _HANDLERS[op.kind], self._asleep(op), owned=op.index > 0,
+                           ext=ext, after=after)
+                if op.scope is not None:
+                    b.k, b.me = self.topo.size(op.scope), self.topo.index(op.scope)
+                    b.root = b.me == 0
+                if op.feeds is not None:
+                    b.feeds = prog.ops[op.feeds].scope
+                if not b.asleep:
+                    _BINDERS.get(op.kind, Executor._bind_none)(self, b, name)
+            except (OptionError, ExecutionError, ValueError) as exc:
+                raise ExecutionError(f"tensor {name!r}, step {op.index} {op.step} of "
+                                     f"[{option}]: {exc}") from None
+            out.append(b)
+            ext = after
+        out[-1].tail = _TAILS.get(out[-1].op.kind)
+        return out
+
+    def _asleep(self, op: Op) -> bool:
+        return any(self.topo.index(s) != 0 for s in op.sleepers)
+
+    def _extent(self, numel: int, shards: Sequence[Scope]) -> Extent:
+        ext = Extent(0, numel)
+        for scope in shards:
+            ext = split(ext, self.topo.size(scope))[self.topo.index(scope)]
+        return ext
+
+    def _parts(self, name: str, origin: Origin | None, extent: Extent) -> _Parts:
+        assert origin is not None
+        return _Parts(piece_names(name, origin, extent, self._partition_bytes()), self.codec)
+
+    def _partition_bytes(self) -> int:
+        return self.ps.partition_bytes if self.ps is not None else _DEFAULT_PARTITION_BYTES
 
     def _need_codec(self) -> CodecPair:
         if self.codec is None:
@@ -175,235 +265,243 @@ class Executor:
                                  "(DMLC_NUM_SERVER=0)")
         return self.ps
 
-    # ---- compute -----------------------------------------------------------------------------
-    def _pieces(self, st: _State, extent: Extent) -> list:
-        assert st.origin is not None
-        return pieces(st.tensor, st.origin, extent, self._partition_bytes())
+    def _bind_none(self, b: _Bound, name: str) -> None:
+        return None
 
-    def _partition_bytes(self) -> int:
-        return self.ps.partition_bytes if self.ps is not None else _DEFAULT_PARTITION_BYTES
-
-    def _compute(self, st: _State, at: At) -> None:
-        s, i, steps, name, step = at.st, at.i, at.steps, at.name, at.step
+    def _bind_comp(self, b: _Bound, name: str) -> None:
         codec = self._need_codec()
-        dev = s.device
-        assert dev is not None
-        if s.kind is not Kind.COMP:
-            self._decomp(st, at, codec)
+        op = b.op
+        if op.chunks is not None:
+            b.exts = split(b.ext, self.topo.size(op.chunks))
+            b.members = [self._parts(name, op.origin, e) for e in b.exts]
             return
-        if st.form != DENSE:
-            raise ExecutionError(f"needs dense values, holds {st.form}")
-        nxt = next((x for x in steps[i + 1:] if not x.kind.is_compute), None)
-        if nxt is None:
-            raise ExecutionError("no communication step follows this Comp")
-        if nxt.kind is Kind.ALLTOALL_C:
-            st.origin = Origin(i, False, step)
-            st.extents = split(st.extent, self.topo.size(nxt.scope))  # type: ignore[arg-type]
-            base = st.extent.offset
-            st.value = [codec.compress_pieces(dev, st.value[e.offset - base:e.end - base], e,
-                                              self._pieces(st, e)) for e in st.extents]
-            st.form = CHUNKS
-            return
-        if nxt.kind is Kind.PUSH_PULL_C:
-            j = steps.index(nxt, i + 1)
-            st.origin = Origin(j, True, step)
-            if st.extent.numel:
-                key = ps_key(name, j, st.extent, compressed=True)
-                ps = self._need_ps()
-                ps.declare(key, st.extent.numel, self.topo.group(nxt.scope), codec)
-                expected = [(p.extent.offset - st.extent.offset, p.extent.numel)
-                            for p in self._pieces(st, st.extent)]
-                if ps.partitions(key) != expected:
-                    raise ExecutionError(f"PS partitions of {key} {ps.partitions(key)} differ "
-                                         f"from the expected {expected}")
-        else:
-            st.origin = Origin(i, False, step)
-        st.value = codec.compress_pieces(dev, st.value, st.extent, self._pieces(st, st.extent))
-        st.form = PAYLOAD
+        b.parts = self._parts(name, op.origin, b.ext)
+        if op.origin is not None and op.origin.ps and b.ext.numel:
+            assert op.feeds is not None and b.feeds is not None
+            b.key = ps_key(name, op.feeds, b.ext, compressed=True)
+            ps = self._need_ps()
+            ps.declare(b.key, b.ext.numel, self.topo.group(b.feeds), codec)
+            expected = [(e.offset - b.ext.offset, e.numel) for e, _ in b.parts.names]
+            if ps.partitions(b.key) != expected:
+                raise ExecutionError(f"PS partitions of {b.key} {ps.partitions(b.key)} differ "
+                                     f"from the expected {expected}")
 
-    def _decomp(self, st: _State, at: At, codec: CodecPair) -> None:
-        dev = at.st.device
-        assert dev is not None
-        if st.form == PAYLOAD:
-            st.value = codec.decode_pieces(dev, st.value, self._pieces(st, st.extent))
-        elif st.form == SUM:
-            st.value = codec.aggregate_pieces(dev, st.value, self._pieces(st, st.extent))
-        elif st.form == CONCAT:
-            st.value = torch.cat([codec.decode_pieces(dev, m, self._pieces(st, e))
-                                  for m, e in zip(st.value, st.extents, strict=True)])
+    def _bind_decomp(self, b: _Bound, name: str) -> None:
+        self._need_codec()
+        op = b.op
+        if op.takes is Form.CONCAT:
+            assert op.payloads is not None
+            b.members = [self._parts(name, op.origin, e)
+                         for e in split(b.ext, self.topo.size(op.payloads))]
         else:
-            raise ExecutionError(f"nothing to decompress (holds {st.form})")
-        st.form = DENSE
+            b.parts = self._parts(name, op.origin, b.ext)
+
+    def _bind_split(self, b: _Bound, name: str) -> None:
+        """ReduceScatter opens a split of the extent it finds; Allgather closes one and
+        restores the parent extent (the one before the opener)."""
+        op = b.op
+        assert op.scope is not None
+        parent = b.ext if op.opens is not None else b.after
+        b.sizes = [e.numel for e in split(parent, self.topo.size(op.scope))]
+
+    def _bind_payload_comm(self, b: _Bound, name: str) -> None:
+        self._need_codec()
+        op = b.op
+        assert op.scope is not None
+        k = self.topo.size(op.scope)
+        if op.kind is Kind.ALLGATHER_C and op.closes is not None:
+            b.members = [self._parts(name, op.origin, e) for e in split(b.after, k)]
+        elif op.kind is Kind.ALLTOALL_C:
+            b.members = [self._parts(name, op.origin, e) for e in split(b.ext, k)]
+        else:  # AllgatherC (summing), GatherC, BroadcastC: every member's pieces are alike
+            b.parts = self._parts(name, op.origin, b.after)
+
+    def _bind_push_pull(self, b: _Bound, name: str) -> None:
+        ps = self._need_ps()
+        if b.ext.numel == 0:  # an empty shard: no key, nothing to push
+            return
+        assert b.op.scope is not None
+        if b.op.kind is Kind.PUSH_PULL:
+            b.key = ps_key(name, b.op.index, b.ext)
+            ps.declare(b.key, b.ext.numel, self.topo.group(b.op.scope))
+        else:  # declared by the Comp that feeds it
+            self._need_codec()
+            b.key = ps_key(name, b.op.index, b.ext, compressed=True)
+
+    # ---- compute -----------------------------------------------------------------------------
+    def _compute(self, b: _Bound, value: Any, name: str, step: int) -> Any:
+        if b.op.device is Device.CPU and self.cpu_pool is not None:
+            return self.cpu_pool.submit(_COMPUTE[b.op.kind], self, b, value, step).result()
+        return _COMPUTE[b.op.kind](self, b, value, step)
+
+    def _comp(self, b: _Bound, value: torch.Tensor, step: int) -> list:
+        codec, dev = self.codec, b.op.device
+        assert codec is not None and dev is not None
+        if b.members is not None:  # one payload per chunk (AlltoallC destination)
+            assert b.exts is not None
+            base = b.ext.offset
+            return [codec.compress_pieces(dev, value[e.offset - base:e.end - base], e,
+                                          parts.at(step))
+                    for e, parts in zip(b.exts, b.members, strict=True)]
+        assert b.parts is not None
+        return codec.compress_pieces(dev, value, b.ext, b.parts.at(step))
+
+    def _decomp(self, b: _Bound, value: Any, step: int) -> torch.Tensor:
+        codec, dev = self.codec, b.op.device
+        assert codec is not None and dev is not None
+        takes = b.op.takes
+        if takes is Form.CONCAT:
+            assert b.members is not None
+            return torch.cat([codec.decode_pieces(dev, m, p.at(step))
+                              for m, p in zip(value, b.members, strict=True)])
+        assert b.parts is not None
+        if takes is Form.SUM:
+            return codec.aggregate_pieces(dev, value, b.parts.at(step))
+        return codec.decode_pieces(dev, value, b.parts.at(step))
 
     # ---- communication -----------------------------------------------------------------------
-    def _need(self, st: _State, form: str) -> None:
-        if st.form != form:
-            raise ExecutionError(f"needs {form}, holds {st.form}")
+    def _here(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.device == self.device else x.to(self.device)
 
-    def _pop(self, st: _State, what: str, scope: Scope) -> Extent:
-        if not st.stack or st.stack[-1][:2] != (what, scope):
-            raise ExecutionError(f"no open {what} of scope {scope.value} to close")
-        return st.stack.pop()[2]
+    def _allreduce(self, b: _Bound, value: torch.Tensor, name: str, step: int) -> torch.Tensor:
+        return self._here(self.transport.allreduce(b.op.scope, value, owned=b.owned))
 
-    def _allreduce(self, st: _State, at: At) -> None:
-        s = at.st
-        self._need(st, DENSE)
-        st.value = self.transport.allreduce(s.scope, st.value).to(self.device)
+    def _reduce_scatter(self, b: _Bound, value: torch.Tensor, name: str,
+                        step: int) -> torch.Tensor:
+        return self._here(self.transport.reduce_scatter(b.op.scope, value, b.sizes))
 
-    def _reduce_scatter(self, st: _State, at: At) -> None:
-        s = at.st
-        self._need(st, DENSE)
-        shards = split(st.extent, self.topo.size(s.scope))
-        st.value = self.transport.reduce_scatter(s.scope, st.value,
-                                                 [e.numel for e in shards]).to(self.device)
-        st.stack.append(("split", s.scope, st.extent))
-        st.extent = shards[self.topo.index(s.scope)]
+    def _allgather(self, b: _Bound, value: torch.Tensor, name: str, step: int) -> torch.Tensor:
+        return self._here(self.transport.allgather(b.op.scope, value, b.sizes))
 
-    def _allgather(self, st: _State, at: At) -> None:
-        s = at.st
-        self._need(st, DENSE)
-        parent = self._pop(st, "split", s.scope)
-        sizes = [e.numel for e in split(parent, self.topo.size(s.scope))]
-        st.value = self.transport.allgather(s.scope, st.value, sizes).to(self.device)
-        st.extent = parent
+    # The last step of an Option may be left in flight (Executor.start): issue, then wait later.
+    def _allreduce_tail(self, b: _Bound, value: torch.Tensor) -> Callable[[], torch.Tensor]:
+        wait = self.transport.allreduce_start(b.op.scope, value, owned=b.owned)
+        return lambda: self._here(wait())
 
-    def _reduce(self, st: _State, at: At) -> None:
-        s = at.st
-        self._need(st, DENSE)
-        out = self.transport.reduce(s.scope, st.value)
-        st.stack.append(("root", s.scope, st.extent))
-        if self.topo.index(s.scope) == 0:
-            st.value = out.to(self.device)  # type: ignore[union-attr]
-        else:
-            st.value, st.form, st.asleep = None, NONE, s.scope
+    def _allgather_tail(self, b: _Bound, value: torch.Tensor) -> Callable[[], torch.Tensor]:
+        wait = self.transport.allgather_start(b.op.scope, value, b.sizes)
+        return lambda: self._here(wait())
 
-    def _broadcast(self, st: _State, at: At) -> None:
-        s = at.st
-        root = self.topo.index(s.scope) == 0
-        parent = self._pop(st, "root", s.scope)
-        if s.kind is Kind.BROADCAST:
-            if root:
-                self._need(st, DENSE)
-            st.value = self.transport.broadcast(s.scope, st.value if root else None,
-                                                parent.numel).to(self.device)
-            st.form = DENSE
-        else:
-            if root:
-                self._need(st, PAYLOAD)
-            else:  # the root's payload comes from the latest Comp or PushPullC before this
-                st.origin = _last_origin(at.steps, at.i, at.step)
-            codec = self._need_codec()
-            parts = self._pieces(st, parent)
-            got = self.transport.broadcast_payload(
-                s.scope, codec.flatten(st.value) if root else None, codec.flat_spec(parts))
-            st.value = codec.unflatten(got, parts)
-            st.form = PAYLOAD
-        if not root:
-            st.asleep = None
-        st.extent = parent
+    def _reduce(self, b: _Bound, value: torch.Tensor, name: str, step: int) -> Any:
+        out = self.transport.reduce(b.op.scope, value)
+        return self._here(out) if b.root else None  # type: ignore[arg-type]
 
-    def _allgather_c(self, st: _State, at: At) -> None:
-        s = at.st
-        self._need(st, PAYLOAD)
-        codec = self._need_codec()
-        k = self.topo.size(s.scope)
-        undo = bool(st.stack) and st.stack[-1][:2] == ("split", s.scope)
-        extents = split(st.stack[-1][2], k) if undo else [st.extent] * k
-        member_parts = [self._pieces(st, e) for e in extents]
-        got = self.transport.allgather_payloads(s.scope, codec.flatten(st.value),
-                                                [codec.flat_spec(p) for p in member_parts])
-        st.value = [codec.unflatten(g, p) for g, p in zip(got, member_parts, strict=True)]
-        if undo:
-            st.form, st.extents, st.extent = CONCAT, extents, st.stack.pop()[2]
-        else:
-            st.form = SUM
+    def _broadcast(self, b: _Bound, value: Any, name: str, step: int) -> torch.Tensor:
+        return self._here(self.transport.broadcast(b.op.scope, value if b.root else None,
+                                                   b.after.numel))
 
-    def _alltoall_c(self, st: _State, at: At) -> None:
-        s = at.st
-        self._need(st, CHUNKS)
-        codec = self._need_codec()
-        k = self.topo.size(s.scope)
-        me = self.topo.index(s.scope)
-        send_specs = [codec.flat_spec(self._pieces(st, e)) for e in st.extents]
-        mine = self._pieces(st, st.extents[me])
-        got = self.transport.alltoall_payloads(s.scope, [codec.flatten(c) for c in st.value],
-                                               send_specs, [send_specs[me]] * k)
-        st.stack.append(("split", s.scope, st.extent))
-        st.extent = st.extents[me]
-        st.form, st.value = SUM, [codec.unflatten(g, mine) for g in got]
+    def _broadcast_c(self, b: _Bound, value: Any, name: str, step: int) -> list:
+        codec, parts = self.codec, b.parts
+        assert codec is not None and parts is not None
+        got = self.transport.broadcast_payload(b.op.scope, codec.flatten(value) if b.root
+                                               else None, parts.spec)
+        return parts.unflatten(got)
 
-    def _gather_c(self, st: _State, at: At) -> None:
-        s = at.st
-        self._need(st, PAYLOAD)
-        codec = self._need_codec()
-        parts = self._pieces(st, st.extent)
-        spec = codec.flat_spec(parts)
-        got = self.transport.gather_payloads(s.scope, codec.flatten(st.value),
-                                             [spec] * self.topo.size(s.scope))
-        st.stack.append(("root", s.scope, st.extent))
-        if self.topo.index(s.scope) == 0:
-            st.form, st.value = SUM, [codec.unflatten(g, parts) for g in got]  # type: ignore[union-attr]
-        else:
-            st.value, st.form, st.asleep = None, NONE, s.scope
+    def _allgather_c(self, b: _Bound, value: list, name: str, step: int) -> list:
+        codec = self.codec
+        assert codec is not None
+        members = b.members if b.members is not None else [b.parts] * b.k
+        got = self.transport.allgather_payloads(b.op.scope, codec.flatten(value),
+                                                [p.spec for p in members])  # type: ignore[union-attr]
+        return [p.unflatten(g) for g, p in zip(got, members, strict=True)]  # type: ignore[union-attr]
 
-    def _push_pull(self, st: _State, at: At) -> None:
-        s = at.st
-        self._need(st, DENSE)
-        ps = self._need_ps()
-        if st.extent.numel == 0:  # an empty shard: no key, nothing to push
-            return
-        key = ps_key(at.name, at.i, st.extent)
-        ps.declare(key, st.extent.numel, self.topo.group(s.scope))
-        host = np.ascontiguousarray(st.value.detach().cpu().numpy(), dtype=np.float32)
-        out = ps.push_pull(key, host, at.step)
-        st.value = torch.as_tensor(np.asarray(out, dtype=np.float32)).reshape(-1).to(self.device)
+    def _alltoall_c(self, b: _Bound, value: list, name: str, step: int) -> list:
+        codec, members = self.codec, b.members
+        assert codec is not None and members is not None
+        specs = [p.spec for p in members]
+        got = self.transport.alltoall_payloads(b.op.scope, [codec.flatten(c) for c in value],
+                                               specs, [specs[b.me]] * b.k)
+        return [members[b.me].unflatten(g) for g in got]
 
-    def _push_pull_c(self, st: _State, at: At) -> None:
-        self._need(st, PAYLOAD)
-        ps = self._need_ps()
-        if st.origin is None or not st.origin.ps or st.origin.index != at.i:
-            raise ExecutionError("PushPullC needs the payload of the Comp just before it")
-        if st.extent.numel == 0:
-            return
-        key = ps_key(at.name, at.i, st.extent, compressed=True)
+    def _gather_c(self, b: _Bound, value: list, name: str, step: int) -> list | None:
+        codec, parts = self.codec, b.parts
+        assert codec is not None and parts is not None
+        got = self.transport.gather_payloads(b.op.scope, codec.flatten(value),
+                                             [parts.spec] * b.k)
+        return [parts.unflatten(g) for g in got] if b.root else None  # type: ignore[union-attr]
+
+    def _push_pull(self, b: _Bound, value: torch.Tensor, name: str, step: int) -> torch.Tensor:
+        if not b.key:
+            return value
+        host = value.numpy() if value.device.type == "cpu" else value.cpu().numpy()
+        out = self.ps.push_pull(b.key, host, step)  # type: ignore[union-attr]
+        return self._here(torch.from_numpy(out).reshape(-1))
+
+    def _push_pull_c(self, b: _Bound, value: list, name: str, step: int) -> list:
+        if not b.key:
+            return value
         pushed = [tuple(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a
-                        for a in p) for p in st.value]
-        st.value = [tuple(p) for p in ps.push_pull(key, pushed, at.step)]
+                        for a in p) for p in value]
+        return [tuple(p) for p in self.ps.push_pull(b.key, pushed, step)]  # type: ignore[union-attr]
 
 
-def _last_origin(steps: Sequence[Step], before: int, step: int) -> Origin:
-    """The producer of the payload a BroadcastC receiver gets: the latest Comp or PushPullC."""
-    for j in range(before - 1, -1, -1):
-        if steps[j].kind is Kind.PUSH_PULL_C:
-            return Origin(j, True, step)
-        if steps[j].kind is Kind.COMP:
-            return Origin(j, False, step)
-    raise ExecutionError("BroadcastC without a Comp before it")
+def _named(option: Option, b: _Bound, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with any failure re-raised as an ExecutionError naming tensor and step."""
+    try:
+        return fn(*args)
+    except ExecutionError as exc:
+        raise ExecutionError(f"tensor {name!r}, step {b.op.index} {b.op.step} of "
+                             f"[{option}]: {exc}") from None
+    except Exception as exc:
+        raise ExecutionError(f"tensor {name!r}, step {b.op.index} {b.op.step} of [{option}] "
+                             f"failed: {type(exc).__name__}: {exc}") from exc
 
 
-_COMM: dict[Kind, Callable[..., None]] = {
+_TAILS: dict[Kind, Callable[..., Any]] = {Kind.ALLREDUCE: Executor._allreduce_tail,
+                                          Kind.ALLGATHER: Executor._allgather_tail}
+_COMPUTE: dict[Kind, Callable[..., Any]] = {Kind.COMP: Executor._comp,
+                                            Kind.DECOMP: Executor._decomp}
+# One handler per step kind (program.RULES has one row per kind; asserted below).
+_HANDLERS: dict[Kind, Callable[..., Any]] = {
+    Kind.COMP: Executor._compute,
+    Kind.DECOMP: Executor._compute,
     Kind.ALLREDUCE: Executor._allreduce,
     Kind.REDUCE_SCATTER: Executor._reduce_scatter,
     Kind.ALLGATHER: Executor._allgather,
     Kind.REDUCE: Executor._reduce,
     Kind.BROADCAST: Executor._broadcast,
-    Kind.BROADCAST_C: Executor._broadcast,
+    Kind.BROADCAST_C: Executor._broadcast_c,
     Kind.ALLGATHER_C: Executor._allgather_c,
     Kind.ALLTOALL_C: Executor._alltoall_c,
     Kind.GATHER_C: Executor._gather_c,
     Kind.PUSH_PULL: Executor._push_pull,
     Kind.PUSH_PULL_C: Executor._push_pull_c,
 }
+# What each kind resolves at bind time (kinds not listed resolve nothing).
+_BINDERS: dict[Kind, Callable[..., None]] = {
+    Kind.COMP: Executor._bind_comp,
+    Kind.DECOMP: Executor._bind_decomp,
+    Kind.REDUCE_SCATTER: Executor._bind_split,
+    Kind.ALLGATHER: Executor._bind_split,
+    Kind.BROADCAST_C: Executor._bind_payload_comm,
+    Kind.ALLGATHER_C: Executor._bind_payload_comm,
+    Kind.ALLTOALL_C: Executor._bind_payload_comm,
+    Kind.GATHER_C: Executor._bind_payload_comm,
+    Kind.PUSH_PULL: Executor._bind_push_pull,
+    Kind.PUSH_PULL_C: Executor._bind_push_pull,
+}
+assert set(_HANDLERS) == set(RULES) and set(_BINDERS) <= set(RULES)
+
+
+_UNSET = object()
 
 
 class Handle:
-    """An Option in flight: ``done()`` polls, ``wait()`` returns the dense sum or raises."""
+    """An Option in flight: ``done()`` polls, ``wait()`` returns the dense sum or raises.
 
-    def __init__(self, name: str) -> None:
+    For a submitted Option the lane's result is the call that waits for its last collective
+    (:meth:`Executor.start`); ``wait()`` makes it, once, on the waiting thread.
+    """
+
+    def __init__(self, name: str, deferred: bool = False) -> None:
         self.name = name
-        self._future: Future[torch.Tensor] = Future()
+        self._future: Future[Any] = Future()
+        self._deferred = deferred
+        self._lock = threading.Lock()
+        self._result: Any = _UNSET
 
     def done(self) -> bool:
+        """Whether the lane ran the Option (its last collective may still be in flight)."""
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
@@ -413,11 +511,17 @@ class Handle:
             ExecutionError: the Option failed, or ``timeout`` seconds passed first.
         """
         try:
-            return self._future.result(timeout)
+            got = self._future.result(timeout)
         except TimeoutError:
             raise ExecutionError(f"tensor {self.name!r} not synchronized within {timeout} s; "
                                  "another rank may have failed or submitted tensors in a "
                                  "different order") from None
+        if not self._deferred:
+            return got
+        with self._lock:
+            if self._result is _UNSET:
+                self._result = got()
+            return self._result
 
 
 _STOP = object()
@@ -473,7 +577,10 @@ class Engine:
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
         lane = self.lane_of(name) if lane is None else lane
-        return self.call(lane, lambda ex: ex.run(option, tensor, name=name, step=step), name)
+        handle = Handle(name, deferred=True)
+        self._queues[lane % self.lanes].put(
+            (handle, lambda ex: ex.start(option, tensor, name=name, step=step)))
+        return handle
 
     def run(self, name: str, tensor: torch.Tensor, option: Option) -> torch.Tensor:
         """Synchronous :meth:`submit` + wait."""

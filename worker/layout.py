@@ -13,7 +13,7 @@ step semantics themselves are written twice on purpose (``executor.py`` over rea
   for two compressions of one tensor in one Option.
 - :func:`ps_key` names the parameter-server key of one PushPull/PushPullC step.
 - A payload is a list of *pieces*: one per compressed range. :func:`pieces` lists them for
-  an extent and the step that produced them (:class:`Origin`): one piece named by
+  an extent and the step that produced them (``program.Origin``): one piece named by
   :func:`codec_name` after a ``Comp``, or one per PS partition (named and split as the PS
   does, ``server.keys``) after a ``Comp`` that feeds ``PushPullC`` and after ``PushPullC``
   itself. Every member of a group can list the pieces of any member's extent, so payloads of
@@ -27,20 +27,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from byteps_espresso.strategy.options import Step
+from byteps_espresso.strategy.program import Op, Origin
 
-__all__ = ["At", "Extent", "Origin", "Piece", "codec_name", "pieces", "ps_key", "split"]
+__all__ = ["At", "Extent", "Piece", "codec_name", "piece_names", "pieces", "ps_key", "split"]
 
 
 @dataclass(frozen=True)
 class At:
-    """Where an interpreter is in an Option: step index, step, tensor name, iteration, and
-    (where the step needs to look ahead) all the Option's steps."""
+    """Where an interpreter is in an Option: step index, step, tensor name, iteration, all
+    the Option's steps and the step's compiled :class:`~byteps_espresso.strategy.program.Op`."""
 
     i: int
     st: Step
     name: str
     step: int
     steps: Sequence[Step] = ()
+    op: Op | None = None
 
 
 @dataclass(frozen=True, order=True)
@@ -95,21 +97,6 @@ def ps_key(tensor: str, step_index: int, extent: Extent, compressed: bool = Fals
 
 
 @dataclass(frozen=True)
-class Origin:
-    """The step whose output a payload is: a ``Comp`` (``ps=False``) or a PS exchange.
-
-    Attributes:
-        index: step index of the ``Comp``, or of the ``PushPullC`` the pieces belong to.
-        ps: whether the pieces are PS partitions.
-        step: the tensor's iteration (ctx step and PS round).
-    """
-
-    index: int
-    ps: bool
-    step: int
-
-
-@dataclass(frozen=True)
 class Piece:
     """One compressed range: its extent and the ctx (name, step) it is encoded with."""
 
@@ -118,16 +105,25 @@ class Piece:
     step: int
 
 
-def pieces(tensor: str, origin: Origin, extent: Extent, partition_bytes: int) -> list[Piece]:
-    """The pieces of ``tensor``'s range ``extent`` made by ``origin`` (none when empty)."""
+def piece_names(tensor: str, origin: Origin, extent: Extent,
+                partition_bytes: int) -> list[tuple[Extent, str]]:
+    """(extent, ctx name) of each piece of ``tensor``'s range ``extent`` made by ``origin``
+    (none when empty): what :func:`pieces` stamps with the iteration."""
     if extent.numel == 0:
         return []
     if not origin.ps:
-        return [Piece(extent, codec_name(tensor, origin.index, extent), origin.step)]
+        return [(extent, codec_name(tensor, origin.index, extent))]
     from byteps_espresso.server.keys import part_names
     from byteps_espresso.server.keys import split as ps_split
 
     key = ps_key(tensor, origin.index, extent, compressed=True)
     parts = ps_split(extent.numel, 4, partition_bytes)  # float32 partitions, as the PS splits
-    return [Piece(Extent(extent.offset + o, n), part, origin.step)
+    return [(Extent(extent.offset + o, n), part)
             for (o, n), part in zip(parts, part_names(key, len(parts)), strict=True)]
+
+
+def pieces(tensor: str, origin: Origin, extent: Extent, partition_bytes: int,
+           step: int) -> list[Piece]:
+    """The pieces of ``tensor``'s range ``extent`` made by ``origin`` in iteration ``step``."""
+    return [Piece(e, name, step) for e, name in piece_names(tensor, origin, extent,
+                                                            partition_bytes)]

@@ -9,21 +9,92 @@ order. It lets unit tests run the real executor over the whole decision tree in 
 multi-process tests use :class:`~byteps_espresso.worker.transport.DistTransport`.
 
 Dense sums are taken in group-rank order.
+
+With ``LocalHub(..., count_traffic=True)`` every collective also records what
+:class:`~byteps_espresso.worker.transport.DistTransport` sends for it over gloo, message by
+message (ring, pairwise exchange, gather to the root, binomial tree; shards and payloads
+padded and packed as that transport does): the messages and bytes at the group's busiest
+member (:class:`Traffic`). Tests compare these with the cost model's terms.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from byteps_espresso.worker.topology import Topology
-from byteps_espresso.worker.transport import PayloadSpec
+from byteps_espresso.worker.transport import PayloadSpec, packed_nbytes
 
 from byteps_espresso.strategy.options import Scope
 
-__all__ = ["LocalHub", "LocalTransport"]
+__all__ = ["LocalHub", "LocalTransport", "Traffic"]
+
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One collective's messages and bytes (sent or received) at its busiest member."""
+
+    collective: str
+    scope: Scope
+    members: int
+    msgs: int
+    nbytes: float
+
+
+class _Tally:
+    """Per-member messages and bytes sent and received, for one collective's schedule."""
+
+    def __init__(self, p: int) -> None:
+        self.p = p
+        self.sent = [[0, 0.0] for _ in range(p)]
+        self.recv = [[0, 0.0] for _ in range(p)]
+
+    def send(self, src: int, dst: int, nbytes: float) -> None:
+        self.sent[src][0] += 1
+        self.sent[src][1] += nbytes
+        self.recv[dst][0] += 1
+        self.recv[dst][1] += nbytes
+
+    def ring(self, rounds: int, nbytes: float) -> _Tally:
+        """``rounds`` steps of a ring: every member sends ``nbytes`` to the next."""
+        for _ in range(rounds):
+            for m in range(self.p):
+                self.send(m, (m + 1) % self.p, nbytes)
+        return self
+
+    def pairwise(self, nbytes: float) -> _Tally:
+        """Every member sends ``nbytes`` to every other (an all-to-all)."""
+        for m in range(self.p):
+            for d in range(self.p):
+                if d != m:
+                    self.send(m, d, nbytes)
+        return self
+
+    def gather(self, nbytes: float) -> _Tally:
+        """Every member sends ``nbytes`` to the root (gloo's gather)."""
+        for m in range(1, self.p):
+            self.send(m, 0, nbytes)
+        return self
+
+    def tree(self, nbytes: float) -> _Tally:
+        """A binomial tree from the root (gloo's broadcast): in round r, members below 2^r
+        send to the member 2^r above them."""
+        span = 1
+        while span < self.p:
+            for m in range(span):
+                if m + span < self.p:
+                    self.send(m, m + span, nbytes)
+            span *= 2
+        return self
+
+    def busiest(self) -> tuple[int, float]:
+        return (max(max(s[0], r[0]) for s, r in zip(self.sent, self.recv, strict=True)),
+                max(max(s[1], r[1]) for s, r in zip(self.sent, self.recv, strict=True)))
 
 
 class LocalHub:
@@ -34,9 +105,12 @@ class LocalHub:
         timeout_s: how long a member waits for the others before raising.
     """
 
-    def __init__(self, machines: int, local_size: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, machines: int, local_size: int, timeout_s: float = 30.0, *,
+                 count_traffic: bool = False) -> None:
         self.topology = Topology(machines, local_size)
         self.timeout_s = timeout_s
+        # What each collective sends, recorded by the group's rank 0 (one entry per call).
+        self.traffic: list[Traffic] | None = [] if count_traffic else None
         self._cond = threading.Condition()
         # Keyed by ((lane, *members), sequence number of the collective in that group).
         self._slots: dict[tuple[tuple[int, ...], int], dict[int, Any]] = {}
@@ -93,43 +167,86 @@ class LocalTransport:
         values = self.hub.exchange(members, self.topology.rank, value, self.lane)
         return values, members.index(self.topology.rank)
 
-    def allreduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor:
-        values, _ = self._all(scope, x.detach().clone())
+    def _count(self, what: str, scope: Scope, me: int, schedule: str, nbytes: float, *,
+               rounds: int = 1) -> None:
+        """Record the collective's traffic once per group (by its rank 0) when asked to;
+        DistTransport skips a collective of one member or of no bytes."""
+        traffic = self.hub.traffic
+        if traffic is None or me != 0:
+            return
+        p = self.topology.size(scope)
+        tally = _Tally(p)
+        if p > 1 and nbytes > 0:
+            if schedule == "ring":
+                tally.ring(rounds, nbytes)
+            else:
+                getattr(tally, schedule)(nbytes)
+        msgs, total = tally.busiest()
+        with self.hub._cond:
+            traffic.append(Traffic(what, scope, p, msgs, total))
+
+    def allreduce_start(self, scope: Scope, x: torch.Tensor, *,
+                        owned: bool = False) -> Callable[[], torch.Tensor]:
+        out = self.allreduce(scope, x, owned=owned)
+        return lambda: out
+
+    def allgather_start(self, scope: Scope, shard: torch.Tensor,
+                        sizes: Sequence[int]) -> Callable[[], torch.Tensor]:
+        out = self.allgather(scope, shard, sizes)
+        return lambda: out
+
+    def allreduce(self, scope: Scope, x: torch.Tensor, *, owned: bool = False) -> torch.Tensor:
+        values, me = self._all(scope, x.detach().clone())
+        # gloo's ring all-reduce: a reduce-scatter then an all-gather of n/p chunks
+        p = self.topology.size(scope)
+        self._count("allreduce", scope, me, "ring", x.numel() * FLOAT32_BYTES / p,
+                    rounds=2 * (p - 1))
         return _sum(values)
 
     def reduce_scatter(self, scope: Scope, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         values, me = self._all(scope, x.detach().clone())
+        self._count("reduce_scatter", scope, me, "pairwise", max(sizes) * FLOAT32_BYTES)
         return _sum([torch.split(v, list(sizes))[me] for v in values])
 
     def allgather(self, scope: Scope, shard: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-        values, _ = self._all(scope, shard.detach().clone())
+        values, me = self._all(scope, shard.detach().clone())
+        self._count("allgather", scope, me, "ring", max(sizes) * FLOAT32_BYTES,
+                    rounds=self.topology.size(scope) - 1)
         return torch.cat(values)
 
     def reduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor | None:
         values, me = self._all(scope, x.detach().clone())
+        self._count("reduce", scope, me, "gather", x.numel() * FLOAT32_BYTES)
         return _sum(values) if me == 0 else None
 
     def broadcast(self, scope: Scope, x: torch.Tensor | None, numel: int) -> torch.Tensor:
-        values, _ = self._all(scope, None if x is None else x.detach().clone())
+        values, me = self._all(scope, None if x is None else x.detach().clone())
+        self._count("broadcast", scope, me, "tree", numel * FLOAT32_BYTES)
         return values[0].clone()
 
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]:
-        values, _ = self._all(scope, tuple(payload))
+        values, me = self._all(scope, tuple(payload))
+        self._count("allgather_payloads", scope, me, "ring",
+                    max(packed_nbytes(s) for s in specs), rounds=self.topology.size(scope) - 1)
         return list(values)
 
     def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
                           send_specs: Sequence[PayloadSpec],
                           recv_specs: Sequence[PayloadSpec]) -> list[tuple]:
         values, me = self._all(scope, list(payloads))
+        self._count("alltoall_payloads", scope, me, "pairwise",
+                    max(packed_nbytes(s) for s in [*send_specs, *recv_specs]))
         return [v[me] for v in values]
 
     def gather_payloads(self, scope: Scope, payload: tuple,
                         specs: Sequence[PayloadSpec]) -> list[tuple] | None:
         values, me = self._all(scope, tuple(payload))
+        self._count("gather_payloads", scope, me, "gather", max(packed_nbytes(s) for s in specs))
         return list(values) if me == 0 else None
 
     def broadcast_payload(self, scope: Scope, payload: tuple | None,
                           spec: PayloadSpec) -> tuple:
-        values, _ = self._all(scope, payload)
+        values, me = self._all(scope, payload)
+        self._count("broadcast_payload", scope, me, "tree", packed_nbytes(spec))
         return tuple(values[0])

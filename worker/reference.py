@@ -37,17 +37,19 @@ from typing import Any
 
 import torch
 from byteps_espresso.worker.codecs import CodecPair
-from byteps_espresso.worker.layout import At, Extent, Origin, pieces, split
+from byteps_espresso.worker.layout import At, Extent, pieces, split
 from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy.options import Kind, Option, OptionError, Scope, Step
+from byteps_espresso.strategy.program import Form, Origin, compile_option
 
 __all__ = ["Reference", "ServerModel"]
 
 
-# Forms a worker's value can take between steps.
-DENSE, PAYLOAD, CHUNKS, SUM, CONCAT, NONE = (
-    "dense", "payload", "chunks", "sum", "concat", "none")
+# Forms a worker's value can take between steps (program.Form).
+DENSE, PAYLOAD, CHUNKS, SUM, CONCAT, NONE = (Form.DENSE, Form.PAYLOAD, Form.CHUNKS, Form.SUM,
+                                             Form.CONCAT, Form.NONE)
+Trace = Callable[[int, int, Form, Extent], None]
 
 
 class ServerModel:
@@ -79,7 +81,7 @@ class ServerModel:
 
 @dataclass
 class _Worker:
-    form: str
+    form: Form
     value: Any
     extent: Extent
     extents: list[Extent] = field(default_factory=list)  # one per payload (chunks/parts/concat)
@@ -114,8 +116,11 @@ class Reference:
         return self.codecs[rank]
 
     def run(self, option: Option, inputs: Sequence[torch.Tensor], *, name: str,
-            step: int) -> list[torch.Tensor]:
+            step: int, trace: Trace | None = None) -> list[torch.Tensor]:
         """Run ``option`` on ``inputs`` (one tensor per global rank).
+
+        ``trace(step index, rank, form, extent)`` is called for every worker after every
+        step (tests compare it with the compiled program and the other interpreters).
 
         Returns:
             Each worker's final dense tensor (the sum over workers), shaped like its input.
@@ -129,15 +134,20 @@ class Reference:
         numel = inputs[0].numel()
         ws = [_Worker(DENSE, x.detach().reshape(-1).float().clone(), Extent(0, numel),
                       who=frozenset({r})) for r, x in enumerate(inputs)]
+        prog = compile_option(option)
         steps = option.steps
         for i, st in enumerate(steps):
+            at = At(i, st, name, step, steps, prog.ops[i])
             if st.kind.is_compute:
                 for r, w in enumerate(ws):
                     if w.asleep is None:
-                        self._compute(self._codec(r), w, At(i, st, name, step, steps))
+                        self._compute(self._codec(r), w, at)
             else:
                 for members in self.topo.all_groups(st.scope):  # type: ignore[arg-type]
-                    self._communicate([ws[r] for r in members], At(i, st, name, step))
+                    self._communicate([ws[r] for r in members], at)
+            if trace is not None:
+                for r, w in enumerate(ws):
+                    trace(i, r, w.form, w.extent)
         for r, w in enumerate(ws):
             if w.form != DENSE or w.extent != Extent(0, numel) or w.stack or w.asleep:
                 raise OptionError(f"{option} does not end with the full dense sum on rank {r}")
@@ -148,28 +158,24 @@ class Reference:
 
     # ---- compute steps -----------------------------------------------------------------------
     def _compute(self, codec: CodecPair, w: _Worker, at: At) -> None:
-        st, i, steps, name, step = at.st, at.i, at.steps, at.name, at.step
+        st, i, name, step, op = at.st, at.i, at.name, at.step, at.op
+        assert op is not None
         dev = st.device
 
         def parts(extent: Extent) -> list:
-            return pieces(name, w.origin, extent, self.partition_bytes)  # type: ignore[arg-type]
+            return pieces(name, w.origin, extent, self.partition_bytes, step)  # type: ignore[arg-type]
 
         if st.kind is Kind.COMP:
             if w.form != DENSE:
                 raise OptionError(f"step {i} {st}: needs dense values, holds {w.form}")
-            nxt = next((s for s in steps[i + 1:] if not s.kind.is_compute), None)
-            if nxt is None:
-                raise OptionError(f"step {i} {st}: no communication step follows")
-            if nxt.kind is Kind.ALLTOALL_C:
-                w.origin = Origin(i, False, step)
-                w.extents = split(w.extent, self.topo.size(nxt.scope))  # type: ignore[arg-type]
+            w.origin = op.origin
+            if op.chunks is not None:  # one payload per member of the next AlltoallC
+                w.extents = split(w.extent, self.topo.size(op.chunks))
                 base = w.extent.offset
                 w.value = [codec.compress_pieces(dev, w.value[e.offset - base:e.end - base], e,
                                                  parts(e)) for e in w.extents]
                 w.form = CHUNKS
                 return
-            w.origin = Origin(steps.index(nxt, i + 1), True, step) \
-                if nxt.kind is Kind.PUSH_PULL_C else Origin(i, False, step)
             w.value = codec.compress_pieces(dev, w.value, w.extent, parts(w.extent))
             w.form = PAYLOAD
             return
@@ -287,7 +293,9 @@ class Reference:
     def _allgather_c(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         self._need(ws, PAYLOAD, st, i)
-        undo = all(w.stack and w.stack[-1][:2] == ("split", st.scope) for w in ws)
+        undo = at.op is not None and at.op.closes is not None
+        if undo != all(w.stack and w.stack[-1][:2] == ("split", st.scope) for w in ws):
+            raise OptionError(f"step {i} {st}: the program and the open splits disagree")
         payloads = [w.value for w in ws]
         if undo:
             parent = self._pop(ws, "split", st, i)
@@ -334,10 +342,11 @@ class Reference:
         self._need(ws, PAYLOAD, st, i)
         ext = self._same_extent(ws, st, i)
         lead = ws[0]
-        if lead.origin is None or lead.origin != Origin(i, True, at.step):
+        if lead.origin is None or lead.origin != Origin(i, True):
             raise OptionError(f"step {i} {st}: needs the payload of the Comp just before it")
         out = [self.server.compressed([w.value[j] for w in ws], p.extent.numel, p.name, p.step)
-               for j, p in enumerate(pieces(at.name, lead.origin, ext, self.partition_bytes))]
+               for j, p in enumerate(pieces(at.name, lead.origin, ext, self.partition_bytes,
+                                            at.step))]
         for w in ws:
             w.value = list(out)
 

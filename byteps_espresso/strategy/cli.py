@@ -82,6 +82,11 @@ def _intra(text: str) -> str | float:
                                          f"{', '.join(INTRA_PRESETS)}") from None
 
 
+# The executor's lanes per worker (worker/runtime.py DEFAULT_LANES; a test keeps them equal,
+# without importing torch here): each lane runs one Option at a time, in submission order.
+RUNTIME_LANES = 2
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``espresso plan``."""
     p.add_argument("--workload", required=True,
@@ -98,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compression ratio parameter of sparsifiers (default: the "
                         "compressor's own, see `espresso compressors`)")
     p.add_argument("--servers", type=int, help="PS servers (default: one per machine)")
+    p.add_argument("--lanes", type=int, default=RUNTIME_LANES,
+                   help="executor lanes per worker the timeline models (default: the "
+                        f"runtime's, {RUNTIME_LANES}; 0: no lane limit); a --cluster file's "
+                        "own lanes win")
     p.add_argument("--cpu-threads", type=int, default=DEFAULT_CPU_THREADS,
                    help="host threads per machine for CPU compression")
     p.add_argument("--algorithm", default="espresso", choices=list(baselines.ALGORITHMS),
@@ -125,8 +134,12 @@ def _workload(arg: str) -> Workload:
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
+    if args.lanes < 0:
+        raise ClusterError(f"--lanes must be >= 0, got {args.lanes}")
+    lanes = args.lanes or None
     if args.cluster:
-        return Cluster.load(args.cluster)
+        cluster = Cluster.load(args.cluster)
+        return cluster if cluster.lanes is not None else cluster.with_(lanes=lanes)
     missing = [flag for flag, value in (("--machines", args.machines),
                                         ("--gpus-per-machine", args.gpus_per_machine),
                                         ("--inter-gbps", args.inter_gbps)) if value is None]
@@ -134,7 +147,8 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         raise ClusterError(f"give {', '.join(missing)} (or --cluster FILE)")
     try:
         return Cluster.preset(args.machines, args.gpus_per_machine, args.intra, args.inter_gbps,
-                              servers=args.servers, cpu_threads=args.cpu_threads)
+                              servers=args.servers, cpu_threads=args.cpu_threads,
+                              lanes=lanes)
     except ClusterError as exc:
         raise ClusterError(f"command line: {exc}") from None
 

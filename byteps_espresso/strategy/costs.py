@@ -1,30 +1,27 @@
 """Step costs: every step of an Option priced as tasks on the timeline's resources.
 
-Communication uses alpha-beta models (time = latency terms + bytes / bandwidth) with the
-standard long-message algorithms of Thakur, Rabenseifner and Gropp, "Optimization of
-Collective Communication Operations in MPICH" (IJHPCA 2005), for a group of ``p`` members,
-``n`` bytes per member and per-hop latency ``a``:
+Communication uses alpha-beta models of what the transport runs (``worker/transport.py``
+over gloo): time = messages x latency ``a`` + bytes / bandwidth ``B``, both counted at the
+busiest member of a group of ``p`` members holding ``n`` bytes each (shards ``s`` and
+payloads ``c`` padded to the largest member's, as the transport pads them):
 
-    Allreduce (ring)              2(p-1) a + 2 (p-1)/p n / B     (Patarasuk & Yuan, JPDC 2009)
-    ReduceScatter (ring)           (p-1) a +   (p-1)/p n / B
-    Allgather (ring, shard s)      (p-1) a +   (p-1)   s / B
-    AllgatherC (payload c)         (p-1) a +   (p-1)   c / B
-    AlltoallC (pairwise, chunk c)  (p-1) a +   (p-1)   c / B
-    Reduce                      min(2 log2(p) a + 2 (p-1)/p n / B,  (Rabenseifner)
-                                    log2(p) (a + n / B))             (binomial tree)
-    Broadcast(C)                min((log2(p) + p-1) a + 2 (p-1)/p n / B,  (van de Geijn)
-                                    log2(p) (a + n / B))             (binomial tree)
-    GatherC (binomial, to root)  log2(p) a +   (p-1)   c / B_root
+    Allreduce (ring)             2(p-1) a + 2 (p-1)/p n / B     (Patarasuk & Yuan, JPDC 2009)
+    ReduceScatter (all-to-all)    (p-1) a +   (p-1)   s / B     (s = ceil(n/p) elements)
+    Allgather (ring, shard s)     (p-1) a +   (p-1)   s / B
+    AllgatherC (payload c)        (p-1) a +   (p-1)   c / B
+    AlltoallC (pairwise, chunk c) (p-1) a +   (p-1)   c / B
+    Reduce (gather to the root)   (p-1) a +   (p-1)   n / B     (the root sums in rank order)
+    GatherC (to the root)         (p-1) a +   (p-1)   c / B
+    Broadcast(C) (binomial tree)  log2(p) (a + n / B)            (gloo/broadcast.cc)
     PushPull(C) (PS)      per direction a + max(k n / B_nic, W n / (S B_server)), twice,
                           plus the servers' aggregation (W pushers, S servers, k pushers
                           per machine)
 
-Rooted collectives take the cheaper of the long-message algorithm and the binomial tree, as
-collective libraries choose by size (Thakur et al. give both): for small messages and groups
-the tree's log2(p) hops win. The executor's own collectives are trees for small groups: gloo's
-broadcast is a binomial tree (gloo/broadcast.cc) and ``Reduce`` is a gather to the root (one
-hop for p = 2). With the long-message formulas alone, a Reduce -> PushPull -> Broadcast plan on
-2 x 2 workers was predicted at 63.3 ms and ran at 49.1 ms (benchmarks/calibrate.py's data).
+``Reduce`` is priced as the gather it is: a tree or Rabenseifner's reduce-scatter + gather
+would be cheaper for large groups, but would not be what runs (the transport gathers so that
+the sum is taken in group-rank order and equals the reference interpreter bit for bit).
+:meth:`Pricer.wire` lists the (messages, bytes) terms per step; tests/unit/test_wire.py
+counts what the transport sends for every collective at p = 2, 4, 8 and compares.
 
 Bandwidth ``B`` per scope: ``intra`` the intra link; ``inter`` the machine NIC divided by the
 ``k`` inter groups that use it at once (all local ranks after a divisible intra step, only
@@ -54,7 +51,7 @@ import numpy as np
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope, Step
-from byteps_espresso.strategy.tree import FAMILIES, PAIRS
+from byteps_espresso.strategy.program import RULES, Op, Program, compile_option, shard_numel
 
 __all__ = [
     "CPU",
@@ -168,7 +165,7 @@ class Pricer:
         self.numels = np.asarray(numels, dtype=np.float64)
         self.free_compression = free_compression
         self._memo: dict[Option, StepTasks] = {}
-        self._prefix: dict[tuple[int, ...], tuple[_WalkState, tuple]] = {}
+        self._prefix: dict[tuple[int, ...], tuple] = {}
         c = cluster
         self._b_intra = bytes_per_us(c.intra_gbps)
         self._b_inter = bytes_per_us(c.inter_gbps)
@@ -204,88 +201,88 @@ class Pricer:
         return self._b_intra, c.intra_latency_us, INTRA
 
     def _price(self, option: Option) -> StepTasks:
-        """Walk the steps; the walk state and tasks after every prefix are memoized, so
-        options sharing a prefix (most of the tree) share its pricing."""
-        steps = option.steps
-        codes = tuple(_CODES[s] for s in steps)
-        state = _WalkState(extent=self.numels, active=self.cluster.gpus_per_machine)
+        """Walk the compiled program; the tasks after every prefix are memoized, so options
+        sharing a prefix (most of the tree) share its pricing."""
+        prog = compile_option(option)
+        codes = tuple(_CODES[s] for s in option.steps)
         tasks: tuple = ()
-        for i, step in enumerate(steps):
-            nxt = steps[i + 1] if i + 1 < len(steps) else None
+        for i, op in enumerate(prog.ops):
             # Comp's cost depends on the next step (chunks before AlltoallC): mark it in
             # the key with a negative code so it never equals the next prefix.
-            key = (*codes[: i + 1], -1 - codes[i + 1]) if step.kind is Kind.COMP \
+            key = (*codes[: i + 1], -1 - codes[i + 1]) if op.kind is Kind.COMP \
                 else codes[: i + 1]
             hit = self._prefix.get(key)
             if hit is not None:
-                state, tasks = hit
+                tasks = hit
                 continue
-            state = state.copy()
-            if step.kind.is_compute:
-                new = (self._compute(step, nxt, state),)
-            else:
-                new = tuple(self._comm(step, state))
+            new = (self._compute(prog, op),) if op.kind.is_compute else \
+                tuple((t.resource, t.duration) for t in self._comm(prog, op))
             tasks = tasks + tuple((r, i, d) for r, d in new)
-            self._prefix[key] = (state, tasks)
+            self._prefix[key] = tasks
         return StepTasks(np.array([t[0] for t in tasks], dtype=np.int64),
                          np.array([t[1] for t in tasks], dtype=np.int64),
                          np.stack([t[2] for t in tasks], axis=1))
 
-    def _compute(self, step: Step, nxt: Step | None, st: _WalkState) -> tuple[int, np.ndarray]:
-        dev = step.device.value  # type: ignore[union-attr]
-        if step.kind is Kind.COMP:
-            chunks = self._group(nxt.scope) if nxt is not None and \
-                nxt.kind is Kind.ALLTOALL_C else 1  # type: ignore[arg-type]
-            numel, count = _ceil_div(st.extent, chunks), chunks
+    def wire(self, option: Option) -> list[tuple[int, float, np.ndarray]]:
+        """(step index, messages, bytes) at the busiest member of each collective step's
+        group, as charged (``messages x latency + bytes / bandwidth``); PS steps and the
+        flat AlltoallC/GatherC across machines (two links) are left out. Tests compare these
+        with what the transport sends."""
+        prog = compile_option(option)
+        out = []
+        for op in prog.ops:
+            if not op.kind.is_compute:
+                out += [(op.index, t.msgs, t.nbytes) for t in self._comm(prog, op)
+                        if t.nbytes is not None]
+        return out
+
+    def extent(self, shards: Sequence[Scope]) -> np.ndarray:
+        """Elements held per worker on the shard path ``shards`` (the largest shard)."""
+        return shard_numel(self.numels, shards, self._group)
+
+    def _before(self, prog: Program, op: Op) -> Op | None:
+        return prog.ops[op.index - 1] if op.index else None
+
+    def _active(self, prog: Program, op: Op) -> int:
+        """Workers per machine holding data when ``op`` starts: all of them, or one while a
+        Reduce/GatherC is open."""
+        prev = self._before(prog, op)
+        return 1 if prev is not None and prev.rooted else self.cluster.gpus_per_machine
+
+    def _compute(self, prog: Program, op: Op) -> tuple[int, np.ndarray]:
+        dev = op.device.value  # type: ignore[union-attr]
+        extent = self.extent(op.shards)
+        if op.kind is Kind.COMP:
+            chunks = self._group(op.chunks) if op.chunks is not None else 1
+            numel, count = _ceil_div(extent, chunks), chunks
             work = (np.zeros_like(numel) if self.free_compression else
                     count * self.costs.compress_us(self.compressor, dev, numel))
-            copy = st.extent * FLOAT32_BYTES / self._b_h2d
         else:
-            numel, count = st.pending
+            assert op.piece_shards is not None
+            numel = self.extent(op.piece_shards)
+            count = self._group(op.payloads) if op.payloads is not None else 1
             work = (np.zeros_like(numel) if self.free_compression else
                     self.costs.decompress_us(self.compressor, dev, numel, count))
-            copy = st.extent * FLOAT32_BYTES / self._b_h2d
-        if step.device is Device.GPU:
+        copy = extent * FLOAT32_BYTES / self._b_h2d
+        if op.device is Device.GPU:
             return GPU, work
         if self.free_compression:
             return CPU, work
-        share = st.active / self.cluster.cpu_threads
+        share = self._active(prog, op) / self.cluster.cpu_threads
         return CPU, work * share + copy
 
-    def _comm(self, step: Step, st: _WalkState) -> list[tuple[int, np.ndarray]]:
-        scope = step.scope
+    def _comm(self, prog: Program, op: Op) -> list[_Task]:
+        scope = op.scope
         assert scope is not None
         p = self._group(scope)
-        bw, lat, resource = self._link(scope, st.active)
-        if step.kind in EXCHANGES:
+        active = self._active(prog, op)
+        bw, lat, resource = self._link(scope, active)
+        if op.kind in EXCHANGES:
             lat *= self.cluster.exchange_latency
-        comm = _Comm(p, bw, lat, resource, scope, st.extent, st.extent * FLOAT32_BYTES)
-        return _COMM_MODELS[step.kind](self, st, comm)
-
-
-@dataclass
-class _WalkState:
-    extent: np.ndarray  # elements held per worker (vector over sizes)
-    active: int  # workers per machine holding data (G, or 1 after Reduce/GatherC)
-    pending: tuple[np.ndarray, int] = (np.zeros(0), 0)  # (numel per payload, payloads)
-    stack: list | None = None  # open divisible steps: (family, extent, active)
-
-    def copy(self) -> _WalkState:
-        return _WalkState(self.extent, self.active, self.pending,
-                          None if self.stack is None else list(self.stack))
-
-    def push(self, fam: str, scope: Scope) -> None:
-        if self.stack is None:
-            self.stack = []
-        self.stack.append((fam, self.extent, self.active, scope))
-
-    def pop(self) -> tuple[str, np.ndarray, int, Scope]:
-        assert self.stack
-        return self.stack.pop()
-
-    def closes_scatter(self, scope: Scope) -> bool:
-        """Whether an AllgatherC of ``scope`` closes an open scatter (tree.py's rule)."""
-        return bool(self.stack) and self.stack[-1][0] == "scatter" and self.stack[-1][3] is scope
+        prev = self._before(prog, op)
+        e = self.extent(prev.shards if prev is not None else ())
+        comm = _Comm(p, bw, lat, resource, scope, e, e * FLOAT32_BYTES, active)
+        return _COMM_MODELS[op.kind](self, comm)
 
 
 class _Comm(NamedTuple):
@@ -293,125 +290,114 @@ class _Comm(NamedTuple):
 
     p: int  # group size
     bw: float  # bytes/us of the ring's bottleneck link
-    lat: float  # per-hop latency, us
+    lat: float  # per-message latency, us
     r: int  # resource
     scope: Scope
     e: np.ndarray  # extent, elements
     dense: np.ndarray  # extent, bytes of float32
+    active: int  # workers per machine holding data
+
+    def task(self, msgs: float, nbytes: np.ndarray) -> list[_Task]:
+        """A collective on the group's link: ``msgs`` latencies + ``nbytes`` over it."""
+        return [_Task(self.r, msgs * self.lat + nbytes / self.bw, msgs, nbytes)]
+
+
+class _Task(NamedTuple):
+    resource: int
+    duration: np.ndarray  # us
+    msgs: float = 0.0  # messages at the busiest member (None below: not a one-link collective)
+    nbytes: np.ndarray | None = None  # bytes at the busiest member
 
 
 # ---- one function per communication kind -------------------------------------------------------
-# Each returns [(resource, duration vector)] and updates the walk state (extent, pending...).
-def _allreduce(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
-    return [(c.r, 2 * (c.p - 1) * c.lat + 2 * (c.p - 1) / c.p * c.dense / c.bw)]
+# What the transport runs (worker/transport.py over gloo), at the group's busiest member:
+# messages sent or received there, and bytes sent or received there. Shards and payloads are
+# padded to the largest member's, as the transport pads them.
+def _allreduce(pr: Pricer, c: _Comm) -> list[_Task]:
+    # ring: reduce-scatter then all-gather, 2 (p-1) messages of n/p (Patarasuk & Yuan)
+    return c.task(2 * (c.p - 1), 2 * (c.p - 1) / c.p * c.dense)
 
 
-def _reduce_scatter(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
-    st.push("scatter", c.scope)
-    st.extent = _ceil_div(c.e, c.p)
-    return [(c.r, (c.p - 1) * c.lat + (c.p - 1) / c.p * c.dense / c.bw)]
+def _reduce_scatter(pr: Pricer, c: _Comm) -> list[_Task]:
+    # all-to-all of padded shards: p-1 messages of one shard each
+    return c.task(c.p - 1, (c.p - 1) * _ceil_div(c.e, c.p) * FLOAT32_BYTES)
 
 
-def _allgather(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
-    _, full, _, _ = st.pop()
-    st.extent = full
-    return [(c.r, (c.p - 1) * c.lat + (c.p - 1) * c.dense / c.bw)]
+def _allgather(pr: Pricer, c: _Comm) -> list[_Task]:
+    # ring all-gather of the (padded) shards held now
+    return c.task(c.p - 1, (c.p - 1) * c.dense)
 
 
-def _allgather_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
-    closes = st.closes_scatter(c.scope)
-    payload = pr.sizes(c.e)
-    st.pending = (c.e, c.p)
-    if closes:
-        _, full, _, _ = st.pop()
-        st.extent = full
-    return [(c.r, (c.p - 1) * c.lat + (c.p - 1) * payload / c.bw)]
+def _allgather_c(pr: Pricer, c: _Comm) -> list[_Task]:
+    return c.task(c.p - 1, (c.p - 1) * pr.sizes(c.e))
 
 
-def _alltoall_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
-    chunk = _ceil_div(c.e, c.p)
-    payload = pr.sizes(chunk)
-    st.push("scatter", c.scope)
-    st.extent = chunk
-    st.pending = (chunk, c.p)
+def _alltoall_c(pr: Pricer, c: _Comm) -> list[_Task]:
+    payload = pr.sizes(_ceil_div(c.e, c.p))
     if c.scope is Scope.FLAT and pr._multi:
         g, n = pr.cluster.gpus_per_machine, pr.cluster.world_size
         t = np.maximum((g - 1) * payload / pr._b_intra, g * (n - g) * payload / pr._b_inter)
-        return [(c.r, (c.p - 1) * c.lat + t)]
-    return [(c.r, (c.p - 1) * c.lat + (c.p - 1) * payload / c.bw)]
+        return [_Task(c.r, (c.p - 1) * c.lat + t)]
+    return c.task(c.p - 1, (c.p - 1) * payload)
 
 
-def _tree(c: _Comm, nbytes: np.ndarray) -> np.ndarray:
-    """A binomial tree over the group: log2(p) hops, each carrying all ``nbytes``."""
-    return _log2(c.p) * (c.lat + nbytes / c.bw)
+def _tree(c: _Comm, nbytes: np.ndarray) -> list[_Task]:
+    """A binomial tree from the root (gloo's broadcast): the root sends log2(p) messages,
+    each carrying all ``nbytes``."""
+    return c.task(_log2(c.p), _log2(c.p) * nbytes)
 
 
-def _reduce(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
-    st.push("reduce", c.scope)
-    st.active = 1
-    long = 2 * _log2(c.p) * c.lat + 2 * (c.p - 1) / c.p * c.dense / c.bw
-    return [(c.r, np.minimum(long, _tree(c, c.dense)))]
+def _reduce(pr: Pricer, c: _Comm) -> list[_Task]:
+    # a gather to the root, then the root sums in group-rank order (deterministic): the root
+    # receives p-1 messages of the whole extent
+    return c.task(c.p - 1, (c.p - 1) * c.dense)
 
 
-def _broadcast_time(c: _Comm, nbytes: np.ndarray) -> np.ndarray:
-    long = (_log2(c.p) + c.p - 1) * c.lat + 2 * (c.p - 1) / c.p * nbytes / c.bw
-    return np.minimum(long, _tree(c, nbytes))
+def _broadcast(pr: Pricer, c: _Comm) -> list[_Task]:
+    return _tree(c, c.dense)
 
 
-def _broadcast(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
-    _, _, active, _ = st.pop()
-    st.active = active
-    return [(c.r, _broadcast_time(c, c.dense))]
+def _broadcast_c(pr: Pricer, c: _Comm) -> list[_Task]:
+    return _tree(c, pr.sizes(c.e))
 
 
-def _broadcast_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
-    _, _, active, _ = st.pop()
-    st.active = active
-    st.pending = (c.e, 1)
-    return [(c.r, _broadcast_time(c, pr.sizes(c.e)))]
-
-
-def _gather_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
+def _gather_c(pr: Pricer, c: _Comm) -> list[_Task]:
     payload = pr.sizes(c.e)
-    st.push("reduce", c.scope)
-    st.active = 1
-    st.pending = (c.e, c.p)
     if c.scope is Scope.FLAT and pr._multi:
         g, n = pr.cluster.gpus_per_machine, pr.cluster.world_size
         t = np.maximum((g - 1) * payload / pr._b_intra, (n - g) * payload / pr._b_inter)
-    else:
-        t = (c.p - 1) * payload / c.bw
-    return [(c.r, _log2(c.p) * c.lat + t)]
+        return [_Task(c.r, (c.p - 1) * c.lat + t)]
+    return c.task(c.p - 1, (c.p - 1) * payload)
 
 
-def _ps_tasks(pr: Pricer, st: _WalkState, c: _Comm, nbytes: np.ndarray,
-              server_us: np.ndarray) -> list[tuple[int, np.ndarray]]:
+def _ps_tasks(pr: Pricer, c: _Comm, nbytes: np.ndarray,
+              server_us: np.ndarray) -> list[_Task]:
     cl = pr.cluster
-    k = st.active
+    k = c.active
     pushers = cl.world_size if c.scope is Scope.FLAT else cl.machines * k
     nic = k * nbytes / pr._b_inter
     srv = pushers * nbytes / (cl.servers * pr._b_server)
     one_way = cl.ps_latency_us + np.maximum(nic, srv)
-    return [(INTER, one_way), (SERVER, server_us), (INTER, one_way.copy())]
+    return [_Task(INTER, one_way), _Task(SERVER, server_us), _Task(INTER, one_way.copy())]
 
 
-def _pushers_keys(pr: Pricer, st: _WalkState, c: _Comm) -> tuple[int, int]:
+def _pushers_keys(pr: Pricer, c: _Comm) -> tuple[int, int]:
     cl = pr.cluster
     if c.scope is Scope.FLAT:
         return cl.world_size, 1
-    return cl.machines * st.active, st.active
+    return cl.machines * c.active, c.active
 
 
-def _push_pull(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
+def _push_pull(pr: Pricer, c: _Comm) -> list[_Task]:
     cl = pr.cluster
-    pushers, keys = _pushers_keys(pr, st, c)
+    pushers, keys = _pushers_keys(pr, c)
     work = pr.costs.dense_sum(pushers * c.e) * keys / (cl.servers * cl.server_threads)
-    return _ps_tasks(pr, st, c, c.dense, work)
+    return _ps_tasks(pr, c, c.dense, work)
 
 
-def _push_pull_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.ndarray]]:
+def _push_pull_c(pr: Pricer, c: _Comm) -> list[_Task]:
     cl = pr.cluster
-    pushers, keys = _pushers_keys(pr, st, c)
+    pushers, keys = _pushers_keys(pr, c)
     if pr.free_compression:
         work = np.zeros_like(c.e)
     else:
@@ -419,8 +405,7 @@ def _push_pull_c(pr: Pricer, st: _WalkState, c: _Comm) -> list[tuple[int, np.nda
         per_key = (pr.costs.decompress_us(pr.compressor, dev, c.e, pushers)
                    + pr.costs.compress_us(pr.compressor, dev, c.e))
         work = per_key * keys / (cl.servers * cl.server_threads)
-    st.pending = (c.e, 1)
-    return _ps_tasks(pr, st, c, pr.sizes(c.e), work)
+    return _ps_tasks(pr, c, pr.sizes(c.e), work)
 
 
 # Every step as a small integer (fast prefix keys).
@@ -443,5 +428,4 @@ _COMM_MODELS = {
     Kind.PUSH_PULL: _push_pull,
     Kind.PUSH_PULL_C: _push_pull_c,
 }
-assert set(_COMM_MODELS) == {k for k in Kind if not k.is_compute}
-assert set(PAIRS) <= set(FAMILIES)
+assert set(_COMM_MODELS) == {k for k in RULES if not k.is_compute}

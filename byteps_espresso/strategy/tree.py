@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
+from byteps_espresso.strategy.program import RULES, Form, Pairing, closes
 
 __all__ = ["FAMILIES", "ConstraintError", "Constraints", "count_decomposition",
            "enumerate_options", "option_set", "path_of", "validate"]
@@ -69,8 +70,9 @@ SCHEME_SCOPES: dict[str, tuple[Scope, ...]] = {
     "reduce": (Scope.FLAT, Scope.INTRA, Scope.INTER),
 }
 _OPENING_KINDS = {FAMILIES[f][i]: f for f in PAIRS for i in (0, 1)}
-_CLOSING_KINDS = {Kind.ALLGATHER: "gather", Kind.BROADCAST: "broadcast",
-                  Kind.BROADCAST_C: "broadcast"}
+# How each opening family pairs with its closer (program.Pairing).
+_PAIRING = {"scatter": Pairing.DIVISIBLE, "reduce": Pairing.ROOTED}
+assert all(RULES[FAMILIES[f][i]].opens is _PAIRING[f] for f in PAIRS for i in (0, 1))
 _INDIVISIBLE_KINDS = {FAMILIES[f][i]: f for f in INDIVISIBLE for i in (0, 1)}
 
 
@@ -208,24 +210,23 @@ _CONSTRAINT_PARSERS = {
 
 # ---- validation ---------------------------------------------------------------------------------
 def _comm_families(option: Option) -> list[tuple[str, Step]]:
-    """Each communication step's family; AllgatherC closes an open scatter of its scope."""
+    """Each communication step's family. Which step closes which is the program's one rule
+    (:func:`~byteps_espresso.strategy.program.closes`): AllgatherC closes an open scatter of
+    its scope and is the compressed all-reduce otherwise."""
     out: list[tuple[str, Step]] = []
     open_stack: list[tuple[str, Scope]] = []
     for step in option.steps:
         if step.kind.is_compute:
             continue
-        if step.kind in _OPENING_KINDS:
+        scope = step.scope
+        assert scope is not None
+        top_fam, top_scope = open_stack[-1] if open_stack else (None, None)
+        if closes(step.kind, scope, _PAIRING.get(top_fam), top_scope):  # type: ignore[arg-type]
+            fam = PAIRS[top_fam]  # type: ignore[index]
+            open_stack.pop()
+        elif step.kind in _OPENING_KINDS:
             fam = _OPENING_KINDS[step.kind]
-            open_stack.append((fam, step.scope))  # type: ignore[arg-type]
-        elif step.kind is Kind.ALLGATHER_C and open_stack and open_stack[-1] == ("scatter",
-                                                                                 step.scope):
-            fam = "gather"
-            open_stack.pop()
-        elif step.kind in _CLOSING_KINDS:
-            fam = _CLOSING_KINDS[step.kind]
-            if not open_stack or PAIRS[open_stack[-1][0]] != fam or open_stack[-1][1] != step.scope:
-                raise OptionError(f"{step} does not close the divisible step before it")
-            open_stack.pop()
+            open_stack.append((fam, scope))
         else:
             fam = _INDIVISIBLE_KINDS[step.kind]
         out.append((fam, step))
@@ -287,7 +288,8 @@ def validate(option: Option, cluster: Cluster | None = None) -> None:
         if step.kind.is_compute:
             compressed = _check_compute(steps, i, compressed)
         else:
-            if step.kind.is_compressed != compressed:
+            # the program's form table: which form each step takes
+            if (Form.DENSE in RULES[step.kind].takes) == compressed:
                 form = "a payload" if compressed else "dense values"
                 raise OptionError(f"step {i} {step}: the tensor holds {form} here")
             if step.kind.gathers and (nxt is None or nxt.kind is not Kind.DECOMP):

@@ -216,3 +216,15 @@ def test_readme_picture_and_sentence_come_from_the_current_planner():
     with Image.open(ROOT / readme_figure.FIGURE) as picture:
         assert picture.text["Description"] == expected, "picture drawn from an older plan"
         assert picture.text["Command"] == command
+
+
+def test_plan_models_the_runtimes_lanes(tmp_path):
+    from byteps_espresso.worker.runtime import DEFAULT_LANES
+
+    from byteps_espresso.strategy.cli import RUNTIME_LANES
+
+    assert RUNTIME_LANES == DEFAULT_LANES
+    for lanes, expected in (([], DEFAULT_LANES), (["--lanes", "3"], 3), (["--lanes", "0"], None)):
+        out = tmp_path / f"s{expected}.json"
+        assert main([*BASE, "--workload", "lstm", "--out", str(out), *lanes]) == 0
+        assert Strategy.load(out).cluster.lanes == expected

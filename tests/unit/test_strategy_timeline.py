@@ -208,20 +208,19 @@ def test_lanes_must_be_a_positive_integer(bad):
     assert Cluster.from_dict(CLUSTER.with_(lanes=3).to_dict()).lanes == 3
 
 
-def test_rooted_collectives_take_the_cheaper_of_tree_and_long_message():
+def test_rooted_collectives_are_priced_as_the_transport_runs_them():
     def priced(p, lat, numel):
         cluster = Cluster(machines=1, gpus_per_machine=p, intra_gbps=8.0,
                           intra_latency_us=lat, inter_gbps=8.0, servers=0)
         return Pricer(cluster, "fp16", FP16, COSTS, [numel]).tasks(
             Option.parse("Reduce(intra) -> Broadcast(intra)")).duration[0]
 
-    # 2 members, 10 us per hop, 1000 elements (4000 bytes at 1000 bytes/us): a binomial
-    # tree is one hop each, 10 + 4 us, against 2 x 10 + 4 us for the long-message forms.
+    # 2 members, 10 us per message, 1000 elements (4000 bytes at 1000 bytes/us): the gather
+    # and the binomial tree are one message each, 10 + 4 us.
     np.testing.assert_allclose(priced(2, 10.0, 1000), [14.0, 14.0])
-    # 8 members, 1 us per hop, 10^6 elements: log2(8) = 3 full copies on a tree (12003 us)
-    # lose to Rabenseifner's 2 x 3 x 1 + 2 x 7/8 x 4000 = 7006 us and van de Geijn's
-    # (3 + 7) x 1 + 7000 = 7010 us.
-    np.testing.assert_allclose(priced(8, 1.0, 10**6), [7006.0, 7010.0])
+    # 8 members, 1 us per message, 10^6 elements: the root receives 7 whole copies
+    # (7 x 1 + 7 x 4000 = 28007 us); the tree's root sends log2(8) = 3 (3 x 1 + 3 x 4000).
+    np.testing.assert_allclose(priced(8, 1.0, 10**6), [28007.0, 12003.0])
 
 
 def test_exchange_latency_scales_the_exchanges_and_leaves_rooted_collectives_alone():

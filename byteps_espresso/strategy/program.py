@@ -1,0 +1,349 @@
+"""The compiled form of an Option: what every step finds, makes, opens and closes.
+
+:func:`compile_option` turns an :class:`~byteps_espresso.strategy.options.Option` into a
+:class:`Program` once (cached per Option): one :class:`Op` per step with the tensor's *form*
+before and after it, the divisible or rooted *pair* it opens or closes, the shard path of the
+extent it leaves (which group splits are open), where the pieces of the payload it leaves come
+from, how many payloads a ``Decomp`` decodes, which ``Comp`` compresses chunk by chunk for an
+``AlltoallC`` and which steps the non-root members of an open ``Reduce``/``GatherC`` sleep
+through. The executor (``worker/executor.py``), the reference interpreter
+(``worker/reference.py``) and the cost model (``costs.py``) read the program instead of each
+re-deriving this from the step list; the decision tree (``tree.py``) uses the same pairing
+rule (:func:`closes`) to validate Options.
+
+A step kind is one row of :data:`RULES` (the forms it takes and makes, the pair it opens or
+closes) plus one handler per interpreter; each interpreter checks its handlers against the
+rows (``tests/unit/test_program.py`` runs all three on every step kind).
+
+Nothing here depends on the tensor's size or the group sizes: extents are *shard paths*
+(``Op.shards``: the scopes of the open divisible splits, outermost first), which each
+interpreter resolves for its sizes (:func:`shard_numel` for the largest shard, as the cost
+model prices; ``layout.split`` per rank, as the executor runs).
+
+Example:
+    >>> prog = compile_option(Option.parse("Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) "
+    ...                                     "-> Allreduce(inter) -> Allgather(intra)"))
+    >>> [op.makes.value for op in prog.ops]
+    ['chunks', 'sum', 'dense', 'dense', 'dense']
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
+
+__all__ = ["RULES", "Form", "Op", "Origin", "Pair", "Pairing", "Program", "Rule", "closes",
+           "compile_option", "shard_numel"]
+
+
+class Form(str, enum.Enum):
+    """What a worker holds between steps."""
+
+    DENSE = "dense"  # float32 values of the extent
+    PAYLOAD = "payload"  # one payload (a list of pieces) of the extent
+    CHUNKS = "chunks"  # one payload per member of the next AlltoallC's group (its shards)
+    SUM = "sum"  # one payload per group member, all of this extent: decode and sum
+    CONCAT = "concat"  # one payload per group member, each of its shard: decode and concatenate
+    NONE = "none"  # nothing: a non-root member after Reduce/GatherC, until the Broadcast(C)
+
+
+class Pairing(str, enum.Enum):
+    """How the two halves of a two-step scheme relate."""
+
+    DIVISIBLE = "divisible"  # ReduceScatter/AlltoallC split the extent; Allgather(C) undoes it
+    ROOTED = "rooted"  # Reduce/GatherC leave data on the root; Broadcast(C) wakes the others
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One step kind's row: the forms it accepts and makes, and its pairing role.
+
+    Attributes:
+        takes: forms the step accepts.
+        makes: form it leaves (on the root, for a rooted opener; the others hold ``NONE``).
+        opens: the pair kind it opens.
+        closes: the pair kind it closes.
+        may_close: it closes only when the innermost open pair matches (``AllgatherC``: it
+            ends a divisible scheme of its scope, or is an indivisible all-gather otherwise).
+        makes_closing: form it leaves when it does close (``AllgatherC``: shards, CONCAT).
+    """
+
+    takes: frozenset[Form]
+    makes: Form
+    opens: Pairing | None = None
+    closes: Pairing | None = None
+    may_close: bool = False
+    makes_closing: Form | None = None
+
+
+_D, _P = frozenset({Form.DENSE}), frozenset({Form.PAYLOAD})
+RULES: dict[Kind, Rule] = {
+    # Comp makes CHUNKS instead when its payload feeds an AlltoallC (Op.chunks).
+    Kind.COMP: Rule(_D, Form.PAYLOAD),
+    Kind.DECOMP: Rule(frozenset({Form.PAYLOAD, Form.SUM, Form.CONCAT}), Form.DENSE),
+    Kind.ALLREDUCE: Rule(_D, Form.DENSE),
+    Kind.REDUCE_SCATTER: Rule(_D, Form.DENSE, opens=Pairing.DIVISIBLE),
+    Kind.ALLGATHER: Rule(_D, Form.DENSE, closes=Pairing.DIVISIBLE),
+    Kind.REDUCE: Rule(_D, Form.DENSE, opens=Pairing.ROOTED),
+    Kind.BROADCAST: Rule(_D, Form.DENSE, closes=Pairing.ROOTED),
+    Kind.ALLGATHER_C: Rule(_P, Form.SUM, closes=Pairing.DIVISIBLE, may_close=True,
+                           makes_closing=Form.CONCAT),
+    Kind.ALLTOALL_C: Rule(frozenset({Form.CHUNKS}), Form.SUM, opens=Pairing.DIVISIBLE),
+    Kind.GATHER_C: Rule(_P, Form.SUM, opens=Pairing.ROOTED),
+    Kind.BROADCAST_C: Rule(_P, Form.PAYLOAD, closes=Pairing.ROOTED),
+    Kind.PUSH_PULL: Rule(_D, Form.DENSE),
+    Kind.PUSH_PULL_C: Rule(_P, Form.PAYLOAD),
+}
+assert set(RULES) == set(Kind)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """An open/close pair of steps: ``open`` and ``close`` are step indices."""
+
+    pairing: Pairing
+    scope: Scope
+    open: int
+    close: int
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The step whose output a payload's pieces are (``layout.pieces`` lists them).
+
+    Attributes:
+        index: step index of the ``Comp``, or of the ``PushPullC`` the pieces belong to.
+        ps: whether the pieces are PS partitions (a ``Comp`` feeding ``PushPullC``, and the
+            servers' aggregate).
+    """
+
+    index: int
+    ps: bool
+
+
+@dataclass(frozen=True)
+class Op:
+    """One compiled step.
+
+    Attributes:
+        index, step: position and step.
+        takes, makes: form before and after (``makes`` on the root of a rooted opener).
+        opens, closes: the pair this step opens or closes (None: neither).
+        shards: scopes of the divisible splits open after the step, outermost first: the
+            extent held is the nested shard (full tensor when empty).
+        piece_shards: the shard path each held payload covers (None while dense): the
+            current extent, or for CONCAT the members' shards of the closed split; for a
+            Decomp, those of the payloads it decodes.
+        payloads: SUM/CONCAT: one payload per member of this scope's group; None: one
+            payload. For a Decomp: how many it decodes.
+        chunks: Comp only: compress chunk by chunk, one per member of this scope's group
+            (the next communication step is an AlltoallC of that scope).
+        feeds: Comp only: index of the communication step that moves its payload.
+        origin: the producer of the payload pieces held after the step (None while dense;
+            for a Decomp: of the pieces it decodes).
+        sleepers: rooted scopes open during the step (not the one it closes): members that
+            are not root (group rank 0) of every one of them hold nothing and skip it.
+        rooted: rooted scopes open after the step (any: one worker per machine holds data).
+    """
+
+    index: int
+    step: Step
+    takes: Form
+    makes: Form
+    opens: Pair | None
+    closes: Pair | None
+    shards: tuple[Scope, ...]
+    piece_shards: tuple[Scope, ...] | None
+    payloads: Scope | None
+    chunks: Scope | None
+    feeds: int | None
+    origin: Origin | None
+    sleepers: tuple[Scope, ...]
+    rooted: tuple[Scope, ...]
+
+    @property
+    def kind(self) -> Kind:
+        return self.step.kind
+
+    @property
+    def scope(self) -> Scope | None:
+        return self.step.scope
+
+    @property
+    def device(self) -> Device | None:
+        return self.step.device
+
+
+@dataclass(frozen=True)
+class Program:
+    """An Option compiled: one :class:`Op` per step, and its pairs."""
+
+    option: Option
+    ops: tuple[Op, ...]
+    pairs: tuple[Pair, ...]
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+def closes(kind: Kind, scope: Scope, open_pairing: Pairing | None,
+           open_scope: Scope | None) -> bool:
+    """Whether a ``kind`` step of ``scope`` closes the innermost open pair (the one rule).
+
+    A closing kind (``Allgather``, ``Broadcast``, ``BroadcastC``) must close a pair of its
+    pairing and scope; ``AllgatherC`` closes one when it matches and is an indivisible
+    all-gather otherwise.
+
+    Raises:
+        OptionError: a closing kind with no matching pair open.
+    """
+    rule = RULES[kind]
+    if rule.closes is None:
+        return False
+    if open_pairing is rule.closes and open_scope is scope:
+        return True
+    if rule.may_close:
+        return False
+    raise OptionError(f"{kind.value}({scope.value}) does not close the divisible step "
+                      "before it")
+
+
+@dataclass
+class _Open:
+    pairing: Pairing
+    scope: Scope
+    index: int
+    shards: tuple[Scope, ...]  # the shard path at the opener (restored by the closer)
+
+
+def _next_comm(steps: Sequence[Step], i: int) -> int | None:
+    return next((j for j in range(i + 1, len(steps)) if not steps[j].kind.is_compute), None)
+
+
+class _Walk:
+    """The compiler's state between steps; one method per step role."""
+
+    def __init__(self, steps: Sequence[Step]) -> None:
+        self.steps = steps
+        self.stack: list[_Open] = []
+        self.form = Form.DENSE
+        self.shards: tuple[Scope, ...] = ()
+        self.piece_shards: tuple[Scope, ...] | None = None
+        self.payloads: Scope | None = None
+        self.origin: Origin | None = None
+        self.closed: dict[int, int] = {}  # opener index -> closer index
+
+    def rooted(self) -> tuple[Scope, ...]:
+        return tuple(o.scope for o in self.stack if o.pairing is Pairing.ROOTED)
+
+    def step(self, i: int) -> dict:
+        step = self.steps[i]
+        rule = RULES[step.kind]
+        if self.form not in rule.takes:
+            raise OptionError(f"step {i} {step}: needs {_forms(rule.takes)}, the tensor holds "
+                              f"{self.form.value} here")
+        row = {"takes": self.form, "opens": False, "closes": None, "chunks": None,
+               "feeds": None, "sleepers": self.rooted(), "payloads": None,
+               "piece_shards": None, "origin": None}
+        if step.kind is Kind.COMP:
+            makes = self._comp(i, row)
+        elif step.kind is Kind.DECOMP:
+            row.update(payloads=self.payloads, piece_shards=self.piece_shards,
+                       origin=self.origin)
+            makes, self.origin, self.piece_shards, self.payloads = Form.DENSE, None, None, None
+        else:
+            makes = self._comm(i, rule, row)
+        if step.kind is not Kind.DECOMP and makes is not Form.DENSE:
+            row.update(payloads=self.payloads, piece_shards=self.piece_shards,
+                       origin=self.origin)
+        row.update(makes=makes, shards=self.shards, rooted=self.rooted())
+        self.form = makes
+        return row
+
+    def _comp(self, i: int, row: dict) -> Form:
+        j = _next_comm(self.steps, i)
+        if j is None:
+            raise OptionError(f"step {i} {self.steps[i]}: Comp must precede a communication "
+                              "step")
+        nxt = self.steps[j]
+        row["feeds"] = j
+        self.origin = Origin(j, True) if nxt.kind is Kind.PUSH_PULL_C else Origin(i, False)
+        self.piece_shards, self.payloads = self.shards, None
+        if nxt.kind is Kind.ALLTOALL_C:
+            row["chunks"] = nxt.scope
+            return Form.CHUNKS
+        return Form.PAYLOAD
+
+    def _comm(self, i: int, rule: Rule, row: dict) -> Form:
+        scope = self.steps[i].scope
+        assert scope is not None
+        makes = rule.makes
+        top = self.stack[-1] if self.stack else None
+        if closes(self.steps[i].kind, scope, top and top.pairing, top and top.scope):
+            assert top is not None
+            self.stack.pop()
+            self.closed[top.index] = i
+            row["closes"] = top.index
+            if top.pairing is Pairing.ROOTED:  # the closer's own non-roots take part
+                row["sleepers"] = self.rooted()
+            elif rule.makes_closing is not None:  # shards of the split: one per member
+                makes = rule.makes_closing
+                self.piece_shards, self.payloads = self.shards, scope
+            self.shards = top.shards
+        if rule.opens is not None:
+            self.stack.append(_Open(rule.opens, scope, i, self.shards))
+            row["opens"] = True
+            if rule.opens is Pairing.DIVISIBLE:
+                self.shards = (*self.shards, scope)
+        if makes is Form.SUM:
+            self.piece_shards, self.payloads = self.shards, scope
+        elif makes is Form.PAYLOAD:
+            self.piece_shards, self.payloads = self.shards, None
+        return makes
+
+
+@functools.lru_cache(maxsize=8192)
+def compile_option(option: Option) -> Program:
+    """Compile ``option`` (cached): forms, pairs, shard paths, origins, sleepers per step.
+
+    Raises:
+        OptionError: a step finds a form it does not take, a closing step has nothing to
+            close, a divisible/rooted step is never closed, or a Comp has no communication
+            step after it. (The path grammar is ``tree.validate``'s.)
+    """
+    steps = option.steps
+    walk = _Walk(steps)
+    rows = [walk.step(i) for i in range(len(steps))]
+    if walk.stack:
+        top = walk.stack[-1]
+        raise OptionError(f"{steps[top.index]} (step {top.index}) is never closed")
+    if walk.form is not Form.DENSE:
+        raise OptionError("the option must end with dense values (add Decomp)")
+    pairs = {j: Pair(RULES[steps[j].kind].opens, steps[j].scope, j, i)  # type: ignore[arg-type]
+             for j, i in walk.closed.items()}
+    ops = tuple(Op(i, step, r["takes"], r["makes"], pairs[i] if r["opens"] else None,
+                   pairs[r["closes"]] if r["closes"] is not None else None, r["shards"],
+                   r["piece_shards"], r["payloads"], r["chunks"], r["feeds"], r["origin"],
+                   r["sleepers"], r["rooted"])
+                for i, (step, r) in enumerate(zip(steps, rows, strict=True)))
+    return Program(option, ops, tuple(pairs[j] for j in sorted(pairs)))
+
+
+def _forms(forms: frozenset[Form]) -> str:
+    return " or ".join(sorted(f.value for f in forms))
+
+
+def shard_numel(numel: np.ndarray, shards: Sequence[Scope],
+                size: Callable[[Scope], int]) -> np.ndarray:
+    """Elements of the largest shard on the path ``shards`` (the first shards of a split are
+    the longer ones: ``ceil`` at each level), for tensors of ``numel`` elements."""
+    out = numel
+    for scope in shards:
+        out = np.ceil(out / size(scope))
+    return out

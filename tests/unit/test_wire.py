@@ -1,0 +1,70 @@
+"""Price what runs: the cost model's message and byte terms equal what the transport sends.
+
+For every collective the executor issues, at p = 2, 4 and 8 members, the executor runs over
+the in-memory transport with traffic counting on (``LocalHub(count_traffic=True)``: each
+collective's messages of the algorithm DistTransport runs over gloo, with its padding and
+payload packing); :meth:`Pricer.wire` gives the (messages, bytes) the model charges for the
+same steps at the group's busiest member. They must be equal.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from byteps_espresso.worker.codecs import CodecPair
+from byteps_espresso.worker.executor import Executor
+from byteps_espresso.worker.local_transport import LocalHub
+from byteps_espresso.worker.transport import packed_nbytes
+
+from byteps_espresso.strategy import Cluster, CompressorCosts
+from byteps_espresso.strategy.costs import CompressedSizes, Pricer
+from byteps_espresso.strategy.options import Kind, Option
+
+OPTIONS = [
+    "Allreduce(flat)",
+    "ReduceScatter(flat) -> Allgather(flat)",
+    "Reduce(flat) -> Broadcast(flat)",
+    "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
+    "Comp(gpu) -> AlltoallC(flat) -> Decomp(gpu) -> Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
+    "Comp(gpu) -> GatherC(flat) -> Decomp(gpu) -> Comp(gpu) -> BroadcastC(flat) -> Decomp(gpu)",
+    "ReduceScatter(flat) -> Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
+]
+# PushPull/PushPullC go through the PS, not the transport (their model is the servers').
+TRANSPORT_KINDS = {k for k in Kind if not k.is_compute} - {Kind.PUSH_PULL, Kind.PUSH_PULL_C}
+
+
+def test_the_cases_cover_every_collective_of_the_transport():
+    assert {s.kind for o in OPTIONS for s in Option.parse(o).steps
+            if not s.kind.is_compute} == TRANSPORT_KINDS
+
+
+def _sent(option: Option, p: int, numel: int, codec_name: str) -> list:
+    hub = LocalHub(1, p, timeout_s=10, count_traffic=True)
+    executors = [Executor(hub.transport(r), CodecPair(codec_name)) for r in range(p)]
+    with ThreadPoolExecutor(p) as pool:
+        for f in [pool.submit(ex.run, option, torch.randn(numel), name="w", step=0)
+                  for ex in executors]:
+            f.result(timeout=30)
+    return hub.traffic
+
+
+@pytest.mark.parametrize("codec_name", ["fp16", "topk"])
+@pytest.mark.parametrize("numel", [1000, 4099])
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("text", OPTIONS)
+def test_the_model_charges_the_messages_and_bytes_the_transport_sends(text, p, numel, codec_name):
+    option = Option.parse(text)
+    sent = _sent(option, p, numel, codec_name)
+    codec = CodecPair(codec_name)
+    # payload bytes as they travel: packed, every array 8-byte aligned
+    sizes = CompressedSizes(codec_name, nbytes=lambda n: packed_nbytes(codec.spec(n)))
+    cluster = Cluster(machines=1, gpus_per_machine=p, intra_gbps=10.0, intra_latency_us=5.0,
+                      inter_gbps=10.0, servers=0)
+    charged = Pricer(cluster, codec_name, sizes, CompressorCosts.default(), [numel]).wire(option)
+    assert len(sent) == len(charged)
+    for got, (i, msgs, nbytes) in zip(sent, charged, strict=True):
+        where = f"step {i} {option.steps[i]} ({got.collective})"
+        assert got.members == p
+        assert got.msgs == msgs, where
+        np.testing.assert_allclose(nbytes, [got.nbytes], rtol=1e-12, err_msg=where)
