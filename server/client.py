@@ -16,8 +16,13 @@ bytes and gives every worker the same answer. For a compressed tensor, partition
 compressed on its slice ``data[offset:offset + numel]`` with ``name=key_names(name)[i]`` and
 ``step=round``, because the server rebuilds the same ctx to decode it.
 
-One background thread owns the sockets; any number of keys can be in flight. Every wait is
-bounded by ``ESPRESSO_TIMEOUT`` and its error names the key, round and server. A lost server
+Threads: the thread that waits for a result drives the server sockets itself (sends, polls,
+receives and completes whatever arrived), so a synchronous push_pull crosses no thread
+hand-off; when several threads wait at once, one drives and the others sleep until their
+result is in or the sockets are free. A background thread owns only the scheduler link and
+the connection monitors (heartbeats, ABORT, lost connections). Any number of keys can be in
+flight. Every wait is bounded by ``ESPRESSO_TIMEOUT`` and its error names the key, round and
+server. A lost server
 or scheduler (connection dropped, or ABORT from the scheduler) fails every pending and later
 operation with :class:`PSError` at once. The arrays handed to :meth:`PSClient.push_pull_async`
 are sent without copying: do not modify them until the handle is done.
@@ -31,7 +36,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,8 +96,10 @@ class Handle:
     """An in-flight push_pull; :meth:`wait` returns its result."""
 
     def __init__(self, tensor: _Tensor, round_: int, deadline: float, timeout_s: float,
+                 drive: Callable[[threading.Event, float], bool], *,
                  out: np.ndarray | None = None) -> None:
         self.tensor = tensor
+        self._drive = drive
         self.round = round_
         self.deadline = deadline
         self._timeout_s = timeout_s
@@ -101,6 +108,8 @@ class Handle:
         self._missing = set(range(len(tensor.parts)))  # partitions without a PULL_REPLY
         if tensor.compressed:
             self._out: Any = [None] * len(tensor.parts)
+        elif out is None and len(tensor.parts) == 1:
+            self._out = None  # the reply's received frame becomes the result, uncopied
         else:
             self._out = np.empty(tensor.numel, dtype=tensor.dtype) if out is None else out
 
@@ -126,13 +135,13 @@ class Handle:
             PSError: the server rejected the push/pull or a server/scheduler was lost.
         """
         limit = self.deadline - time.monotonic() + 1.0 if timeout is None else timeout
-        if not self._event.wait(max(0.0, limit)):
+        if not self._drive(self._event, time.monotonic() + max(0.0, limit)):
             raise PSTimeout(self._describe_pending(f"no result after waiting {limit:.1f} s"))
         if self._error is not None:
             raise self._error
         return self._out
 
-    # ---- called by the I/O thread -------------------------------------------------------------
+    # ---- called by the driving thread ------------------------------------------------------
     def _describe_pending(self, why: str, server: int | None = None) -> str:
         pending = [self.tensor.parts[i] for i in sorted(self._missing)]
         on_server = [p for p in pending if p.server == server]
@@ -209,12 +218,23 @@ class PSClient:
         self._dead: dict[int, str] = {}  # target -> why it is unusable
         self._closed = False
         self._closing = False
-        # Owned by the I/O thread:
+        # Guarded by _mu: pending operations and calls, the driving token, the outbox.
+        self._mu = threading.Lock()
+        self._turn = threading.Condition(self._mu)  # notified whenever the token is released
+        self._driving = False  # a thread owns the server sockets (self._socks)
+        self._outbox: list[tuple[int, list[Any]]] = []  # sends queued while a thread drives
         self._inflight: dict[tuple[int, int, int], tuple[Handle, int]] = {}
         self._calls: dict[tuple[int, P.MsgType, int], collections.deque[_Call]] = {}
+        # Scheduler calls and "stop" go to the background thread, which owns the link.
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        # Wakes the driving thread's poll when another thread queued a send.
+        self._io_wake_r, self._io_wake_w = os.pipe()
+        os.set_blocking(self._io_wake_r, False)
+        self._poller = zmq.Poller()
+        for sock in (self._io_wake_r, *self._socks):
+            self._poller.register(sock, zmq.POLLIN)
         self._thread = threading.Thread(target=self._io_loop, name=f"ps-client-{self.rank}",
                                         daemon=True)
         self._thread.start()
@@ -332,8 +352,10 @@ class PSClient:
             out = out.reshape(-1)
         now = time.monotonic()
         handle = Handle(tensor, int(round), now + self.cfg.op_timeout_s, self.cfg.op_timeout_s,
-                        out)
-        self._command(("op", handle, frames))
+                        self._await, out=out)
+        with self._mu:
+            sends = self._register_op(handle, frames)
+        self._submit(sends)
         return handle
 
     def push_pull(self, name: str, data: Any, round: int, *, out: np.ndarray | None = None
@@ -382,8 +404,8 @@ class PSClient:
             sock.close(linger=0)
         self._link.close()
         self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        for fd in (self._wake_r, self._wake_w, self._io_wake_r, self._io_wake_w):
+            os.close(fd)
 
     def __enter__(self) -> PSClient:
         return self
@@ -443,11 +465,20 @@ class PSClient:
         wait_s = self.cfg.op_timeout_s if timeout is None else timeout
         call = _Call(target, frames, _REPLY_OF[request], key, time.monotonic() + wait_s, what,
                      wait_s)
-        self._command(("call", call))
+        if target == _SCHEDULER:
+            self._command(("call", call))
+            return call
+        with self._mu:
+            registered = self._register_call(call)
+        if registered:
+            self._submit([(target, frames)])
         return call
 
     def _finish_call(self, call: _Call) -> Any:
-        if not call.event.wait(max(0.0, call.deadline - time.monotonic()) + 1.0):
+        # The background thread answers scheduler calls; server calls need a driver.
+        deadline = call.deadline + 1.0
+        if not (call.event.wait(max(0.0, deadline - time.monotonic()))
+                if call.target == _SCHEDULER else self._await(call.event, deadline)):
             call.finish(error=PSTimeout(f"{call.what}: no answer from {self._where(call.target)}"))
         if call.error is not None:
             raise call.error
@@ -467,10 +498,92 @@ class PSClient:
         self._cmds.put(cmd)
         os.write(self._wake_w, b"x")
 
-    # ---- I/O thread ---------------------------------------------------------------------------
+    # ---- driving the server sockets (any waiting thread) --------------------------------------
+    def _submit(self, sends: list[tuple[int, list[Any]]]) -> None:
+        """Send ``(server, frames)`` from this thread when no thread drives the sockets, else
+        queue them for the driving thread and wake its poll."""
+        if not sends:
+            return
+        with self._mu:
+            if self._driving:
+                self._outbox.extend(sends)
+                os.write(self._io_wake_w, b"x")
+                return
+            self._driving = True
+        try:
+            self._send_all(sends)
+        finally:
+            self._release()
+
+    def _send_all(self, sends: list[tuple[int, list[Any]]]) -> None:
+        """Send on the server sockets (the caller holds the driving token, not ``_mu``)."""
+        for server, frames in sends:
+            self._socks[server].send_multipart(frames, copy=False)
+
+    def _take_outbox(self) -> list[tuple[int, list[Any]]]:
+        with self._mu:
+            sends, self._outbox = self._outbox, []
+        return sends
+
+    def _release(self) -> None:
+        """Give the driving token back, after sending what other threads queued meanwhile,
+        and wake the threads waiting for it or for their results."""
+        while True:
+            with self._mu:
+                sends, self._outbox = self._outbox, []
+                if not sends:
+                    self._driving = False
+                    self._turn.notify_all()
+                    return
+            self._send_all(sends)
+
+    def _await(self, event: threading.Event, deadline: float) -> bool:
+        """Wait for ``event`` until ``deadline`` (monotonic), driving the server sockets
+        whenever no other thread does. Returns whether the event is set."""
+        while not event.is_set():
+            with self._mu:
+                while self._driving and not event.is_set():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._turn.wait(min(left, _TICK_S))
+                if event.is_set():
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._driving = True
+            try:
+                self._drive(min(left, _TICK_S))
+            finally:
+                self._release()
+        return True
+
+    def _drive(self, timeout_s: float) -> None:
+        """One poll of the server sockets: receive and complete everything that arrived."""
+        events = dict(self._poller.poll(timeout_s * 1000))
+        if self._io_wake_r in events:
+            try:
+                while os.read(self._io_wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        for i, sock in enumerate(self._socks):
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                with self._mu:
+                    self._on_server_message(i, raw)
+        self._send_all(self._take_outbox())
+
+    # ---- background thread: scheduler link and connection monitors ---------------------------
     def _io_loop(self) -> None:
         poller = zmq.Poller()
-        for sock in (self._wake_r, self._link.sock, self._link.watch.socket, *self._socks,
+        for sock in (self._wake_r, self._link.sock, self._link.watch.socket,
                      *(w.socket for w in self._watches)):
             poller.register(sock, zmq.POLLIN)
         next_check = 0.0
@@ -481,20 +594,19 @@ class PSClient:
                 events = dict(poller.poll(wait_s * 1000))
                 if self._wake_r in events and self._drain_commands():
                     return
-                self._receive(events)
-                now = time.monotonic()
-                if now >= next_check:
-                    self._check_deadlines(now)
-                    next_check = now + _TICK_S
+                with self._mu:
+                    self._receive(events)
+                    now = time.monotonic()
+                    if now >= next_check:
+                        self._check_deadlines(now)
+                        next_check = now + _TICK_S
         except Exception as exc:  # never leave waiters hanging on a dead thread
             log.exception("worker %d: PS client I/O thread failed", self.rank)
-            self._lose_all(PSError(f"worker {self.rank}: PS client I/O thread failed: {exc!r}"))
+            with self._mu:
+                self._lose_all(PSError(f"worker {self.rank}: PS client I/O thread failed: "
+                                       f"{exc!r}"))
 
     def _receive(self, events: dict[Any, int]) -> None:
-        for i, sock in enumerate(self._socks):
-            if sock in events:
-                while sock.poll(0):
-                    self._on_server_message(i, sock.recv_multipart(copy=False))
         if self._link.sock in events:
             while self._link.sock.poll(0):
                 self._on_scheduler_message(self._link.sock.recv_multipart(copy=False))
@@ -514,43 +626,49 @@ class PSClient:
             pass
         while not self._cmds.empty():
             cmd = self._cmds.get()
-            if cmd[0] == "stop":
-                self._lose_all(PSError(f"worker {self.rank}: the PS client was closed"))
-                return True
-            if cmd[0] == "op":
-                self._send_op(cmd[1], cmd[2])
-            else:
-                self._send_call(cmd[1])
+            with self._mu:
+                if cmd[0] == "stop":
+                    self._lose_all(PSError(f"worker {self.rank}: the PS client was closed"))
+                    return True
+                if self._register_call(cmd[1]):
+                    self._link.sock.send_multipart(cmd[1].frames, copy=True)
         return False
 
-    def _send_op(self, handle: Handle, frames: list[list[np.ndarray]]) -> None:
+    # ---- state changes (hold _mu) -------------------------------------------------------------
+    def _register_op(self, handle: Handle, frames: list[list[np.ndarray]]
+                     ) -> list[tuple[int, list[Any]]]:
+        """Record the pushes of ``handle`` as in flight; returns what to send (nothing when
+        the handle failed at once: a lost server, or that round already in flight)."""
         tensor = handle.tensor
-        for i, (part, arrays) in enumerate(zip(tensor.parts, frames, strict=True)):
+        for part in tensor.parts:
             dead = self._dead.get(_SCHEDULER) or self._dead.get(part.server)
             if dead:  # an ABORT's reason names the root cause; prefer it
                 handle._fail(PSError(handle._describe_pending(dead, part.server)))
-                return
-            slot = (part.server, part.key, handle.round)
-            if slot in self._inflight:
+                return []
+            if (part.server, part.key, handle.round) in self._inflight:
                 handle._fail(PSError(f"round {handle.round} of {part.spec.name!r} is already "
                                      f"in flight on worker {self.rank}"))
-                return
+                return []
+        sends = []
+        for i, (part, arrays) in enumerate(zip(tensor.parts, frames, strict=True)):
             lay = part.push_layout
             push = P.encode(P.MsgType.PUSH, key=part.key, round=handle.round, sender=self.rank,
                             codec=lay.codec, dtype=lay.dtype, numel=lay.numel, frames=arrays,
                             flags=P.FLAG_PULL)
-            self._inflight[slot] = (handle, i)
-            self._socks[part.server].send_multipart(push, copy=False)
+            self._inflight[(part.server, part.key, handle.round)] = (handle, i)
+            sends.append((part.server, push))
+        return sends
 
-    def _send_call(self, call: _Call) -> None:
+    def _register_call(self, call: _Call) -> bool:
+        """Record ``call`` as waiting for its reply; False (and the call failed) when its
+        target is lost."""
         dead = self._dead.get(_SCHEDULER) or self._dead.get(call.target)
         if dead:
             call.finish(error=PSError(f"{call.what}: {dead}"))
-            return
+            return False
         self._calls.setdefault((call.target, call.reply, call.key),
                                collections.deque()).append(call)
-        sock = self._link.sock if call.target == _SCHEDULER else self._socks[call.target]
-        sock.send_multipart(call.frames, copy=True)
+        return True
 
     def _on_server_message(self, server: int, raw: list[zmq.Frame]) -> None:
         try:
@@ -582,7 +700,10 @@ class PSClient:
         part = handle.tensor.parts[i]
         arrays = P.decode_payload(msg, part.reply_layout)
         if not handle.tensor.compressed:
-            handle._out[part.offset:part.offset + part.spec.numel] = arrays[0]
+            if handle._out is None:  # a writable view of the reply frame, which we own
+                handle._out = arrays[0]
+            else:
+                handle._out[part.offset:part.offset + part.spec.numel] = arrays[0]
         elif part.reply_layout.codec == P.DENSE_CODEC:
             handle._out[i] = np.array(arrays[0])
         else:

@@ -50,6 +50,7 @@ __all__ = [
     "encode",
     "encode_error",
     "encode_json",
+    "nbytes",
 ]
 
 MAGIC = b"BPSE"
@@ -140,6 +141,7 @@ class ErrorCode(str, enum.Enum):
     STALE_ROUND = "stale_round"
     FUTURE_ROUND = "future_round"
     UNEXPECTED = "unexpected"
+    NON_FINITE = "non_finite"
     INTERNAL = "internal"
 
 
@@ -172,10 +174,15 @@ class Header:
 
 @dataclass(frozen=True)
 class Message:
-    """A decoded message: its header and one buffer per payload frame (not copied)."""
+    """A decoded message: its header and one buffer per payload frame (not copied).
+
+    ``raw`` holds the received payload frame objects themselves (``zmq.Frame`` when received
+    with ``copy=False``): a server can sum into such a frame and send it on by reference,
+    which costs neither a copy nor pyzmq's release of a zero-copy buffer."""
 
     header: Header
     frames: tuple[memoryview, ...]
+    raw: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -200,7 +207,8 @@ class Layout:
 
 
 # ---- encoding ---------------------------------------------------------------------------------
-def _nbytes(frame: Any) -> int:
+def nbytes(frame: Any) -> int:
+    """Byte length of a payload frame (numpy array, bytes, memoryview or ``zmq.Frame``)."""
     if isinstance(frame, np.ndarray):
         return int(frame.nbytes)
     return memoryview(frame).nbytes
@@ -225,7 +233,7 @@ def encode(type: MsgType, *, key: int = 0, round: int = 0, sender: int = -1,
     if len(frames) > MAX_FRAMES:
         raise ProtocolError(ErrorCode.BAD_LENGTH,
                             f"{len(frames)} frames exceed the limit of {MAX_FRAMES}")
-    lengths = [_nbytes(f) for f in frames]
+    lengths = [nbytes(f) for f in frames]
     try:
         head = HEADER.pack(MAGIC, VERSION, int(type), flags, key, round, sender, codec,
                            int(dtype), len(frames), numel)
@@ -303,7 +311,7 @@ def decode(frames: Sequence[Any], max_message_bytes: int) -> Message:
     if flags & ~KNOWN_FLAGS:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
     return Message(Header(mtype, key, round_, sender, codec, dtype, numel, lengths, flags),
-                   views)
+                   views, tuple(frames[1:]))
 
 
 def _parse_header(head: memoryview) -> tuple[tuple[Any, ...], tuple[int, ...]]:

@@ -3,10 +3,13 @@
 Per key and round the server accepts exactly one PUSH from each declared pusher (a duplicate,
 a stale round or a future round gets an ERROR reply and is counted, never summed), then sums
 the pushes in pusher-rank order (compressed payloads are decompressed and summed by the
-key's numba compressor, dense float32/float16 pushes are added directly), re-compresses the
-aggregate when the key is compressed (optionally with error feedback), and answers every
-PULL of that round. Summing in rank order makes the result bit-identical whatever order the
-pushes arrived in.
+key's numba compressor; dense float32/float16 pushes are added on the event loop as they
+arrive, as far as the rank-ordered prefix reaches, straight from the received frames),
+re-compresses the aggregate when the key is compressed (optionally with error feedback), and
+answers every PULL of that round. Summing in rank order makes the result bit-identical
+whatever order the pushes arrived in. A push or aggregate with NaN or infinity fails its
+round: every waiter, and any later push or pull of it, gets a ``non_finite`` error naming
+the key, the round and the pushing rank(s).
 
 Rounds of one key strictly increase: while round ``r`` collects pushes, pushes for ``< r``
 are stale and ``> r`` are in the future; once it is complete, any round ``> r`` may start.
@@ -14,7 +17,7 @@ The results of the last :data:`RESULT_HISTORY` rounds stay available to late pul
 
 Malformed messages (bad magic, truncated, inconsistent lengths, unknown codec, dtype or key,
 oversized) get an ERROR reply and a log line; the server keeps serving everyone else.
-Aggregations of large keys run on ``BYTEPS_SERVER_ENGINE_THREAD`` threads (numpy and numba
+Compressed aggregations of large keys run on ``BYTEPS_SERVER_ENGINE_THREAD`` threads (numba
 kernels release the GIL), one at a time per key so rounds and error-feedback residuals stay
 ordered; the event loop itself never blocks on them.
 """
@@ -48,9 +51,9 @@ log = logging.getLogger(__name__)
 
 # Completed rounds per key whose results are kept for late pulls (the current and previous).
 RESULT_HISTORY = 2
-# Aggregations of keys of at most this many payload bytes run inline on the event loop:
-# summing 1 MiB takes ~0.1 ms, less than the hand-off to a thread and back (benchmarks/ps.py,
-# 1 MB rounds).
+# Compressed aggregations of keys of at most this many payload bytes run inline on the event
+# loop: decoding and summing 1 MiB takes ~0.1-1 ms, about the hand-off to a thread and back
+# (benchmarks/ps.py, 1 MB rounds). Dense keys are always summed inline, as pushes arrive.
 INLINE_MAX_BYTES = 1 << 20
 # Most keys one server holds; bounds memory against a flood of DECLAREs.
 MAX_KEYS = 1 << 20
@@ -98,27 +101,21 @@ class NumbaGuard:
 
 def aggregate(spec: KeySpec, compressor: Any, ef: Any, round_: int,
               payloads: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
-    """Sum one round of pushes in list (pusher-rank) order; the server's pure kernel.
+    """Decompress and sum one round of compressed pushes in list (pusher-rank) order, then
+    re-compress; the server's pure kernel for compressed keys (dense keys are summed as
+    their pushes arrive, see ``Server._fold``).
 
     Args:
         spec: the key.
-        compressor: the key's numba compressor, None for dense keys.
+        compressor: the key's numba compressor.
         ef: the key's ErrorFeedback wrapper when the key asks for it, else None.
         round_: the round, the ``step`` of the compression ctx.
         payloads: one payload per pusher, in rank order.
 
     Returns:
-        The reply frames: the re-compressed aggregate's payload arrays, or the dense sum.
+        The reply frames: the re-compressed aggregate's payload arrays, or the dense float32
+        sum when the key has ``server_recompress=False``.
     """
-    if compressor is None:
-        first = payloads[0][0]
-        if len(payloads) == 1:
-            out = np.array(first, dtype=np.float32)
-        else:  # one pass for the first two; float16 is accumulated in float32
-            out = np.add(first, payloads[1][0], dtype=np.float32)
-        for payload in payloads[2:]:
-            np.add(out, payload[0], out=out)
-        return [out.astype(np.float16) if spec.dtype == "float16" else out]
     ctx = compressor.context((spec.numel,), "float32", name=spec.name, step=round_)
     total = np.ascontiguousarray(compressor.aggregate(list(payloads), ctx), dtype=np.float32)
     if not spec.recompress:
@@ -144,6 +141,14 @@ class _Key:
     busy: bool = False
     results: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     waiters: dict[int, list[bytes]] = field(default_factory=dict)
+    # Dense keys sum as pushes arrive, in pusher-rank order: acc holds pushers[:folded]. For
+    # float32 it lives in the first pusher's received frame (acc_frame), summed in place.
+    acc: np.ndarray | None = None
+    acc_frame: Any = None
+    folded: int = 0
+    frames: dict[int, Any] = field(default_factory=dict)  # dense: pusher -> received frame
+    # Rounds that failed (a non-finite push or aggregate), with the reason; the last few.
+    failed: collections.OrderedDict = field(default_factory=collections.OrderedDict)
 
     @property
     def push_nbytes(self) -> int:
@@ -331,24 +336,107 @@ class Server:
                                   f"({state.spec.name}); pushers are {list(state.spec.pushers)}")
         payload = P.decode_payload(msg, state.push_layout)
         self._check_round(state, h)
+        if state.compressor is not None and not _finite(*payload):
+            self._fail_round(state, h.round, f"rank {h.sender} pushed non-finite values")
+            raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
         if state.open_round is None:
             state.open_round = h.round
             self._fail_stale_pulls(state, h.round)
         state.pushes[h.sender] = payload
+        if state.compressor is None and msg.raw:
+            state.frames[h.sender] = msg.raw[0]
         if h.flags & P.FLAG_PULL:  # answered by the round's PULL_REPLY
             state.waiters.setdefault(h.round, []).append(identity)
         else:
             self._send(identity, P.encode(P.MsgType.PUSH_OK, key=h.key, round=h.round,
                                           sender=self.rank))
-        if len(state.pushes) == len(state.spec.pushers):
-            ordered = [state.pushes[r] for r in state.spec.pushers]
-            state.queued.append((h.round, ordered))
-            state.last_closed, state.open_round = h.round, None
-            state.pushes = {}
-            self._start_next(state)
+        if state.compressor is None:
+            self._fold(state)
+        if len(state.pushes) < len(state.spec.pushers):
+            return
+        if state.compressor is None:  # summed already: answer inline, no thread hand-off
+            self._finish_dense(state, h.round)
+            return
+        ordered = [state.pushes[r] for r in state.spec.pushers]
+        state.queued.append((h.round, ordered))
+        state.last_closed, state.open_round = h.round, None
+        state.pushes = {}
+        self._start_next(state)
+
+    def _fold(self, state: _Key) -> None:
+        """Add the pushes that extend the rank-ordered prefix into the running sum, so only
+        the last arrival's share remains at completion. float32 sums in place into the
+        first pusher's received frame (then sent on as the reply); float16 accumulates in
+        float32 and is cast into that frame at the end."""
+        start = time.thread_time()
+        pushers = state.spec.pushers
+        while state.folded < len(pushers) and pushers[state.folded] in state.pushes:
+            rank = pushers[state.folded]
+            x = state.pushes[rank][0]
+            if state.folded == 0:
+                state.acc_frame = _backing_frame(x, state.frames.get(rank))
+                state.acc = x
+                if (state.acc_frame is None and len(pushers) > 1
+                        and x.dtype == np.float32):
+                    state.acc = x.copy()  # a misaligned frame was copied; sum in our copy
+            elif state.acc.dtype != np.float32:  # float16: accumulate in float32
+                state.acc = np.add(state.acc, x, dtype=np.float32)
+            else:
+                np.add(state.acc, x, out=state.acc)
+            state.folded += 1
+        self.agg_seconds += time.thread_time() - start
+
+    def _finish_dense(self, state: _Key, round_: int) -> None:
+        acc, frame = state.acc, state.acc_frame
+        assert acc is not None and state.folded == len(state.spec.pushers)
+        pushers, pushes = state.spec.pushers, state.pushes
+        state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
+        state.frames = {}
+        state.last_closed, state.open_round = round_, None
+        self.rounds += 1
+        if not _finite(acc):
+            bad = [r for r in pushers[1:] if not _finite(*pushes[r])]
+            why = (f"rank(s) {bad} pushed non-finite values" if bad else
+                   f"rank {pushers[0]} pushed non-finite values, or the sum of finite pushes "
+                   "overflowed")
+            self._fail_round(state, round_, why)
+            return
+        out: Any = acc
+        if acc.dtype.itemsize != state.reply_layout.frame_dtypes[0].itemsize:  # float16 sum
+            first = pushes[pushers[0]][0]
+            if frame is not None:
+                np.copyto(first, acc, casting="same_kind")
+                out = frame
+            else:
+                out = acc.astype(np.float16)
+            if not _finite(first if frame is not None else out):
+                self._fail_round(state, round_, "the float16 sum overflowed")
+                return
+        elif frame is not None:
+            out = frame
+        self._reply(state, round_, [out], state.waiters.pop(round_, []))
+
+    def _fail_round(self, state: _Key, round_: int, why: str) -> None:
+        """Close ``round_`` without a result: every waiter, and every later push or pull of
+        it, gets a ``non_finite`` error naming the key, the round and ``why``."""
+        text = f"round {round_} of key {state.key} ({state.spec.name}) failed: {why}"
+        state.failed[round_] = text
+        while len(state.failed) > RESULT_HISTORY:
+            state.failed.popitem(last=False)
+        if state.open_round == round_:
+            state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
+            state.frames = {}
+            state.open_round = None
+        state.last_closed = max(round_, state.last_closed or 0)
+        exc = P.ProtocolError(P.ErrorCode.NON_FINITE, text)
+        header = P.Header(P.MsgType.PUSH, state.key, round_)
+        for identity in state.waiters.pop(round_, []):
+            self._reject(identity, exc, header)
 
     def _check_round(self, state: _Key, h: P.Header) -> None:
         name = state.spec.name
+        if h.round in state.failed:
+            raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
         if state.open_round is not None:
             if h.round == state.open_round and h.sender in state.pushes:
                 raise P.ProtocolError(P.ErrorCode.DUPLICATE_PUSH,
@@ -374,6 +462,8 @@ class Server:
         if result is not None:
             self._send(identity, [*result])
             return
+        if h.round in state.failed:
+            raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
         waiting_ok = state.pending(h.round) or (
             state.open_round is None and (state.last_closed is None
                                           or h.round > state.last_closed))
@@ -415,11 +505,8 @@ class Server:
     def _run(self, state: _Key, round_: int, payloads: list) -> tuple[Any, float]:
         start = time.thread_time()
         try:
-            if state.compressor is None:  # numpy only
-                result: Any = aggregate(state.spec, None, None, round_, payloads)
-            else:
-                result = self.guard.run(aggregate, state.spec, state.compressor, state.ef,
-                                        round_, payloads)
+            result: Any = self.guard.run(aggregate, state.spec, state.compressor, state.ef,
+                                         round_, payloads)
         except Exception as exc:  # reported to every puller of this round
             log.exception("aggregation of key %d round %d failed", state.key, round_)
             result = exc
@@ -449,24 +536,65 @@ class Server:
             exc = P.ProtocolError(P.ErrorCode.INTERNAL, f"aggregation failed: {result!r}")
             for identity in waiters:
                 self._reject(identity, exc, P.Header(P.MsgType.PULL, key, round_))
-        elif tuple(a.nbytes for a in result) != state.reply_layout.frame_nbytes:
-            exc = P.ProtocolError(P.ErrorCode.INTERNAL,
-                                  f"aggregate of {state.spec.name} has frames of "
-                                  f"{[a.nbytes for a in result]} bytes, the key's layout says "
-                                  f"{list(state.reply_layout.frame_nbytes)}")
+        elif not _finite(*result):
+            state.failed[round_] = (f"round {round_} of key {key} ({state.spec.name}) failed: "
+                                    "its aggregate is not finite")
+            while len(state.failed) > RESULT_HISTORY:
+                state.failed.popitem(last=False)
+            exc = P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[round_])
             for identity in waiters:
                 self._reject(identity, exc, P.Header(P.MsgType.PULL, key, round_))
         else:
-            layout = state.reply_layout
-            reply = P.encode(P.MsgType.PULL_REPLY, key=key, round=round_, sender=self.rank,
-                             codec=layout.codec, dtype=layout.dtype, numel=layout.numel,
-                             frames=result)
-            state.results[round_] = reply
-            while len(state.results) > RESULT_HISTORY:
-                state.results.popitem(last=False)
-            for identity in waiters:
-                self._send(identity, [*reply])
+            self._reply(state, round_, result, waiters)
         self._start_next(state)
+
+    def _reply(self, state: _Key, round_: int, result: list[Any], waiters: list[bytes]
+               ) -> None:
+        """Encode the round's PULL_REPLY once, keep it for late pulls, answer the waiters.
+
+        Payload frames go out as ``zmq.Frame`` objects, re-sent by reference to every waiter:
+        an array is copied into one frame here rather than sent zero-copy, whose release
+        would wake pyzmq's garbage-collection thread once per waiter."""
+        sizes = tuple(P.nbytes(a) for a in result)
+        if sizes != state.reply_layout.frame_nbytes:
+            exc = P.ProtocolError(P.ErrorCode.INTERNAL,
+                                  f"aggregate of {state.spec.name} has frames of "
+                                  f"{list(sizes)} bytes, the key's layout says "
+                                  f"{list(state.reply_layout.frame_nbytes)}")
+            for identity in waiters:
+                self._reject(identity, exc, P.Header(P.MsgType.PULL, state.key, round_))
+            return
+        frames = [f if isinstance(f, zmq.Frame) else zmq.Frame(f, copy=True) for f in result]
+        layout = state.reply_layout
+        reply = P.encode(P.MsgType.PULL_REPLY, key=state.key, round=round_, sender=self.rank,
+                         codec=layout.codec, dtype=layout.dtype, numel=layout.numel,
+                         frames=frames)
+        state.results[round_] = reply
+        while len(state.results) > RESULT_HISTORY:
+            state.results.popitem(last=False)
+        for identity in waiters:
+            self._send(identity, [*reply])
+
+
+def _backing_frame(array: np.ndarray, frame: Any) -> Any:
+    """``frame`` when it is a writable ``zmq.Frame`` whose buffer ``array`` views (decoding
+    copies misaligned frames), else None."""
+    if not isinstance(frame, zmq.Frame):
+        return None
+    view = frame.buffer
+    if view.readonly or view.nbytes != array.nbytes:
+        return None
+    return frame if np.frombuffer(view, np.uint8).ctypes.data == array.ctypes.data else None
+
+
+def _finite(*arrays: np.ndarray) -> bool:
+    """No NaN or infinity in the floating-point arrays (integer arrays always pass). Two
+    reductions per array, no temporary: min and max propagate NaN and reach +-inf."""
+    for a in arrays:
+        if a.dtype.kind == "f" and a.size and not (np.isfinite(a.min())
+                                                   and np.isfinite(a.max())):
+            return False
+    return True
 
 
 _HANDLERS = {
