@@ -3,7 +3,9 @@
 The BytePS / ps-lite variables keep their names and meaning so that a BytePS job's
 environment works unchanged; the project's own knobs are prefixed ``ESPRESSO_``. Nothing
 below this module reads ``os.environ``: callers build a :class:`Config` with
-:func:`Config.from_env` and pass it down.
+:func:`Config.from_env` and pass it down. The one write is
+:meth:`Config.export_socket_interfaces`, which hands gloo and NCCL (libraries that read only
+the environment) the interface this process advertises.
 
 Example:
     >>> cfg = Config.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2",

@@ -28,8 +28,9 @@ What each call does, with BytePS's and Horovod's semantics:
 - ``allgather`` / ``allgather_async``: concatenation along the first dimension, which may
   differ between ranks (the others may not).
 - ``broadcast`` / ``broadcast_`` / ``broadcast_async`` / ``broadcast_async_``: ``root_rank``'s
-  tensor on every rank; ``broadcast_object``: ``root_rank``'s Python object, sent as JSON
-  (types listed in :mod:`byteps_espresso.worker.objects`; never pickle).
+  tensor on every rank; ``broadcast_object``: ``root_rank``'s Python object, and
+  ``allgather_object``: every rank's, sent as JSON (types listed in
+  :mod:`byteps_espresso.worker.objects`; never pickle).
 - The out-of-place ``push_pull``, ``allreduce``, ``allgather`` and ``broadcast`` are
   differentiable, as in Horovod and BytePS.
 - Asynchronous calls return a handle for ``poll`` / ``synchronize``. Every rank must make
@@ -81,6 +82,7 @@ __all__ = [
     "Sum",
     "allgather",
     "allgather_async",
+    "allgather_object",
     "allreduce",
     "allreduce_",
     "allreduce_async",
@@ -493,7 +495,8 @@ def _shape_record(tensor: torch.Tensor) -> torch.Tensor:
     return record
 
 
-def _gather(ex: Executor, tensor: torch.Tensor) -> torch.Tensor:
+def _gather(ex: Executor, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's ``tensor`` concatenated along dimension 0, and each rank's row count."""
     world = ex.topo.world_size
     mine = _shape_record(tensor)
     records = ex.transport.allgather(Scope.FLAT, mine, [mine.numel()] * world).reshape(world, -1)
@@ -505,7 +508,7 @@ def _gather(ex: Executor, tensor: torch.Tensor) -> torch.Tensor:
     rows, rest = [s[0] for s in shapes], shapes[0][1:]
     width = math.prod(rest)
     flat = ex.transport.allgather(Scope.FLAT, tensor.reshape(-1), [r * width for r in rows])
-    return flat.reshape(sum(rows), *rest)
+    return flat.reshape(sum(rows), *rest), rows
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
@@ -519,7 +522,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
     if buf.dim() == 0:
         buf = buf.reshape(1)
     handle = _on_lane(_auto_name("allgather", name), lambda ex, _lane: _gather(ex, buf))
-    return _track(handle, lambda out: out)
+    return _track(handle, lambda result: result[0])
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
@@ -608,6 +611,22 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
             raise TypeError(message["error"])
         raise ValueError(f"rank {root_rank} could not broadcast its object: {message['error']}")
     return message["value"]
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (Horovod's ``allgather_object``); the same JSON
+    encoding and supported types as :func:`broadcast_object`.
+
+    Raises:
+        TypeError: ``obj`` holds an unsupported type (raised before anything is sent, so every
+            rank must pass supported objects).
+    """
+    data = encode_object(obj)
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    handle = _on_lane(_auto_name("allgather_object", name), lambda ex, _lane: _gather(ex, mine))
+    every, sizes = _wait(handle)
+    pieces = torch.split(every, sizes)
+    return [decode_object(piece.numpy().tobytes()) for piece in pieces]
 
 
 def broadcast_object_bytes(data: bytes | None, root_rank: int = 0) -> bytes:

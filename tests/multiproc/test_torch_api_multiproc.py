@@ -67,33 +67,44 @@ def test_a_script_without_shutdown_leaves_the_job_cleanly(tmp_path):
     assert out.count("DMLC_ENABLE_RDMA='1' is ignored: it asks for RDMA") == 1, out[-5000:]
 
 
-@pytest.mark.timeout(180)
-def test_an_uncaught_exception_still_stops_the_job_at_once(cluster):
+@pytest.mark.timeout(240)
+def test_an_uncaught_exception_still_stops_the_job_at_once(cluster, tmp_path):
     """Shutdown at exit must not make a failed worker look finished: the others are told it
     was lost at once instead of waiting for ESPRESSO_TIMEOUT."""
     timeout_s = 120
     with cluster.ps_job(machines=2, local_size=1, servers=1) as root:
-        procs = []
-        for rank in range(2):
-            env = _env(DMLC_ROLE="worker", DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1",
-                       DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(root),
-                       DMLC_WORKER_ID=str(rank), ESPRESSO_TIMEOUT=str(timeout_s))
-            procs.append(subprocess.Popen([sys.executable, str(WORKERS / "exit_worker.py"),
-                                           "raise"], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        start = time.monotonic()
+        procs, logs, ended = [], [], {}
         try:
-            outputs = [p.communicate(timeout=timeout_s + 30)[0] for p in procs]
+            for rank in range(2):
+                env = _env(DMLC_ROLE="worker", DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1",
+                           DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(root),
+                           DMLC_WORKER_ID=str(rank), ESPRESSO_TIMEOUT=str(timeout_s))
+                logs.append(open(tmp_path / f"worker{rank}.log", "w+"))
+                procs.append(subprocess.Popen([sys.executable, str(WORKERS / "exit_worker.py"),
+                                               "raise"], env=env, stdout=logs[-1],
+                                              stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + timeout_s + 60
+            while len(ended) < 2 and time.monotonic() < deadline:
+                for rank, p in enumerate(procs):
+                    if rank not in ended and p.poll() is not None:
+                        ended[rank] = time.monotonic()
+                time.sleep(0.1)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        elapsed = time.monotonic() - start
+            outputs = []
+            for log in logs:
+                log.seek(0)
+                outputs.append(log.read())
+                log.close()
+    assert len(ended) == 2, f"still running: {[r for r in range(2) if r not in ended]}"
     assert procs[1].returncode != 0 and "rank 1 fails on purpose" in outputs[1]
     assert procs[0].returncode != 0, outputs[0][-3000:]
     assert "worker 1 is lost" in outputs[0], outputs[0][-3000:]
-    assert elapsed < timeout_s / 2, f"rank 0 waited {elapsed:.0f} s for a lost peer"
+    waited = ended[0] - ended[1]
+    assert waited < timeout_s / 2, f"rank 0 waited {waited:.0f} s for a lost peer"
 
 
 @pytest.mark.timeout(180)

@@ -117,6 +117,8 @@ def check_broadcast(r: int, world: int) -> None:
     assert got.keys() == sent.keys() and got["betas"] == (0.9, 0.99) and got[7] == "seven"
     assert got["blob"] == b"\x00\x01" and torch.equal(got["t"], sent["t"])
     assert np.array_equal(got["a"], np.eye(2)) and got["nan"] == float("inf")
+    every = bps.allgather_object({"rank": r, "tag": "x" * r, "pair": (r, -r)})
+    assert every == [{"rank": k, "tag": "x" * k, "pair": (k, -k)} for k in range(world)]
     if r == 1:
         raises(TypeError, lambda: bps.broadcast_object(object(), root_rank=1), "object")
     else:
