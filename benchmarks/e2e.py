@@ -164,8 +164,8 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
     fp32 = next((r for r in rows if r["strategy"] == "fp32"), None)
     for row in rows:
         row["vs_fp32"] = row["samples_per_s"] / fp32["samples_per_s"] if fp32 else None
-        both = fp32 is not None and None not in (row["time_to_target_s"],
-                                                 fp32["time_to_target_s"])
+        both = fp32 is not None and row["time_to_target_s"] is not None and bool(
+            fp32["time_to_target_s"])  # None: never reached; 0: met before training
         row["time_vs_fp32"] = row["time_to_target_s"] / fp32["time_to_target_s"] if both \
             else None
         row["loss_vs_fp32"] = row["final_heldout_loss"] / fp32["final_heldout_loss"] if fp32 \

@@ -412,6 +412,8 @@ def _verdict(fp32: RunResult, esp: RunResult, target: float) -> str:
         return f"espresso vs fp32: never reached the target; {loss}, {speed}"
     if t_fp32 is None:
         return f"espresso vs fp32: reached the target, fp32 did not; {loss}, {speed}"
+    if t_fp32 <= 0:  # met before training (see target_note)
+        return f"espresso vs fp32: both met the target before training; {loss}, {speed}"
     return (f"espresso vs fp32: time to target {t_esp / t_fp32:.2f}x fp32's, {loss}, {speed}")
 
 
