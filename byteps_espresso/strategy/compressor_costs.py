@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -225,7 +226,13 @@ class CompressorCosts:
 
     @classmethod
     def default(cls) -> CompressorCosts:
-        """The shipped profile (see its ``note`` for machine, date and method)."""
-        ref = resources.files("byteps_espresso") / "data" / "compressor_costs.json"
-        return cls.from_dict(json.loads(ref.read_text()), "byteps_espresso/data/"
-                             "compressor_costs.json")
+        """The shipped profile (see its ``note`` for machine, date and method), read once per
+        process and shared: do not modify it."""
+        return _shipped()
+
+
+@functools.cache
+def _shipped() -> CompressorCosts:
+    ref = resources.files("byteps_espresso") / "data" / "compressor_costs.json"
+    return CompressorCosts.from_dict(json.loads(ref.read_text()), "byteps_espresso/data/"
+                                     "compressor_costs.json")

@@ -10,15 +10,22 @@ tasks) is no longer either; the search only considers the non-dominated ones (th
 front). Options identical in every task duration are deduplicated (the first kept).
 
 The search works on evaluator indices, not Option objects: :meth:`PlanContext.fronts` (the
-per-size candidates of Algorithm 1), :meth:`PlanContext.cpu_index` (an option's CPU-offloaded
-twin) and :meth:`PlanContext.variant_indices` (its mixed GPU/CPU placements) catalogue them
-once per problem, in :meth:`PlanContext.prepare` or on first use.
+per-size candidates of Algorithm 1) and :meth:`PlanContext.placements` (an option's device
+placements) catalogue them, in :meth:`PlanContext.prepare` or on first use.
+
+The priced model (prices, catalogue, fronts, placements) depends on the cluster, compressor,
+parameters, cost profile, constraints and the workload's distinct sizes, not on the ready
+gaps or forward time: the last MODEL_CACHE_SIZE models are kept, so planning again after a
+re-profile of the same model on the same cluster reuses them (:func:`clear_model_cache`
+empties the cache). Planning is single-threaded: contexts share these objects.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,11 +37,11 @@ from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
 from byteps_espresso.strategy.costs import CompressedSizes, Pricer, StepTasks
 from byteps_espresso.strategy.options import Device, Kind, Option, Step
-from byteps_espresso.strategy.timeline import Evaluator
+from byteps_espresso.strategy.timeline import Catalogue, Evaluator
 from byteps_espresso.strategy.tree import Constraints, enumerate_options, option_set
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["Fronts", "PlanContext", "pareto_front"]
+__all__ = ["MODEL_CACHE_SIZE", "Fronts", "PlanContext", "clear_model_cache", "pareto_front"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,45 @@ DOMINANCE_ABS_US = 1.0
 # busy time (every non-dominated uncompressed option is kept: there are few).
 FRONT_LIMIT = 8
 FRONT_RANK = "sum"
+# Priced models kept for later plans (each: the options priced for one workload's sizes,
+# a few MB at most).
+MODEL_CACHE_SIZE = 8
+
+
+class _Model:
+    """The priced model of one (cluster, compressor, parameters, costs, constraints, sizes)."""
+
+    def __init__(self, pricer: Pricer, keep: tuple, constraints: Constraints) -> None:
+        self.pricer = pricer
+        self.constraints = constraints  # restricted to the devices the cost profile has
+        self.catalogue = Catalogue(pricer)
+        self.keep = keep  # the objects whose identity is part of the key, kept alive
+        self.fronts: dict = {}
+        self.single: dict = {}
+        self.moved: dict = {}
+        self.placements: dict = {}
+        self.stacked: dict = {}
+        self.device_fronts: dict = {}
+        self.uncompressed: list[np.ndarray] = []
+
+
+_MODELS: OrderedDict[tuple, _Model] = OrderedDict()
+
+
+def clear_model_cache() -> None:
+    """Forget every priced model (the next plan prices from scratch)."""
+    _MODELS.clear()
+
+
+def _model(key: tuple, make) -> _Model:  # type: ignore[no-untyped-def]
+    got = _MODELS.get(key)
+    if got is None:
+        got = _MODELS[key] = make()
+        while len(_MODELS) > MODEL_CACHE_SIZE:
+            _MODELS.popitem(last=False)
+    else:
+        _MODELS.move_to_end(key)
+    return got
 
 
 @numba.njit(cache=True)
@@ -124,24 +170,37 @@ class PlanContext:
     def __post_init__(self) -> None:
         if self.costs is None:
             self.costs = CompressorCosts.default()
-        if self.sizes is None:
-            self.sizes = CompressedSizes(self.compressor, self.params)
-        self.constraints = self._restrict_to_profiled_devices(self.constraints)
+        self.numels = sorted({t.numel for t in self.workload.tensors})
+        self.size_index = {n: i for i, n in enumerate(self.numels)}
+        given_sizes = self.sizes
+        key = (self.cluster, self.compressor, json.dumps(self.params, sort_keys=True),
+               id(self.costs), id(given_sizes), self.constraints, tuple(self.numels),
+               self.free_compression)
+
+        def make() -> _Model:
+            # the kernels registry first: an unknown compressor is named as such
+            sizes = given_sizes or CompressedSizes(self.compressor, self.params)
+            constraints = self._restrict_to_profiled_devices(self.constraints)
+            return _Model(Pricer(self.cluster, self.compressor, sizes, self.costs, self.numels,
+                                 free_compression=self.free_compression),
+                          (self.costs, given_sizes), constraints)
+
+        model = _model(key, make)
+        self.constraints = model.constraints
         self.options: list[Option] = enumerate_options(self.cluster, self.constraints)
         if not self.options:
             raise ValueError("the constraints leave no valid option; relax them")
-        self.numels = sorted({t.numel for t in self.workload.tensors})
-        self.size_index = {n: i for i, n in enumerate(self.numels)}
-        self.pricer = Pricer(self.cluster, self.compressor, self.sizes, self.costs, self.numels,
-                             free_compression=self.free_compression)
-        self.evaluator = Evaluator(self.workload, self.pricer, [])
-        self._fronts: dict[int, tuple[Sequence[Option], list[list[Option]]]] = {}
-        self._single: dict[Device, list[Option]] = {}
-        self._moved: dict[tuple[Option, Device], Option] = {}
-        self._placements: dict[int, np.ndarray] = {}
-        self._stacked: dict[int, tuple[Sequence[Option], tuple[np.ndarray, np.ndarray]]] = {}
-        self._device_fronts: dict[Device, Fronts] = {}
-        self._uncompressed_index: np.ndarray | None = None
+        self.pricer = model.pricer
+        self.sizes = model.pricer.sizes
+        self.evaluator = Evaluator(self.workload, self.pricer, [], model.catalogue)
+        self._model = model
+        self._fronts: dict[int, tuple[Sequence[Option], list[list[Option]]]] = model.fronts
+        self._single: dict[Device, list[Option]] = model.single
+        self._moved: dict[tuple[Option, Device], Option] = model.moved
+        self._placements: dict[int, np.ndarray] = model.placements
+        self._stacked: dict[int, tuple[Sequence[Option], tuple[np.ndarray, np.ndarray]]] = \
+            model.stacked
+        self._device_fronts: dict[Device, Fronts] = model.device_fronts
         # The search's visit order: tensors by size, largest first; within a size, closest to
         # the output layer (backward index 0) first. size_groups: the same, per size index.
         tensors = self.workload.tensors
@@ -203,9 +262,10 @@ class PlanContext:
 
     def uncompressed_index(self) -> np.ndarray:
         """Evaluator indices of :meth:`uncompressed` (cached)."""
-        if self._uncompressed_index is None:
-            self._uncompressed_index = self.index(self.uncompressed())
-        return self._uncompressed_index
+        held = self._model.uncompressed
+        if not held:
+            held.append(self.index(self.uncompressed()))
+        return held[0]
 
     def primary_device(self) -> Device:
         return Device.GPU if self.constraints.allow_gpu else Device.CPU

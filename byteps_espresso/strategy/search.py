@@ -30,8 +30,8 @@ Algorithm 2 (``cpu_offload``)
 
 Refinement (ours, after Algorithm 2): each tensor with the others fixed tries every device
 placement of its option's Comp/Decomp steps, one step at a time or together (so every Option
-of the tree, mixed devices included, can be chosen); an uncompressed tensor first tries the
-non-dominated all-CPU options of its size.
+of the tree, mixed devices included, can be chosen); an uncompressed tensor not followed by a
+bubble first tries the non-dominated all-CPU options of its size.
 """
 
 from __future__ import annotations
@@ -287,17 +287,27 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
         return choice
     cpu_front = ctx.fronts(Device.CPU).index
     size_idx = ctx.evaluator.size_idx
+    n = ctx.n_tensors
+    _, ready, done = ctx.evaluator.ready_done(choice)
     for i in ctx.visit_order:
         keep = int(choice[i])
         if not options[keep].is_compressed:
+            # Algorithm 1's bubble rule: synchronized before the next gradient is ready,
+            # nothing waits for it and host compression cannot shorten the iteration
+            if i + 1 < n and done[i] <= ready[i + 1]:
+                continue
             keep, _ = ctx.evaluator.best_of(choice, i,
                                             _current_first(keep, cpu_front[size_idx[i]]))
-            choice[i] = keep
+            if keep != choice[i]:
+                choice[i] = keep
+                _, ready, done = ctx.evaluator.ready_done(choice)
             if not options[keep].is_compressed:
                 continue
         table = ctx.placements(keep)
         best_k, _ = ctx.evaluator.best_of(choice, i, _current_first(keep, table[table >= 0]))
-        choice[i] = best_k
+        if best_k != keep:
+            choice[i] = best_k
+            _, ready, done = ctx.evaluator.ready_done(choice)
     return choice
 
 

@@ -40,7 +40,7 @@ from byteps_espresso.strategy.costs import GPU, RESOURCES, Pricer, StepTasks
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["Evaluator", "Task", "Timeline"]
+__all__ = ["Catalogue", "Evaluator", "Task", "Timeline"]
 
 
 # A task may start in an idle gap before the last BACKFILL_WINDOW busy intervals of its
@@ -498,6 +498,56 @@ class Timeline:
     options: tuple[Option, ...]
 
 
+class Catalogue:
+    """Priced options as the arrays the kernels read, shared by every evaluator of workloads
+    with the same distinct sizes on the same pricer (a strategy is a catalogue index per
+    tensor). Options are only ever added, so indices stay valid.
+
+    Attributes:
+        options / index: the options in catalogue order, and option -> index.
+        res (O, L) / dur (O, U, L) / len (O,): each option's task resources, durations per
+            distinct size and task count (rows past ``len(options)`` are spare capacity).
+    """
+
+    def __init__(self, pricer: Pricer):
+        self.pricer = pricer
+        self.options: list[Option] = []
+        self.index: dict[Option, int] = {}
+        self.res = np.zeros((0, 1), dtype=np.int64)
+        self.dur = np.zeros((0, len(pricer.numels), 1))
+        self.len = np.zeros(0, dtype=np.int64)
+
+    def add(self, options: Sequence[Option],
+            priced: Sequence[StepTasks] | None = None) -> list[int]:
+        """Add options and return their indices; ``priced`` gives their tasks (in the order of
+        ``options``) when the caller has them, else the pricer prices them now. The arrays
+        grow by doubling, so adding options one group at a time stays linear."""
+        given = dict(zip(options, priced, strict=True)) if priced is not None else {}
+        new = [o for o in dict.fromkeys(options) if o not in self.index]
+        if new:
+            tasks = [given[o] if o in given else self.pricer.tasks(o) for o in new]
+            n_old = len(self.options)
+            n_all = n_old + len(new)
+            width = max(self.res.shape[1], *(len(p.resource) for p in tasks))
+            if n_all > self.res.shape[0] or width > self.res.shape[1]:
+                rows = max(n_all, 2 * self.res.shape[0], 64)
+                res = np.zeros((rows, width), dtype=np.int64)
+                dur = np.zeros((rows, len(self.pricer.numels), width))
+                lens = np.zeros(rows, dtype=np.int64)
+                res[:n_old, : self.res.shape[1]] = self.res[:n_old]
+                dur[:n_old, :, : self.dur.shape[2]] = self.dur[:n_old]
+                lens[:n_old] = self.len[:n_old]
+                self.res, self.dur, self.len = res, dur, lens
+            for k, (opt, p) in enumerate(zip(new, tasks, strict=True)):
+                row = n_old + k
+                self.res[row, : len(p.resource)] = p.resource
+                self.dur[row, :, : len(p.resource)] = p.duration
+                self.len[row] = len(p.resource)
+                self.index[opt] = row
+                self.options.append(opt)
+        return [self.index[o] for o in options]
+
+
 class Evaluator:
     """Fast iteration-time evaluation of per-tensor choices among a fixed option list.
 
@@ -505,9 +555,11 @@ class Evaluator:
         workload: tensors and ready gaps.
         pricer: prices options for the workload's distinct sizes.
         options: the candidate options; a strategy is an index into them per tensor.
+        catalogue: the priced options to share (default: a new one for ``pricer``).
     """
 
-    def __init__(self, workload: Workload, pricer: Pricer, options: Sequence[Option]):
+    def __init__(self, workload: Workload, pricer: Pricer, options: Sequence[Option],
+                 catalogue: Catalogue | None = None):
         self.workload = workload
         self.pricer = pricer
         uniq = {int(n): i for i, n in enumerate(pricer.numels)}
@@ -521,44 +573,35 @@ class Evaluator:
         self.lane = np.array([lane_of(t.name, lanes) if lanes else -1
                               for t in workload.tensors], dtype=np.int64)
         self.forward_us = workload.forward_time_us
-        self.options: list[Option] = []
-        self.index: dict[Option, int] = {}
-        self._res = np.zeros((0, 1), dtype=np.int64)
-        self._dur = np.zeros((0, len(pricer.numels), 1))
-        self._len = np.zeros(0, dtype=np.int64)
+        self.catalogue = catalogue if catalogue is not None else Catalogue(pricer)
         self.add(options)
         self.calls = 0
         self._dummy = (np.zeros((1, 1)), np.zeros(1))  # unused outputs of unrecorded runs
 
+    @property
+    def options(self) -> list[Option]:
+        return self.catalogue.options
+
+    @property
+    def index(self) -> dict[Option, int]:
+        return self.catalogue.index
+
+    @property
+    def _res(self) -> np.ndarray:
+        return self.catalogue.res
+
+    @property
+    def _dur(self) -> np.ndarray:
+        return self.catalogue.dur
+
+    @property
+    def _len(self) -> np.ndarray:
+        return self.catalogue.len
+
     def add(self, options: Sequence[Option],
             priced: Sequence[StepTasks] | None = None) -> list[int]:
-        """Add options and return their indices; ``priced`` gives their tasks (in the order of
-        ``options``) when the caller has them, else the pricer prices them now. The catalogue
-        grows by doubling, so adding options one group at a time stays linear."""
-        given = dict(zip(options, priced, strict=True)) if priced is not None else {}
-        new = [o for o in dict.fromkeys(options) if o not in self.index]
-        if new:
-            tasks = [given[o] if o in given else self.pricer.tasks(o) for o in new]
-            n_old = len(self.options)
-            n_all = n_old + len(new)
-            width = max(self._res.shape[1], *(len(p.resource) for p in tasks))
-            if n_all > self._res.shape[0] or width > self._res.shape[1]:
-                rows = max(n_all, 2 * self._res.shape[0], 64)
-                res = np.zeros((rows, width), dtype=np.int64)
-                dur = np.zeros((rows, len(self.pricer.numels), width))
-                lens = np.zeros(rows, dtype=np.int64)
-                res[:n_old, : self._res.shape[1]] = self._res[:n_old]
-                dur[:n_old, :, : self._dur.shape[2]] = self._dur[:n_old]
-                lens[:n_old] = self._len[:n_old]
-                self._res, self._dur, self._len = res, dur, lens
-            for k, (opt, p) in enumerate(zip(new, tasks, strict=True)):
-                row = n_old + k
-                self._res[row, : len(p.resource)] = p.resource
-                self._dur[row, :, : len(p.resource)] = p.duration
-                self._len[row] = len(p.resource)
-                self.index[opt] = row
-                self.options.append(opt)
-        return [self.index[o] for o in options]
+        """Add options to the catalogue (:meth:`Catalogue.add`) and return their indices."""
+        return self.catalogue.add(options, priced)
 
     def _run(self, choice: np.ndarray, record: bool):  # type: ignore[no-untyped-def]
         n = len(self.gaps)

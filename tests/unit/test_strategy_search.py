@@ -120,3 +120,32 @@ def test_search_catalogue_agrees_with_the_options():
         table = ctx.placements(k)
         assert table[0] == k and options[table[-1]] == ctx.on_device(opt, Device.CPU)
         assert len(table) == 1 << sum(s.device is not None for s in opt.steps)
+
+
+def test_priced_model_is_shared_across_plans_and_replans():
+    from dataclasses import replace
+
+    from byteps_espresso.strategy.context import clear_model_cache
+
+    wl = Workload.builtin("lstm")
+    cluster = Cluster.preset(4, 4, "pcie", 25)
+    clear_model_cache()
+    first = PlanContext(wl, cluster, COMPRESSOR, PARAMS)
+    a = baselines.get("espresso").run(first)
+    again = PlanContext(wl, cluster, COMPRESSOR, PARAMS)
+    assert again.pricer is first.pricer
+    b = baselines.get("espresso").run(again)
+    assert b.options == a.options and b.iteration_us == a.iteration_us
+    # a re-profile: other ready gaps, the same sizes; the model is reused, the times are new
+    reprofiled = Workload(tuple(replace(t, ready_gap_us=2.5 * t.ready_gap_us + 100.0)
+                                for t in wl.tensors), 1000.0)
+    warm = PlanContext(reprofiled, cluster, COMPRESSOR, PARAMS)
+    assert warm.pricer is first.pricer
+    w = baselines.get("espresso").run(warm)
+    clear_model_cache()
+    cold = PlanContext(reprofiled, cluster, COMPRESSOR, PARAMS)
+    assert cold.pricer is not first.pricer
+    c = baselines.get("espresso").run(cold)
+    assert w.options == c.options and w.iteration_us == pytest.approx(c.iteration_us)
+    other = PlanContext(wl, Cluster.preset(4, 4, "pcie", 10), COMPRESSOR, PARAMS)
+    assert other.pricer is not cold.pricer  # another cluster, another model
