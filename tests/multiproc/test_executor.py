@@ -142,7 +142,9 @@ def results(tmp_path_factory, cluster):
             for r in range(WORLD):
                 np.save(tmp / f"in_{idx}_{it}_{r}.npy",
                         case_input(idx, it, r, case["numel"]).numpy(), allow_pickle=False)
-    env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES)}
+    # Start-up (importing torch in 4 workers at once) can take over a minute on a loaded
+    # 2-core host: give the scheduler's rendezvous more than its 60 s default.
+    env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES), "ESPRESSO_START_TIMEOUT": "200"}
     with cluster.ps_job(MACHINES, LOCAL, servers=1, extra_env=env) as root:
         cluster.run_workers("options_worker.py", [str(tmp / "cases.json"), str(tmp)],
                             machines=MACHINES, local_size=LOCAL, root_port=root, servers=1,
