@@ -23,7 +23,6 @@ Usage: python benchmarks/executor_overhead.py [--baseline 2ec2724] [--rounds 3]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -136,6 +135,7 @@ def _job_env(root: int, pythonpath: str) -> dict[str, str]:
 def run_job(pythonpath: str, args: argparse.Namespace) -> list[list[dict]]:
     """One job (scheduler, server, 4 workers); returns each rank's rows."""
     from byteps_espresso.deploy.launch import free_port_pair  # p and p + 1 both free
+    from byteps_espresso.deploy.supervisor import stop_process_groups
 
     root = free_port_pair()
     env = _job_env(root, pythonpath)
@@ -145,27 +145,23 @@ def run_job(pythonpath: str, args: argparse.Namespace) -> list[list[dict]]:
             for role in ["scheduler"] + ["server"] * SERVERS:
                 procs.append(subprocess.Popen([sys.executable, "-m", "byteps_espresso.server"],
                                               env={**env, "DMLC_ROLE": role},
-                                              stdout=subprocess.DEVNULL))
+                                              stdout=subprocess.DEVNULL,
+                                              start_new_session=True))
             workers = []
             for rank in range(MACHINES * LOCAL):
                 wenv = {**env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(rank // LOCAL),
                         "BYTEPS_LOCAL_RANK": str(rank % LOCAL)}
                 workers.append(subprocess.Popen(
                     [sys.executable, __file__, "--worker", tmp, "--warmup", str(args.warmup),
-                     "--iters", str(args.iters)], env=wenv))
+                     "--iters", str(args.iters)], env=wenv, start_new_session=True))
             procs += workers
             deadline = time.monotonic() + args.timeout
             for w in workers:
                 w.wait(timeout=max(1.0, deadline - time.monotonic()))
             if any(w.returncode != 0 for w in workers):
                 raise RuntimeError(f"a worker failed: exit codes {[w.returncode for w in workers]}")
-        finally:
-            for p in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=5)
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        finally:  # the scheduler and server end with the job: stop whatever is left
+            stop_process_groups(procs, grace_s=5.0)
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text())
                 for r in range(MACHINES * LOCAL)]
 

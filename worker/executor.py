@@ -3,11 +3,12 @@
 Every step follows the semantics in the docstring of
 :mod:`byteps_espresso.strategy.options`, with the decisions documented in
 :mod:`byteps_espresso.worker.reference` (the single-process oracle these results are tested
-against). Per rank the executor holds the tensor in one *form* (dense values, one payload,
-per-destination chunks, per-partition payloads, or a list of received payloads to sum or to
-concatenate) over one *extent* of the flattened tensor, plus a stack of open divisible steps
-(``ReduceScatter``/``AlltoallC``, closed by ``Allgather``/``AllgatherC`` of the same scope) and
-rooted steps (``Reduce``/``GatherC``, closed by ``Broadcast``/``BroadcastC``).
+against). What each step finds and leaves (the tensor's *form*: dense values, one payload,
+per-destination chunks, or a list of received payloads to sum or to concatenate; its
+*extent*; the divisible and rooted pairs; where payload pieces come from; which members
+sleep) is the Option's compiled program (:mod:`byteps_espresso.strategy.program`). The
+first run of an (Option, tensor name, size) binds the program to this rank (extents, shard
+sizes, piece names, payload layouts, PS keys); later runs call one handler per step.
 
 How each step maps to calls (``T`` = :class:`~byteps_espresso.worker.transport.Transport`,
 ``P`` = :class:`~byteps_espresso.worker.transport.PSPath`):
@@ -35,7 +36,9 @@ How each step maps to calls (``T`` = :class:`~byteps_espresso.worker.transport.T
 one thread that runs the Options handed to it in submission order, so collectives on every
 lane are issued in the same order on every rank as long as every rank submits in the same
 order (the optimizer submits in a fixed gradient order; ``push_pull`` callers submit in
-program order).
+program order). An Option's last ``Allreduce``/``Allgather`` is left in flight
+(``async_op``) and waited for in :meth:`Handle.wait`, so the lane issues the next Option
+meanwhile.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from byteps_espresso.worker.topology import Topology
 from byteps_espresso.worker.transport import PayloadSpec, packed_nbytes
 
 from byteps_espresso.strategy.options import Scope
+from byteps_espresso.strategy.program import reduce_splits
 
 __all__ = ["LocalHub", "LocalTransport", "Traffic"]
 
@@ -177,10 +178,11 @@ class LocalTransport:
         p = self.topology.size(scope)
         tally = _Tally(p)
         if p > 1 and nbytes > 0:
-            if schedule == "ring":
-                tally.ring(rounds, nbytes)
-            else:
-                getattr(tally, schedule)(nbytes)
+            for part in schedule.split("+"):  # phases one after the other
+                if part == "ring":
+                    tally.ring(rounds, nbytes)
+                else:
+                    getattr(tally, part)(nbytes)
         msgs, total = tally.busiest()
         with self.hub._cond:
             traffic.append(Traffic(what, scope, p, msgs, total))
@@ -216,7 +218,12 @@ class LocalTransport:
 
     def reduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor | None:
         values, me = self._all(scope, x.detach().clone())
-        self._count("reduce", scope, me, "gather", x.numel() * FLOAT32_BYTES)
+        p = self.topology.size(scope)
+        if reduce_splits(p, x.numel() * FLOAT32_BYTES):  # reduce-scatter, gather of shards
+            self._count("reduce", scope, me, "pairwise+gather",
+                        -(-x.numel() // p) * FLOAT32_BYTES)
+        else:
+            self._count("reduce", scope, me, "gather", x.numel() * FLOAT32_BYTES)
         return _sum(values) if me == 0 else None
 
     def broadcast(self, scope: Scope, x: torch.Tensor | None, numel: int) -> torch.Tensor:

@@ -8,9 +8,13 @@ group in the same order, as ``new_group`` requires). :class:`PSPath` wraps the P
 
 Dense collectives:
   - ``allreduce``: the backend's native all-reduce (every member gets the same bits).
-  - ``reduce_scatter`` and ``reduce``: all-to-all / gather of the shards, then a sum in
-    group-rank order on the receiver, so the result is deterministic and equals the reference
-    interpreter bit for bit; shards are padded to equal length for the exchange.
+  - ``reduce_scatter``: all-to-all of the shards, then a sum in group-rank order on the
+    receiver, so the result is deterministic and equals the reference interpreter bit for
+    bit; shards are padded to equal length for the exchange.
+  - ``reduce``: a gather of the whole tensor to the root, summed there in group-rank order;
+    for more than 2 members and at least ``program.REDUCE_SPLIT_BYTES``, a ``reduce_scatter``
+    then a gather of the summed shards (the same sums, a quarter of the root's bytes at 8
+    members).
   - ``allgather``: padded all-gather of the shards, trimmed and concatenated.
   - ``broadcast``: native broadcast from group rank 0.
 Payload collectives move payloads packed into one ``uint8`` buffer (each array 8-byte
@@ -37,6 +41,7 @@ import torch
 from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy.options import Scope
+from byteps_espresso.strategy.program import reduce_splits
 
 __all__ = [
     "DistTransport",
@@ -243,6 +248,20 @@ class DistTransport:
         xc = self._to_comm(x)
         if len(members) == 1:
             return xc.clone().to(x.device)
+        p = len(members)
+        if reduce_splits(p, xc.numel() * xc.element_size()):
+            # Rabenseifner: each member sums its shard (group-rank order), the root gathers them
+            base, extra = divmod(xc.numel(), p)
+            sizes = [base + (1 if j < extra else 0) for j in range(p)]
+            shard = self.reduce_scatter(scope, xc, sizes)
+            width = sizes[0]
+            mine = shard if shard.numel() == width else \
+                torch.cat([shard, shard.new_zeros(width - shard.numel())])
+            outs = [torch.empty_like(mine) for _ in members] if me == 0 else None
+            dist.gather(mine, outs, dst=members[0], group=group)
+            if me != 0:
+                return None
+            return torch.cat([o[:n] for o, n in zip(outs, sizes, strict=True)]).to(x.device)  # type: ignore[arg-type]
         outs = [torch.empty_like(xc) for _ in members] if me == 0 else None
         if xc.numel() > 0:
             dist.gather(xc, outs, dst=members[0], group=group)

@@ -11,15 +11,17 @@ payloads ``c`` padded to the largest member's, as the transport pads them):
     AllgatherC (payload c)        (p-1) a +   (p-1)   c / B
     AlltoallC (pairwise, chunk c) (p-1) a +   (p-1)   c / B
     Reduce (gather to the root)   (p-1) a +   (p-1)   n / B     (the root sums in rank order)
+      p > 2, n >= 64 KiB:        2(p-1) a + 2 (p-1)   s / B     (reduce-scatter + gather)
     GatherC (to the root)         (p-1) a +   (p-1)   c / B
     Broadcast(C) (binomial tree)  log2(p) (a + n / B)            (gloo/broadcast.cc)
     PushPull(C) (PS)      per direction a + max(k n / B_nic, W n / (S B_server)), twice,
                           plus the servers' aggregation (W pushers, S servers, k pushers
                           per machine)
 
-``Reduce`` is priced as the gather it is: a tree or Rabenseifner's reduce-scatter + gather
-would be cheaper for large groups, but would not be what runs (the transport gathers so that
-the sum is taken in group-rank order and equals the reference interpreter bit for bit).
+``Reduce`` is priced as the transport runs it (``program.reduce_splits``): a gather to the
+root, or for more than 2 members and large tensors Rabenseifner's reduce-scatter + gather of
+the summed shards; both sum in group-rank order, so the result equals the reference
+interpreter bit for bit.
 :meth:`Pricer.wire` lists the (messages, bytes) terms per step; tests/unit/test_wire.py
 counts what the transport sends for every collective at p = 2, 4, 8 and compares.
 
@@ -51,7 +53,14 @@ import numpy as np
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope, Step
-from byteps_espresso.strategy.program import RULES, Op, Program, compile_option, shard_numel
+from byteps_espresso.strategy.program import (
+    RULES,
+    Op,
+    Program,
+    compile_option,
+    reduce_splits,
+    shard_numel,
+)
 
 __all__ = [
     "CPU",
@@ -297,7 +306,7 @@ class _Comm(NamedTuple):
     dense: np.ndarray  # extent, bytes of float32
     active: int  # workers per machine holding data
 
-    def task(self, msgs: float, nbytes: np.ndarray) -> list[_Task]:
+    def task(self, msgs: float | np.ndarray, nbytes: np.ndarray) -> list[_Task]:
         """A collective on the group's link: ``msgs`` latencies + ``nbytes`` over it."""
         return [_Task(self.r, msgs * self.lat + nbytes / self.bw, msgs, nbytes)]
 
@@ -305,7 +314,7 @@ class _Comm(NamedTuple):
 class _Task(NamedTuple):
     resource: int
     duration: np.ndarray  # us
-    msgs: float = 0.0  # messages at the busiest member (None below: not a one-link collective)
+    msgs: float | np.ndarray = 0.0  # messages at the busiest member (per size for Reduce)
     nbytes: np.ndarray | None = None  # bytes at the busiest member
 
 
@@ -348,9 +357,13 @@ def _tree(c: _Comm, nbytes: np.ndarray) -> list[_Task]:
 
 
 def _reduce(pr: Pricer, c: _Comm) -> list[_Task]:
-    # a gather to the root, then the root sums in group-rank order (deterministic): the root
-    # receives p-1 messages of the whole extent
-    return c.task(c.p - 1, (c.p - 1) * c.dense)
+    # the transport's rule (program.reduce_splits): a gather of the whole extent to the root
+    # (p-1 messages of n), or for p > 2 and large extents a reduce-scatter then a gather of
+    # the summed shards (the root sends p-1 shards and receives 2 (p-1))
+    split = np.array([reduce_splits(c.p, int(b)) for b in c.dense])
+    shard = _ceil_div(c.e, c.p) * FLOAT32_BYTES
+    msgs = np.where(split, 2 * (c.p - 1), c.p - 1).astype(np.float64)
+    return c.task(msgs, np.where(split, 2 * (c.p - 1) * shard, (c.p - 1) * c.dense))
 
 
 def _broadcast(pr: Pricer, c: _Comm) -> list[_Task]:

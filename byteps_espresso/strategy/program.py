@@ -38,8 +38,8 @@ import numpy as np
 
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
 
-__all__ = ["RULES", "Form", "Op", "Origin", "Pair", "Pairing", "Program", "Rule", "closes",
-           "compile_option", "shard_numel"]
+__all__ = ["REDUCE_SPLIT_BYTES", "RULES", "Form", "Op", "Origin", "Pair", "Pairing", "Program",
+           "Rule", "closes", "compile_option", "reduce_splits", "shard_numel"]
 
 
 class Form(str, enum.Enum):
@@ -333,6 +333,22 @@ def compile_option(option: Option) -> Program:
                    r["sleepers"], r["rooted"])
                 for i, (step, r) in enumerate(zip(steps, rows, strict=True)))
     return Program(option, ops, tuple(pairs[j] for j in sorted(pairs)))
+
+
+# How the transport runs a dense Reduce (worker/transport.py) and the cost model prices it: a
+# gather to the root (p-1 messages, (p-1) n bytes at the root) for 2 members or below this
+# size, else a reduce-scatter then a gather of the summed shards (2(p-1) messages, 2 (p-1)/p n
+# bytes at the root; Rabenseifner's reduce with the shards summed in group-rank order, so the
+# result stays bit-identical to the reference). The split wins above n = a B p / (p - 2);
+# with a = 20 us per message and B = 25 Gbit/s (3125 bytes/us) that is 62.5 KB x p / (p-2),
+# 125 KB at p = 4 and 83 KB at p = 8. Bytes of float32 values.
+REDUCE_SPLIT_BYTES = 64 * 1024
+
+
+def reduce_splits(members: int, nbytes: int) -> bool:
+    """Whether a dense Reduce over ``members`` of ``nbytes`` each is a reduce-scatter plus a
+    gather of shards (else a gather of the whole tensor)."""
+    return members > 2 and nbytes >= REDUCE_SPLIT_BYTES
 
 
 def _forms(forms: frozenset[Form]) -> str:

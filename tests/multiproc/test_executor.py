@@ -8,7 +8,8 @@ Covering set: every scheme (indivisible Allreduce/AllgatherC; divisible ReduceSc
 Allgather, Reduce + Broadcast, AlltoallC + AllgatherC, GatherC + BroadcastC; mixes of
 compressed and dense halves) in flat and hierarchical (intra + inter) paths, every
 compute step on both devices, and AllgatherC both summing (indivisible) and concatenating
-(closing a divisible step). Sizes include 1 (empty shards), odd and non-multiple sizes.
+(closing a divisible step). Sizes include 1 (empty shards), odd and non-multiple sizes, and
+one above the size where a flat Reduce splits into a reduce-scatter and a gather.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ COMPRESSED = [
 ]
 
 SIZES = [1, 7, 1000, 4099]
+# Above program.REDUCE_SPLIT_BYTES (64 KiB of float32): a flat Reduce over 4 members runs as a
+# reduce-scatter then a gather of the summed shards.
+LARGE = 20_011
+SPLIT_REDUCE = [("Reduce(flat) -> Broadcast(flat)", None),
+                ("Reduce(flat) -> Comp(cpu) -> BroadcastC(flat) -> Decomp(gpu)",
+                 {"name": "fp16", "params": {}, "ef": False})]
 # Small PS partitions (bytes) so that the larger sizes split into several server keys.
 PARTITION_BYTES = 4096
 CODECS = [{"name": "fp16", "params": {}, "ef": False}]
@@ -108,6 +115,8 @@ def _cases() -> list[dict]:
     for option in UNCOMPRESSED:
         for numel in SIZES:
             cases.append({"option": option, "numel": numel, "codec": None, "iters": 1})
+    for option, codec in SPLIT_REDUCE:
+        cases.append({"option": option, "numel": LARGE, "codec": codec, "iters": 1})
     for codec in CODECS:
         for option in COMPRESSED:
             for numel in SIZES:
@@ -133,7 +142,9 @@ def results(tmp_path_factory, cluster):
             for r in range(WORLD):
                 np.save(tmp / f"in_{idx}_{it}_{r}.npy",
                         case_input(idx, it, r, case["numel"]).numpy(), allow_pickle=False)
-    env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES)}
+    # Start-up (importing torch in 4 workers at once) can take over a minute on a loaded
+    # 2-core host: give the scheduler's rendezvous more than its 60 s default.
+    env = {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES), "ESPRESSO_START_TIMEOUT": "200"}
     with cluster.ps_job(MACHINES, LOCAL, servers=1, extra_env=env) as root:
         cluster.run_workers("options_worker.py", [str(tmp / "cases.json"), str(tmp)],
                             machines=MACHINES, local_size=LOCAL, root_port=root, servers=1,

@@ -218,9 +218,13 @@ def test_rooted_collectives_are_priced_as_the_transport_runs_them():
     # 2 members, 10 us per message, 1000 elements (4000 bytes at 1000 bytes/us): the gather
     # and the binomial tree are one message each, 10 + 4 us.
     np.testing.assert_allclose(priced(2, 10.0, 1000), [14.0, 14.0])
-    # 8 members, 1 us per message, 10^6 elements: the root receives 7 whole copies
-    # (7 x 1 + 7 x 4000 = 28007 us); the tree's root sends log2(8) = 3 (3 x 1 + 3 x 4000).
-    np.testing.assert_allclose(priced(8, 1.0, 10**6), [28007.0, 12003.0])
+    # 8 members, 1 us per message, 1000 elements (below program.REDUCE_SPLIT_BYTES): the root
+    # gathers 7 whole copies (7 x 1 + 7 x 4 = 35 us); the tree's root sends log2(8) = 3 (3 + 12).
+    np.testing.assert_allclose(priced(8, 1.0, 1000), [35.0, 15.0])
+    # 10^6 elements: Reduce splits, a reduce-scatter then a gather of 1/8 shards; the root
+    # sends 7 and receives 14 shards of 500 us (14 x 1 + 14 x 500 = 7014 us), where the gather
+    # would take 7 x 1 + 7 x 4000 = 28007 us.
+    np.testing.assert_allclose(priced(8, 1.0, 10**6), [7014.0, 12003.0])
 
 
 def test_exchange_latency_scales_the_exchanges_and_leaves_rooted_collectives_alone():
