@@ -303,9 +303,9 @@ class _Sync:
         self.nonfinite = self.session.runtime.cfg.nonfinite
         self.skip_step = False  # this iteration's update is skipped (a non-finite gradient)
         self.skipped = 0
-        # Buckets whose compressed Option got this rank's non-finite values, zeroed (order
-        # index of the first bad gradient): compressors refuse NaN, and one rank failing
-        # alone would leave the others waiting in the next collective.
+        # Buckets whose compressed or PS Option got this rank's non-finite values, zeroed
+        # (order index of the first bad gradient): compressors and the servers refuse NaN,
+        # and one rank failing alone would leave the others waiting in the next collective.
         self.zeroed: list[int] = []
         self.codec = compression.codec(self.session)
         self.engine: Engine = self.session.plain
@@ -387,7 +387,7 @@ class _Sync:
             flat = flat.div_(self.predivide) if bucket.buffer is not None \
                 else flat / self.predivide
         option = self.options[bucket.name] if self.options is not None else self.session.fp32
-        if option.is_compressed and not bool(torch.isfinite(flat).all()):
+        if (option.is_compressed or option.uses_servers) and not bool(torch.isfinite(flat).all()):
             self.zeroed.append(self._first_nonfinite(bucket, flat))
             flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
         self.handles.append((bucket, self.engine.submit(bucket.name, flat, option)))
@@ -468,9 +468,10 @@ class _Sync:
                       timeout: float) -> None:
         """Stop or skip the step on every rank alike when any rank had a non-finite gradient.
 
-        An uncompressed sum is non-finite on every rank at once (NaN and Inf survive
-        addition), so only then do the ranks compare notes; compressed Options may drop or
-        reject non-finite values, so with any compressed bucket they always do (one small
+        An uncompressed sum over collectives is non-finite on every rank at once (NaN and Inf
+        survive addition), so only then do the ranks compare notes; compressed Options may
+        drop non-finite values and compressors and servers refuse them (their input was
+        zeroed in :meth:`_submit`), so with any such bucket the ranks always do (one small
         all-gather per iteration, queued behind the lanes' work).
         """
         self.skip_step = False
@@ -484,8 +485,9 @@ class _Sync:
                 if not bool(torch.isfinite(mine).all()):
                     local.append(self._first_nonfinite(bucket, mine) if bucket.buffer is not None
                                  else self.order.index(bucket.tensors[0]))
-        compressed = any(o.is_compressed for o in (self.options or {}).values())
-        if not (summed_bad or compressed):
+        options = self.options.values() if self.options is not None else [self.session.fp32]
+        checked = any(o.is_compressed or o.uses_servers for o in options)
+        if not (summed_bad or checked):
             return
         first = float(min(local)) if local else -1.0
         every = self.engine.call(0, lambda ex: ex.transport.allgather(
