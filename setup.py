@@ -41,7 +41,7 @@ setup(
     include_package_data=True,
     package_data={
         "byteps_espresso": ["data/*.json", "data/workloads/*.json", "data/workloads/README.md"],
-        "byteps_espresso.deploy": ["k8s/**/*", "Dockerfile"],
+        "byteps_espresso.deploy": ["k8s/**/*", "Dockerfile*"],
     },
     install_requires=[
         # Any torch 2.x build works; CI installs the CPU build of 2.13.0 before this package.
