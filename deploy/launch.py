@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -159,6 +160,9 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
                          "train.py")
     common = {k: v for k, v in base_env.items() if k not in _MANAGED}
     common["PYTHONUNBUFFERED"] = "1"
+    if not (common.get("ESPRESSO_JOB_SECRET") or common.get("ESPRESSO_JOB_SECRET_FILE")):
+        # One secret per job authenticates every PS message (server/auth.py); 256 bits.
+        common["ESPRESSO_JOB_SECRET"] = secrets.token_hex(32)
     scheduler = place(Role.SCHEDULER.value, 0)
     common.update({
         "DMLC_NUM_WORKER": str(machines), "DMLC_NUM_SERVER": str(servers),

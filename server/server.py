@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import zmq
 from byteps_espresso.server import protocol as P
+from byteps_espresso.server.auth import Authenticator, AuthError
 from byteps_espresso.server.keys import KeySpec
 from byteps_espresso.server.link import REGISTER_GRACE_S, SchedulerLink
 
@@ -141,6 +142,7 @@ class _Key:
     busy: bool = False
     results: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     waiters: dict[int, list[bytes]] = field(default_factory=dict)
+    warm: bool = False  # an aggregation of this key ran (its kernels are compiled)
     # Dense keys sum as pushes arrive, in pusher-rank order: acc holds pushers[:folded]. For
     # float32 it lives in the first pusher's received frame (acc_frame), summed in place.
     acc: np.ndarray | None = None
@@ -177,6 +179,9 @@ class Server:
         self.num_workers = 0
         self.keys: dict[int, _Key] = {}
         self.rejected: collections.Counter[str] = collections.Counter()
+        self.auth = Authenticator(None)  # the job key once registered (link.auth)
+        self.bound: dict[bytes, int] = {}  # connection -> the rank it speaks for
+        self.bound_rank: dict[int, bytes] = {}
         self.rounds = 0
         self.agg_seconds = 0.0
         self.guard = NumbaGuard(cfg.server_threads)
@@ -197,6 +202,7 @@ class Server:
         """
         accept = self.link.register()
         self.rank, self.num_workers = int(accept["rank"]), int(accept["num_workers"])
+        self.auth = self.link.auth
         self.guard.configure_thread()  # for keys aggregated inline on this thread
         log.info("server %d serving on %s", self.rank, self.address)
         poller = zmq.Poller()
@@ -225,6 +231,8 @@ class Server:
         """Handle scheduler messages; True when told to shut down."""
         while self.link.sock.poll(0):
             msg = self.link.recv()
+            if msg is None:
+                continue
             if msg.header.type is P.MsgType.SHUTDOWN:
                 self.link.send(P.encode(P.MsgType.BYE, sender=self.rank))
                 log.info("server %d: shutdown after %d rounds, rejected %s", self.rank,
@@ -249,8 +257,15 @@ class Server:
         identity, frames = raw[0].bytes, raw[1:]
         header = None
         try:
+            frames = self.auth.verify(frames)
+        except AuthError as exc:  # dropped without a reply: an outsider learns nothing
+            self._count_rejection("unauthenticated", "a message", str(exc))
+            return
+        try:
             msg = P.decode(frames, self.cfg.max_message_bytes)
             header = msg.header
+            if self.auth.enabled:
+                self._check_binding(identity, header)
             handler = _HANDLERS.get(header.type)
             if handler is None:
                 raise P.ProtocolError(P.ErrorCode.UNEXPECTED,
@@ -262,17 +277,44 @@ class Server:
             log.exception("internal error on %s", header.describe() if header else "a message")
             self._reject(identity, P.ProtocolError(P.ErrorCode.INTERNAL, repr(exc)), header)
 
-    def _reject(self, identity: bytes, exc: P.ProtocolError, header: P.Header | None) -> None:
-        count = self.rejected[exc.code.value] = self.rejected[exc.code.value] + 1
+    def _check_binding(self, identity: bytes, h: P.Header) -> None:
+        """In an authenticated job a connection speaks for one worker rank, and a rank on
+        one connection: the first authenticated message binds them."""
+        if h.sender < 0:
+            return
+        if h.sender >= self.num_workers:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"sender {h.sender} is not a worker rank (0.."
+                                  f"{self.num_workers - 1})")
+        rank, owner = self.bound.get(identity), self.bound_rank.get(h.sender)
+        if rank is None and owner is None:
+            self.bound[identity], self.bound_rank[h.sender] = h.sender, identity
+        elif rank != h.sender or owner != identity:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"rank {h.sender} speaks on another connection, or this "
+                                  f"connection speaks for rank {rank}; a connection cannot "
+                                  "act for another rank")
+
+    def _count_rejection(self, code: str, what: str, detail: str) -> int:
+        """Count a rejection per code; log the first few of each code, then every
+        ``_LOG_EVERY``-th with the running count (a flood cannot flood the log)."""
+        count = self.rejected[code] = self.rejected[code] + 1
         if count <= _LOG_FIRST or count % _LOG_EVERY == 0:
-            log.warning("server %d rejected %s (#%d %s): %s", self.rank,
-                        header.describe() if header else "an unparsable message", count,
-                        exc.code.value, exc.detail)
+            log.warning("server %d rejected %s (#%d %s): %s", self.rank, what, count, code,
+                        detail)
+        return count
+
+    def _reject(self, identity: bytes, exc: P.ProtocolError, header: P.Header | None) -> None:
+        self._count_rejection(exc.code.value,
+                              header.describe() if header else "an unparsable message",
+                              exc.detail)
         self._send(identity, P.encode_error(exc.code, exc.detail, request=header,
                                             sender=self.rank))
 
-    def _send(self, identity: bytes, frames: list[Any]) -> None:
-        self.router.send_multipart([identity, *frames], copy=False)
+    def _send(self, identity: bytes, frames: list[Any], *, signed: bool = False) -> None:
+        """Send to a peer; ``signed``: the frames already carry their MAC (cached replies)."""
+        self.router.send_multipart([identity, *(frames if signed else self.auth.sign(frames))],
+                                   copy=False)
 
     def _key(self, header: P.Header) -> _Key:
         state = self.keys.get(header.key)
@@ -452,7 +494,7 @@ class Server:
         state = self._key(h)
         result = state.results.get(h.round)
         if result is not None:
-            self._send(identity, [*result])
+            self._send(identity, result, signed=True)
             return
         if h.round in state.failed:
             raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
@@ -489,7 +531,9 @@ class Server:
             return
         round_, payloads = state.queued[0]
         state.busy = True
-        if self.pool is None or state.push_nbytes <= INLINE_MAX_BYTES:
+        # A key's first aggregation may compile its numba kernels (seconds): never inline,
+        # so the event loop keeps answering and heartbeating meanwhile.
+        if self.pool is None or (state.warm and state.push_nbytes <= INLINE_MAX_BYTES):
             self._complete(state.key, round_, *self._run(state, round_, payloads))
         else:
             self.pool.submit(self._run_async, state, round_, payloads)
@@ -521,6 +565,7 @@ class Server:
         state = self.keys[key]
         state.queued.popleft()
         state.busy = False
+        state.warm = True
         self.agg_seconds += seconds
         self.rounds += 1
         waiters = state.waiters.pop(round_, [])
@@ -558,14 +603,14 @@ class Server:
             return
         frames = [f if isinstance(f, zmq.Frame) else zmq.Frame(f, copy=True) for f in result]
         layout = state.reply_layout
-        reply = P.encode(P.MsgType.PULL_REPLY, key=state.key, round=round_, sender=self.rank,
-                         codec=layout.codec, dtype=layout.dtype, numel=layout.numel,
-                         frames=frames)
-        state.results[round_] = reply
+        reply = self.auth.sign(P.encode(
+            P.MsgType.PULL_REPLY, key=state.key, round=round_, sender=self.rank,
+            codec=layout.codec, dtype=layout.dtype, numel=layout.numel, frames=frames))
+        state.results[round_] = reply  # signed once, sent to every puller
         while len(state.results) > RESULT_HISTORY:
             state.results.popitem(last=False)
         for identity in waiters:
-            self._send(identity, [*reply])
+            self._send(identity, reply, signed=True)
 
 
 def _backing_frame(array: np.ndarray, frame: Any) -> Any:

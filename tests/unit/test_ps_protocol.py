@@ -233,3 +233,48 @@ def test_fuzz_declare_bodies_only_raise_protocol_error(body):
         body = {"name": "k", "numel": 4, "pushers": [0], **body}
     frames = P.encode(P.MsgType.DECLARE, frames=[json.dumps(body).encode()])
     _decode_everything(frames)
+
+
+# ---- authentication (server/auth.py) ---------------------------------------------------------
+def _signed_push(auth):
+    x = np.arange(64, dtype=np.float32)
+    return auth.sign(P.encode(P.MsgType.PUSH, key=3, round=7, sender=1, dtype=P.DType.FLOAT32,
+                              numel=64, frames=[x]))
+
+
+@pytest.mark.parametrize("algorithm", ["blake2b", "hmac-sha256"])
+def test_mac_round_trips_and_any_altered_byte_fails(algorithm):
+    from byteps_espresso.server.auth import Authenticator, AuthError
+
+    auth = Authenticator.boot(b"0123456789abcdef").for_job(b"0123456789abcdef", "job-1")
+    auth = Authenticator(auth.key, algorithm)
+    frames = _signed_push(auth)
+    msg = P.decode(auth.verify(frames), 1 << 20)
+    assert msg.header.flags & P.FLAG_MAC and msg.header.round == 7
+    for index in range(3):  # header, payload, tag
+        for offset in (0, 9, -1):
+            bad = [bytearray(bytes(f)) if isinstance(f, bytes) else bytearray(f.tobytes())
+                   for f in frames]
+            bad[index][offset] ^= 0x01
+            with pytest.raises(AuthError):
+                auth.verify([bytes(b) for b in bad])
+
+
+def test_mac_binds_the_job_and_refuses_unsigned_messages():
+    from byteps_espresso.server.auth import Authenticator, AuthError
+
+    secret = b"0123456789abcdef"
+    boot = Authenticator.boot(secret)
+    job1, job2 = boot.for_job(secret, "job-1"), boot.for_job(secret, "job-2")
+    frames = _signed_push(job1)
+    for other in (job2, boot, Authenticator.boot(b"another secret!!!").for_job(
+            b"another secret!!!", "job-1")):
+        with pytest.raises(AuthError):
+            other.verify(frames)
+    with pytest.raises(AuthError, match="not signed"):
+        job1.verify(P.encode(P.MsgType.PULL, key=3, round=7, sender=1))
+    # A process without the secret says clearly that the peers disagree.
+    with pytest.raises(P.ProtocolError, match="ESPRESSO_JOB_SECRET"):
+        Authenticator(None).verify(frames)
+    plain = P.encode(P.MsgType.PULL, key=3, round=7, sender=1)
+    assert Authenticator(None).verify(plain) == plain
