@@ -252,8 +252,8 @@ class Scheduler:
             if not self.sock.poll(_POLL_S * 1000):
                 continue
             identity, *frames = self.sock.recv_multipart()
-            verified = self._verify(identity, frames)
             try:
+                verified = self._verify(identity, frames)
                 if (verified is not None and P.decode(verified, self.cfg.max_message_bytes)
                         .header.type is P.MsgType.BYE):
                     pending.discard(identity)
@@ -283,7 +283,8 @@ class Scheduler:
         self.sock.send_multipart([identity, *self._auth(identity).sign(frames)])
 
     def _verify(self, identity: bytes, frames: list[bytes]) -> list[bytes] | None:
-        """The frames without their MAC, or None (counted) when they fail authentication."""
+        """The frames without their MAC, or None (counted) when they fail authentication;
+        raises ProtocolError for a MAC in an unauthenticated job."""
         try:
             return list(self._auth(identity).verify(frames))
         except AuthError as exc:
@@ -300,10 +301,10 @@ class Scheduler:
     def _handle(self, raw: list[bytes]) -> None:
         identity, *frames = raw
         header = None
-        verified = self._verify(identity, frames)
-        if verified is None:  # dropped without a reply
-            return
         try:
+            verified = self._verify(identity, frames)
+            if verified is None:  # dropped without a reply
+                return
             msg = P.decode(verified, self.cfg.max_message_bytes)
             header = msg.header
             node = self.by_identity.get(identity)

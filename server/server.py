@@ -261,6 +261,9 @@ class Server:
         except AuthError as exc:  # dropped without a reply: an outsider learns nothing
             self._count_rejection("unauthenticated", "a message", str(exc))
             return
+        except P.ProtocolError as exc:  # a MAC in an unauthenticated job
+            self._reject(identity, exc, None)
+            return
         try:
             msg = P.decode(frames, self.cfg.max_message_bytes)
             header = msg.header
