@@ -145,6 +145,7 @@ class ErrorCode(str, enum.Enum):
     FUTURE_ROUND = "future_round"
     UNEXPECTED = "unexpected"
     NON_FINITE = "non_finite"
+    ROUND_TIMEOUT = "round_timeout"
     INTERNAL = "internal"
 
 

@@ -58,6 +58,10 @@ RESULT_HISTORY = 2
 INLINE_MAX_BYTES = 1 << 20
 # Most keys one server holds; bounds memory against a flood of DECLAREs.
 MAX_KEYS = 1 << 20
+# Seconds between sweeps for rounds open longer than ESPRESSO_TIMEOUT.
+_SWEEP_S = 1.0
+# Pulls that may wait per key, per pusher (a pusher has at most a round or two in flight).
+_WAITERS_PER_PUSHER = 4
 # Log the first N rejections of each error code, then every LOG_EVERY-th.
 _LOG_FIRST, _LOG_EVERY = 20, 1000
 
@@ -181,6 +185,8 @@ class Server:
         self.rejected: collections.Counter[str] = collections.Counter()
         self.auth = Authenticator(None)  # the job key once registered (link.auth)
         self.bound: dict[bytes, int] = {}  # connection -> the rank it speaks for
+        self.open_keys: dict[int, float] = {}  # key -> when its open round started
+        self._next_sweep = 0.0
         self.bound_rank: dict[int, bytes] = {}
         self.rounds = 0
         self.agg_seconds = 0.0
@@ -211,7 +217,9 @@ class Server:
         poller.register(self.link.watch.socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while True:
-            events = dict(poller.poll(self.link.tick() * 1000))
+            events = dict(poller.poll(min(self.link.tick(), _SWEEP_S) * 1000))
+            if time.monotonic() >= self._next_sweep:
+                self._expire_rounds()
             if self._wake_r in events:
                 self._drain_completions()
             if self.router in events:
@@ -375,9 +383,10 @@ class Server:
         self._check_round(state, h)
         if state.compressor is not None and not _finite(*payload):
             self._fail_round(state, h.round, f"rank {h.sender} pushed non-finite values")
-            raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
+            raise P.ProtocolError(*state.failed[h.round])
         if state.open_round is None:
             state.open_round = h.round
+            self.open_keys[state.key] = time.monotonic()
             self._fail_stale_pulls(state, h.round)
         state.pushes[h.sender] = payload
         if state.compressor is None and msg.raw:
@@ -397,6 +406,7 @@ class Server:
         ordered = [state.pushes[r] for r in state.spec.pushers]
         state.queued.append((h.round, ordered))
         state.last_closed, state.open_round = h.round, None
+        self.open_keys.pop(state.key, None)
         state.pushes = {}
         self._start_next(state)
 
@@ -430,6 +440,7 @@ class Server:
         state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
         state.frames = {}
         state.last_closed, state.open_round = round_, None
+        self.open_keys.pop(state.key, None)
         self.rounds += 1
         if not _finite(acc):
             bad = [r for r in pushers[1:] if not _finite(*pushes[r])]
@@ -453,27 +464,41 @@ class Server:
             out = frame
         self._reply(state, round_, [out], state.waiters.pop(round_, []))
 
-    def _fail_round(self, state: _Key, round_: int, why: str) -> None:
+    def _fail_round(self, state: _Key, round_: int, why: str,
+                    code: P.ErrorCode = P.ErrorCode.NON_FINITE) -> None:
         """Close ``round_`` without a result: every waiter, and every later push or pull of
-        it, gets a ``non_finite`` error naming the key, the round and ``why``."""
+        it, gets a ``code`` error naming the key, the round and ``why``."""
         text = f"round {round_} of key {state.key} ({state.spec.name}) failed: {why}"
-        state.failed[round_] = text
+        state.failed[round_] = (code, text)
         while len(state.failed) > RESULT_HISTORY:
             state.failed.popitem(last=False)
         if state.open_round == round_:
             state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
             state.frames = {}
             state.open_round = None
+            self.open_keys.pop(state.key, None)
         state.last_closed = max(round_, state.last_closed or 0)
-        exc = P.ProtocolError(P.ErrorCode.NON_FINITE, text)
+        exc = P.ProtocolError(code, text)
         header = P.Header(P.MsgType.PUSH, state.key, round_)
         for identity in state.waiters.pop(round_, []):
             self._reject(identity, exc, header)
 
+    def _expire_rounds(self) -> None:
+        """Fail rounds open longer than ESPRESSO_TIMEOUT: their missing pushers will not
+        come (a worker's own wait has expired by then), and their pushes are freed."""
+        now = time.monotonic()
+        self._next_sweep = now + _SWEEP_S
+        limit = self.cfg.op_timeout_s
+        for key in [k for k, t in self.open_keys.items() if now - t > limit]:
+            state = self.keys[key]
+            missing = [r for r in state.spec.pushers if r not in state.pushes]
+            self._fail_round(state, state.open_round, f"no push from rank(s) {missing} within "
+                             f"ESPRESSO_TIMEOUT={limit:g} s", P.ErrorCode.ROUND_TIMEOUT)
+
     def _check_round(self, state: _Key, h: P.Header) -> None:
         name = state.spec.name
         if h.round in state.failed:
-            raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
+            raise P.ProtocolError(*state.failed[h.round])
         if state.open_round is not None:
             if h.round == state.open_round and h.sender in state.pushes:
                 raise P.ProtocolError(P.ErrorCode.DUPLICATE_PUSH,
@@ -500,7 +525,7 @@ class Server:
             self._send(identity, result, signed=True)
             return
         if h.round in state.failed:
-            raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
+            raise P.ProtocolError(*state.failed[h.round])
         waiting_ok = state.pending(h.round) or (
             state.open_round is None and (state.last_closed is None
                                           or h.round > state.last_closed))
@@ -510,6 +535,16 @@ class Server:
             raise P.ProtocolError(code, f"round {h.round} of key {h.key} ({state.spec.name}) "
                                   "has no result to pull (kept: "
                                   f"{list(state.results)}, collecting: {state.open_round})")
+        if (state.last_closed is not None and h.round > state.last_closed + 2) or (
+                state.open_round is not None and h.round > state.open_round + 1):
+            raise P.ProtocolError(P.ErrorCode.FUTURE_ROUND,
+                                  f"round {h.round} of key {h.key} ({state.spec.name}) is too "
+                                  "far ahead to wait for; pull it once the round before ran")
+        if sum(map(len, state.waiters.values())) >= _WAITERS_PER_PUSHER * len(
+                state.spec.pushers):
+            raise P.ProtocolError(P.ErrorCode.UNEXPECTED,
+                                  f"key {h.key} ({state.spec.name}) already has "
+                                  f"{_WAITERS_PER_PUSHER} waiting pulls per pusher")
         state.waiters.setdefault(h.round, []).append(identity)
 
     def _fail_stale_pulls(self, state: _Key, opened: int) -> None:
@@ -577,13 +612,8 @@ class Server:
             for identity in waiters:
                 self._reject(identity, exc, P.Header(P.MsgType.PULL, key, round_))
         elif not _finite(*result):
-            state.failed[round_] = (f"round {round_} of key {key} ({state.spec.name}) failed: "
-                                    "its aggregate is not finite")
-            while len(state.failed) > RESULT_HISTORY:
-                state.failed.popitem(last=False)
-            exc = P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[round_])
-            for identity in waiters:
-                self._reject(identity, exc, P.Header(P.MsgType.PULL, key, round_))
+            state.waiters[round_] = waiters
+            self._fail_round(state, round_, "its aggregate is not finite")
         else:
             self._reply(state, round_, result, waiters)
         self._start_next(state)
