@@ -278,3 +278,31 @@ def test_mac_binds_the_job_and_refuses_unsigned_messages():
         Authenticator(None).verify(frames)
     plain = P.encode(P.MsgType.PULL, key=3, round=7, sender=1)
     assert Authenticator(None).verify(plain) == plain
+
+
+def test_job_secret_from_env_or_file_never_shows_itself(tmp_path):
+    from byteps_espresso.config import Config, ConfigError
+
+    base = {"DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": "9000"}
+    secret = "s3cret-value-0123456789"
+    cfg = Config.from_env({**base, "ESPRESSO_JOB_SECRET": secret})
+    assert cfg.secret() == secret.encode()
+    assert secret not in repr(cfg) and secret not in str(cfg.job_secret)
+    assert Config.from_env(cfg.as_env()).secret() == secret.encode()
+    path = tmp_path / "secret"
+    path.write_text(secret + "\n")
+    assert Config.from_env({**base, "ESPRESSO_JOB_SECRET_FILE": str(path)}).secret() == \
+        secret.encode()
+    assert Config.from_env(base).secret() is None
+    with pytest.raises(ConfigError, match="set only one"):
+        Config.from_env({**base, "ESPRESSO_JOB_SECRET": secret,
+                         "ESPRESSO_JOB_SECRET_FILE": str(path)})
+    with pytest.raises(ConfigError, match="at least 16") as info:
+        Config.from_env({**base, "ESPRESSO_JOB_SECRET": "tooshort"})
+    assert "tooshort" not in str(info.value)
+    path.write_text("short")
+    with pytest.raises(ConfigError, match=r"ESPRESSO_JOB_SECRET_FILE=.* holds 5 characters"):
+        Config.from_env({**base, "ESPRESSO_JOB_SECRET_FILE": str(path)})
+    with pytest.raises(ConfigError, match="cannot be read"):
+        Config.from_env({**base, "ESPRESSO_JOB_SECRET_FILE": str(tmp_path / "missing")})
