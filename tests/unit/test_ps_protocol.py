@@ -236,6 +236,19 @@ def test_fuzz_declare_bodies_only_raise_protocol_error(body):
 
 
 # ---- authentication (server/auth.py) ---------------------------------------------------------
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(_messages(), st.lists(st.binary(max_size=128), max_size=5)))
+def test_fuzz_verify_only_raises_auth_or_protocol_error(frames):
+    from byteps_espresso.server.auth import Authenticator, AuthError
+
+    for auth in (Authenticator(None), Authenticator(bytes(range(32)))):
+        try:
+            _decode_everything(list(auth.verify(frames)))
+        except (AuthError, P.ProtocolError):
+            pass
+
+
 def _signed_push(auth):
     x = np.arange(64, dtype=np.float32)
     return auth.sign(P.encode(P.MsgType.PUSH, key=3, round=7, sender=1, dtype=P.DType.FLOAT32,
