@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,8 @@ LAYOUTS = ((2, 1), (2, 2), (4, 1), (4, 2))  # (workers, servers)
 PROC_TIMEOUT_S = 600
 # Issue 12's target: dense push/pull at >= 0.90 of the raw echo of the same bytes.
 TARGET_VS_ECHO = 0.90
+# Issue 16's target: authenticated dense push/pull at >= 0.90 of unauthenticated.
+TARGET_AUTH = 0.90
 
 
 def _partitions(nbytes: int, partition_bytes: int) -> list[tuple[int, int]]:
@@ -177,8 +180,8 @@ def _wait(procs: list[subprocess.Popen], what: str, tmp: Path) -> None:
             raise RuntimeError(f"{what}: a process failed\n{logs}")
 
 
-def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path
-           ) -> dict[str, Any]:
+def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path,
+           secret: str | None = None) -> dict[str, Any]:
     from byteps_espresso.deploy.launch import free_port_pair
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "ESPRESSO_"))}
@@ -186,6 +189,8 @@ def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path
                 "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port_pair()),
                 "ESPRESSO_START_TIMEOUT": "120", "ESPRESSO_TIMEOUT": "120",
                 "ESPRESSO_LOG_LEVEL": "WARNING"})
+    if secret is not None:  # an authenticated job: every message carries a MAC
+        env["ESPRESSO_JOB_SECRET"] = secret
     echo = [_spawn(["_echo_server", str(tmp / f"port{i}")], env, tmp / f"echo{i}.log")
             for i in range(servers)]
     deadline = time.monotonic() + 60
@@ -234,8 +239,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="tensor sizes in MB")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds per case (default: by size, fewer with --quick)")
+    parser.add_argument("--auth", action="store_true",
+                        help="run every layout twice: without and with ESPRESSO_JOB_SECRET")
+    parser.add_argument("--mac", action="store_true",
+                        help="only time the MAC algorithms on a 64 MB frame and exit")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.mac:
+        return mac_speeds()
 
     from byteps_espresso.kernels import names
 
@@ -252,9 +263,12 @@ def main(argv: list[str] | None = None) -> int:
               "rounds": rounds[mb]} for mb in args.sizes for codec, params in codecs.items()]
     rows = []
     started = time.monotonic()
-    for workers, servers in layouts:
+    jobs = [(w, s, auth) for w, s in layouts for auth in ((False, True) if args.auth
+                                                           else (False,))]
+    for workers, servers, auth in jobs:
         with tempfile.TemporaryDirectory(prefix="ps-bench-") as tmp:
-            ps = run_ps(workers, servers, cases, Path(tmp))
+            ps = run_ps(workers, servers, cases, Path(tmp),
+                        secrets.token_hex(32) if auth else None)
         for case in cases:
             res = ps[case["name"]]
             nbytes = case["mb"] * MB
@@ -262,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             keys = len(_partitions(nbytes, partition_bytes))
             rows.append({
                 "workers": workers, "servers": servers, "size_mb": case["mb"],
+                "authenticated": auth,
                 "codec": case["codec"], "params": case["params"],
                 "round_ms": res["round_s"] * 1e3,
                 "gbps": nbytes / res["round_s"] / 1e9,
@@ -275,25 +290,34 @@ def main(argv: list[str] | None = None) -> int:
             })
         print(f"# {workers} workers, {servers} servers done "
               f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
-    header = (f"{'workers':>7} {'servers':>7} {'size':>6} {'codec':>8} {'round ms':>9} "
+    header = (f"{'workers':>7} {'servers':>7} {'auth':>4} {'size':>6} {'codec':>8} {'round ms':>9} "
               f"{'GB/s':>7} {'echo ms':>8} {'echo GB/s':>9} {'vs echo':>7} "
               f"{'srv cpu ms':>10} {'srv agg ms':>10}")
     print(header)
     for r in rows:
-        print(f"{r['workers']:>7} {r['servers']:>7} {r['size_mb']:>4}MB {r['codec']:>8} "
+        print(f"{r['workers']:>7} {r['servers']:>7} {'mac' if r['authenticated'] else '-':>4} "
+              f"{r['size_mb']:>4}MB {r['codec']:>8} "
               f"{r['round_ms']:>9.2f} {r['gbps']:>7.3f} {r['echo_round_ms']:>8.2f} "
               f"{r['echo_gbps']:>9.3f} {r['vs_echo']:>7.2f} "
               f"{r['server_cpu_ms_per_round']:>10.2f} {r['server_aggregate_ms_per_round']:>10.2f}")
     summary: dict[str, Any] = {"target_dense_vs_echo": TARGET_VS_ECHO}
     for mb in args.sizes:
-        dense = [r["vs_echo"] for r in rows if r["codec"] == "dense" and r["size_mb"] == mb]
-        if not dense:
+        dense = {auth: [r["vs_echo"] for r in rows if r["codec"] == "dense"
+                        and r["size_mb"] == mb and r["authenticated"] == auth]
+                 for auth in (False, True)}
+        if not dense[False]:
             continue
-        median = float(np.median(dense))
-        summary[f"dense_{mb}MB_vs_echo"] = {"median": median, "min": min(dense),
+        median = float(np.median(dense[False]))
+        summary[f"dense_{mb}MB_vs_echo"] = {"median": median, "min": min(dense[False]),
                                             "meets_target": median >= TARGET_VS_ECHO}
         print(f"dense {mb} MB push/pull vs raw pyzmq echo: median {median:.2f}, min "
-              f"{min(dense):.2f} (target >= {TARGET_VS_ECHO:.2f})")
+              f"{min(dense[False]):.2f} (target >= {TARGET_VS_ECHO:.2f})")
+        if dense[True]:  # each normalized by the echo of its own run, then compared
+            cost = float(np.median(dense[True])) / median
+            summary[f"dense_{mb}MB_authenticated_vs_not"] = {
+                "ratio": cost, "meets_target": cost >= TARGET_AUTH}
+            print(f"dense {mb} MB with authentication vs without (each vs its echo): "
+                  f"{cost:.2f} (target >= {TARGET_AUTH:.2f})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "ps", "command": " ".join(["python benchmarks/ps.py", *(argv or
@@ -310,6 +334,24 @@ def main(argv: list[str] | None = None) -> int:
                  "CPU seconds of all server processes (and the aggregation part) per "
                  "push/pull round of the whole tensor.",
     }, indent=2))
+    return 0
+
+
+def mac_speeds(reps: int = 5) -> int:
+    """Median time of each MAC in server/auth.py over one 64 MB frame (the choice of
+    auth.ALGORITHM)."""
+    from byteps_espresso.server.auth import MACS, Authenticator
+
+    x = np.random.default_rng(0).standard_normal(64 * MB // 4, dtype=np.float32)
+    for name in MACS:
+        auth = Authenticator(bytes(32), name)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            auth.tag([x])
+            times.append(time.perf_counter() - start)
+        median = float(np.median(times))
+        print(f"{name:>12}: {median * 1e3:8.1f} ms per 64 MB, {64 * MB / median / 1e9:.2f} GB/s")
     return 0
 
 

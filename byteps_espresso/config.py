@@ -27,9 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["UNSUPPORTED", "VARIABLES", "Address", "Config", "ConfigError", "Role", "Unsupported",
-           "Variable", "interface_address", "interfaces",
-           "markdown_table"]
+__all__ = ["UNSUPPORTED", "VARIABLES", "Address", "Config", "ConfigError", "Role", "Secret",
+           "Unsupported", "Variable", "interface_address", "interfaces", "markdown_table"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +117,31 @@ def _flag(text: str) -> bool:
 _LEVEL_NAMES = {"TRACE": "DEBUG", "DEBUG": "DEBUG", "INFO": "INFO", "WARN": "WARNING",
                 "WARNING": "WARNING", "ERROR": "ERROR", "FATAL": "CRITICAL",
                 "CRITICAL": "CRITICAL"}
+
+
+# Shortest job secret accepted, in characters: 16 random characters already put guessing out of
+# reach; `espresso-launch` generates 64 hex digits (256 bits).
+MIN_SECRET_CHARS = 16
+
+
+class Secret(str):
+    """A string that never shows itself in ``repr``/``str`` (so not in logs or `espresso
+    config`); :meth:`reveal` gives the value."""
+
+    def reveal(self) -> str:
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    def __str__(self) -> str:
+        return "***"
+
+
+def _secret(text: str) -> Secret:
+    if len(text.strip()) < MIN_SECRET_CHARS:
+        raise ValueError(f"must have at least {MIN_SECRET_CHARS} characters")
+    return Secret(text.strip())
 
 
 def _log_level(text: str) -> str:
@@ -249,6 +273,14 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ESPRESSO_LOG_LEVEL", "log_level", _log_level, "INFO",
              "Logging level of library code (unset: `BYTEPS_LOG_LEVEL`, whose TRACE and "
              "FATAL read as DEBUG and CRITICAL).", fallbacks=("BYTEPS_LOG_LEVEL",)),
+    Variable("ESPRESSO_JOB_SECRET", "job_secret", _secret, None,
+             "Per-job secret (at least 16 characters) that authenticates every scheduler and "
+             "server message; `espresso-launch --local/--emulate --auth` generates one. "
+             "Unset: the "
+             "job runs unauthenticated, as BytePS does, and says so once."),
+    Variable("ESPRESSO_JOB_SECRET_FILE", "job_secret_file", _optional, None,
+             "File holding the job secret (e.g. a mounted Kubernetes Secret), instead of "
+             "`ESPRESSO_JOB_SECRET`."),
 )
 
 
@@ -351,6 +383,8 @@ class Config:
     # Unsupported BytePS / ps-lite variables set to a true value: (name, value), see
     # :data:`UNSUPPORTED`; reported by :meth:`ignored_warnings`.
     ignored: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+    job_secret: Secret | None = field(default=None, repr=False)
+    job_secret_file: str | None = None
     # Variables present in the environment, for error messages and `espresso config`.
     explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
@@ -359,6 +393,31 @@ class Config:
                           "DMLC_NUM_WORKER")
         self._check_range("BYTEPS_LOCAL_RANK", self.local_rank, self.local_size,
                           "BYTEPS_LOCAL_SIZE")
+        self.secret()  # a missing or short secret file fails here, naming the variable
+
+    def secret(self) -> bytes | None:
+        """The job secret from ``ESPRESSO_JOB_SECRET`` or ``ESPRESSO_JOB_SECRET_FILE``, or
+        None when the job runs unauthenticated.
+
+        Raises:
+            ConfigError: both variables are set, or the file is unreadable or too short.
+        """
+        if self.job_secret_file is None:
+            return None if self.job_secret is None else self.job_secret.reveal().encode()
+        if self.job_secret is not None:
+            raise ConfigError("ESPRESSO_JOB_SECRET and ESPRESSO_JOB_SECRET_FILE are both set; "
+                              "set only one")
+        try:
+            with open(self.job_secret_file, "rb") as f:
+                text = f.read(1 << 16).strip()
+        except OSError as exc:
+            raise ConfigError(f"ESPRESSO_JOB_SECRET_FILE={self.job_secret_file!r} cannot be "
+                              f"read ({exc.strerror}); point it at the job's secret file") from None
+        if len(text) < MIN_SECRET_CHARS:
+            raise ConfigError(f"ESPRESSO_JOB_SECRET_FILE={self.job_secret_file!r} holds "
+                              f"{len(text)} characters; a job secret needs at least "
+                              f"{MIN_SECRET_CHARS}")
+        return text
 
     @staticmethod
     def _check_range(name: str, value: int, bound: int, bound_name: str) -> None:
@@ -472,6 +531,8 @@ class Config:
                 continue
             if isinstance(value, bool):
                 out[var.name] = "1" if value else "0"
+            elif isinstance(value, Secret):
+                out[var.name] = value.reveal()
             elif isinstance(value, Role):
                 out[var.name] = value.value
             else:
@@ -483,7 +544,8 @@ def _parse_one(var: Variable, raw: str | None, name: str | None = None) -> Any:
     try:
         return var.parse(raw if raw is not None else "")
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{name or var.name}={raw!r} is invalid: {exc}. {var.doc}") from None
+        shown = "(hidden)" if var.parse is _secret else repr(raw)
+        raise ConfigError(f"{name or var.name}={shown} is invalid: {exc}. {var.doc}") from None
 
 
 # Values of an unsupported variable that ask for nothing (BytePS reads them as "off").

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -160,7 +161,8 @@ def _loopback(_role: str, _index: int) -> Placement:
 
 def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine: int,
                   servers: int, base_env: Mapping[str, str], root_port: int,
-                  place: Callable[[str, int], Placement] = _loopback) -> list[ProcessSpec]:
+                  place: Callable[[str, int], Placement] = _loopback,
+                  auth: bool = False) -> list[ProcessSpec]:
     """Every process of a whole job: scheduler, servers and workers.
 
     Args:
@@ -173,6 +175,7 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
         root_port: scheduler port; the store uses the next one.
         place: ``(role, index) -> Placement`` saying where each process runs (``index`` is
             the machine id for workers); the default puts everything on 127.0.0.1.
+        auth: give every process one new job secret (unless ``base_env`` has one).
 
     Returns:
         the process specs, scheduler first, workers last.
@@ -189,6 +192,12 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
                          "train.py")
     common = {k: v for k, v in base_env.items() if k not in _MANAGED}
     common["PYTHONUNBUFFERED"] = "1"
+    given = common.get("ESPRESSO_JOB_SECRET") or common.get("ESPRESSO_JOB_SECRET_FILE")
+    if auth and not given:
+        # One secret per job authenticates every PS message (server/auth.py); 256 bits. Asked
+        # for (--auth), not the default: the MAC runs on the server's event loop and cost 4x
+        # on a 64 MB dense push/pull here (BENCHMARKS.md, "Parameter server").
+        common["ESPRESSO_JOB_SECRET"] = secrets.token_hex(32)
     scheduler = place(Role.SCHEDULER.value, 0)
     common.update({
         "DMLC_NUM_WORKER": str(machines), "DMLC_NUM_SERVER": str(servers),
@@ -265,6 +274,9 @@ def build_parser(prog: str = "espresso-launch") -> argparse.ArgumentParser:
                        help="parameter-server processes (default 1)")
     local.add_argument("--port", type=int, default=0,
                        help="scheduler port (default: a free one; the store uses port+1)")
+    local.add_argument("--auth", action="store_true",
+                       help="generate a job secret (ESPRESSO_JOB_SECRET) that authenticates "
+                            "every PS message, unless one is set")
     emu = parser.add_argument_group("emulated cluster (needs root)")
     emu.add_argument("--emulate", action="store_true",
                      help="one network namespace per machine joined by shaped links "
@@ -292,7 +304,8 @@ def _run(args: argparse.Namespace, environ: Mapping[str, str], prog: str,
         port = args.port or free_port_pair()
         specs = cluster_specs(command, machines=args.machines,
                               workers_per_machine=args.workers_per_machine,
-                              servers=args.servers, base_env=environ, root_port=port)
+                              servers=args.servers, base_env=environ, root_port=port,
+                              auth=args.auth)
         return _supervise(specs, args, prog, reaper)
     from byteps_espresso.deploy.emulate import EmulatedCluster
 
@@ -301,7 +314,8 @@ def _run(args: argparse.Namespace, environ: Mapping[str, str], prog: str,
         specs = cluster_specs(command, machines=args.machines,
                               workers_per_machine=args.workers_per_machine,
                               servers=args.servers, base_env=environ,
-                              root_port=args.port or _EMULATED_PORT, place=cluster.placement)
+                              root_port=args.port or _EMULATED_PORT, place=cluster.placement,
+                              auth=args.auth)
         return _supervise(specs, args, prog, reaper)
 
 

@@ -4,6 +4,7 @@ Run a role with ``python -m byteps_espresso.server`` (``DMLC_ROLE`` = scheduler 
 workers use :class:`byteps_espresso.server.client.PSClient`. Modules:
 
     protocol   the binary wire format and its validation
+    auth       message authentication with the job secret (MAC over header and frames)
     keys       key specifications and partitioning
     link       a node's registration and heartbeats with the scheduler
     scheduler  rendezvous, key placement, barrier, liveness, shutdown, torch TCPStore
@@ -11,4 +12,4 @@ workers use :class:`byteps_espresso.server.client.PSClient`. Modules:
     client     PSClient (declare, push_pull_async, barrier)
 """
 
-__all__ = ["client", "keys", "link", "protocol", "scheduler", "server"]
+__all__ = ["auth", "client", "keys", "link", "protocol", "scheduler", "server"]

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import zmq
 from byteps_espresso.server import protocol as P
+from byteps_espresso.server.auth import AuthError
 from byteps_espresso.server.keys import KeySpec, part_names, split
 from byteps_espresso.server.link import ConnectionWatch, RendezvousError, SchedulerLink, dealer
 
@@ -210,6 +211,7 @@ class PSClient:
             self._link.close()
             self._ctx.term()
             raise PSError(f"worker {self.rank}: {exc}") from None
+        self._auth = self._link.auth  # the job key (server/auth.py)
         self.servers: list[str] = list(accept["servers"])
         self.num_workers = int(accept["num_workers"])
         self._socks = [dealer(self._ctx, addr, cfg) for addr in self.servers]
@@ -517,8 +519,8 @@ class PSClient:
 
     def _send_all(self, sends: list[tuple[int, list[Any]]]) -> None:
         """Send on the server sockets (the caller holds the driving token, not ``_mu``)."""
-        for server, frames in sends:
-            self._socks[server].send_multipart(frames, copy=False)
+        for server, frames in sends:  # signed here, outside _mu: hashing takes a while
+            self._socks[server].send_multipart(self._auth.sign(frames), copy=False)
 
     def _take_outbox(self) -> list[tuple[int, list[Any]]]:
         with self._mu:
@@ -609,7 +611,7 @@ class PSClient:
     def _receive(self, events: dict[Any, int]) -> None:
         if self._link.sock in events:
             while self._link.sock.poll(0):
-                self._on_scheduler_message(self._link.sock.recv_multipart(copy=False))
+                self._on_scheduler_message()
         for i, watch in enumerate(self._watches):
             if watch.socket in events and watch.lost():
                 self._lose(i, f"lost the connection to server {i} at {self.servers[i]} "
@@ -631,7 +633,7 @@ class PSClient:
                     self._lose_all(PSError(f"worker {self.rank}: the PS client was closed"))
                     return True
                 if self._register_call(cmd[1]):
-                    self._link.sock.send_multipart(cmd[1].frames, copy=True)
+                    self._link.send(cmd[1].frames)
         return False
 
     # ---- state changes (hold _mu) -------------------------------------------------------------
@@ -671,6 +673,15 @@ class PSClient:
         return True
 
     def _on_server_message(self, server: int, raw: list[zmq.Frame]) -> None:
+        try:
+            raw = self._auth.verify(raw)
+        except AuthError as exc:
+            log.error("worker %d: dropped an unauthenticated message from server %d: %s",
+                      self.rank, server, exc)
+            return
+        except P.ProtocolError as exc:
+            log.error("worker %d: message from server %d ignored: %s", self.rank, server, exc)
+            return
         try:
             msg = P.decode(raw, self.cfg.max_message_bytes)
         except P.ProtocolError as exc:
@@ -751,11 +762,13 @@ class PSClient:
             call.finish(error=PSError(f"{call.what}: bad reply from {self._where(target)}: "
                                       f"{exc}"))
 
-    def _on_scheduler_message(self, raw: list[zmq.Frame]) -> None:
+    def _on_scheduler_message(self) -> None:
         try:
-            msg = P.decode(raw, self.cfg.max_message_bytes)
+            msg = self._link.recv()
         except P.ProtocolError as exc:
             log.error("worker %d: malformed message from the scheduler: %s", self.rank, exc)
+            return
+        if msg is None:  # failed authentication; dropped (the link logs it)
             return
         if msg.header.type is P.MsgType.ABORT:
             reason = P.decode_json(msg).get("reason")

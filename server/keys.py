@@ -107,6 +107,8 @@ class KeySpec:
         Raises:
             ProtocolError: (code ``bad_declare``) a missing, mistyped or out-of-range field.
         """
+        if not isinstance(body, dict):
+            raise _fail(f"a key spec must be a JSON object, got {type(body).__name__}")
         name = body.get("name")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
             raise _fail(f"name must be a string of 1..{MAX_NAME_CHARS} characters, got "

@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 from byteps_espresso.server import protocol as P
+from byteps_espresso.server.auth import Authenticator, AuthError, warn_if_unauthenticated
 from zmq.utils.monitor import recv_monitor_message
 
 from byteps_espresso.config import Config
@@ -93,6 +94,11 @@ class SchedulerLink:
         self._body = {"role": role, **body}
         self._sender = int(body.get("rank", -1))
         self._next_beat = 0.0
+        self.secret = cfg.secret()
+        warn_if_unauthenticated(self.secret, role, log)
+        # The boot key until ACCEPT, then the job key (see server/auth.py).
+        self.auth = Authenticator.boot(self.secret)
+        self.dropped = 0  # messages that failed authentication
 
     def register(self) -> dict[str, Any]:
         """Send REGISTER and wait for ACCEPT.
@@ -124,8 +130,14 @@ class SchedulerLink:
             if not self.sock.poll(min(left, HEARTBEAT_INTERVAL_S) * 1000):
                 continue
             msg = self.recv()
+            if msg is None:
+                continue
             body = P.decode_json(msg)
             if msg.header.type is P.MsgType.ACCEPT:
+                job = body.get("job")
+                if not isinstance(job, str):
+                    raise RendezvousError(f"{self.role}: ACCEPT without a job id")
+                self.auth = self.auth.for_job(self.secret, job)
                 self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
                 return body
             if msg.header.type is P.MsgType.ABORT:
@@ -138,10 +150,20 @@ class SchedulerLink:
                         msg.header.type.name)
 
     def send(self, frames: list[Any]) -> None:
-        self.sock.send_multipart(frames, copy=True)
+        self.sock.send_multipart(self.auth.sign(frames), copy=True)
 
-    def recv(self) -> P.Message:
-        return P.decode(self.sock.recv_multipart(), self.cfg.max_message_bytes)
+    def recv(self) -> P.Message | None:
+        """The next message from the scheduler, or None when it failed authentication
+        (dropped and counted)."""
+        frames = self.sock.recv_multipart()
+        try:
+            frames = self.auth.verify(frames)
+        except AuthError as exc:
+            self.dropped += 1
+            log.warning("%s: dropped an unauthenticated message from %s (#%d): %s",
+                        self.role, self.endpoint, self.dropped, exc)
+            return None
+        return P.decode(frames, self.cfg.max_message_bytes)
 
     def tick(self, now: float | None = None) -> float:
         """Send a heartbeat when one is due; returns seconds until the next one."""

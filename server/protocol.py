@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "FLAG_MAC",
     "FLAG_PULL",
     "HEADER",
     "MAGIC",
@@ -67,7 +68,9 @@ DENSE_CODEC = 0
 # Header flag bits. FLAG_PULL on a PUSH: "and pull": the server answers with the round's
 # PULL_REPLY (or ERROR) instead of PUSH_OK, saving a message pair per key and round.
 FLAG_PULL = 0x1
-KNOWN_FLAGS = FLAG_PULL
+# FLAG_MAC: the last frame is a MAC over the rest (server/auth.py); stripped before decode.
+FLAG_MAC = 0x2
+KNOWN_FLAGS = FLAG_PULL | FLAG_MAC
 
 
 class MsgType(enum.IntEnum):
@@ -142,6 +145,7 @@ class ErrorCode(str, enum.Enum):
     FUTURE_ROUND = "future_round"
     UNEXPECTED = "unexpected"
     NON_FINITE = "non_finite"
+    ROUND_TIMEOUT = "round_timeout"
     INTERNAL = "internal"
 
 

@@ -22,8 +22,10 @@ bound to the same interface as everything else.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -32,7 +34,8 @@ from typing import Any
 
 import zmq
 from byteps_espresso.server import protocol as P
-from byteps_espresso.server.keys import KeySpec
+from byteps_espresso.server.auth import Authenticator, AuthError, warn_if_unauthenticated
+from byteps_espresso.server.keys import MAX_PUSHERS, KeySpec
 from byteps_espresso.server.link import HEARTBEAT_INTERVAL_S, REGISTER_GRACE_S
 from zmq.utils.monitor import recv_monitor_message
 
@@ -49,6 +52,12 @@ DISCONNECT_GRACE_S = 6 * HEARTBEAT_INTERVAL_S
 SHUTDOWN_WAIT_S = 5.0
 # Poll period of the event loop, in seconds.
 _POLL_S = 0.1
+# Most partitions of one tensor: 65536 x the 4 MB default partition is a 256 GiB tensor.
+MAX_PARTS = 1 << 16
+# Most keys of a job; the same bound as a server's (server.MAX_KEYS).
+MAX_KEYS = 1 << 20
+# Log the first N rejections of each error code, then every LOG_EVERY-th, with its count.
+_LOG_FIRST, _LOG_EVERY = 20, 1000
 
 
 class SchedulerError(RuntimeError):
@@ -108,6 +117,15 @@ class Scheduler:
         self.server_bytes: list[int] = []
         self.next_key = 1
         self.dropped_at: float | None = None
+        self.rejected: collections.Counter[str] = collections.Counter()
+        # Authentication (server/auth.py): the boot key until a node got ACCEPT, then the
+        # key of this job, bound to a job id drawn here.
+        secret = cfg.secret()
+        warn_if_unauthenticated(secret, "scheduler", log)
+        self.boot = Authenticator.boot(secret)
+        self.job_id = secrets.token_hex(16)
+        self.job_auth = self.boot.for_job(secret, self.job_id)
+        self.accepted: set[bytes] = set()
 
     # ---- life cycle ---------------------------------------------------------------------------
     def start_store(self) -> None:
@@ -235,7 +253,9 @@ class Scheduler:
                 continue
             identity, *frames = self.sock.recv_multipart()
             try:
-                if P.decode(frames, self.cfg.max_message_bytes).header.type is P.MsgType.BYE:
+                verified = self._verify(identity, frames)
+                if (verified is not None and P.decode(verified, self.cfg.max_message_bytes)
+                        .header.type is P.MsgType.BYE):
                     pending.discard(identity)
             except P.ProtocolError:
                 continue
@@ -256,16 +276,43 @@ class Scheduler:
         self.store = None
 
     # ---- messages -----------------------------------------------------------------------------
+    def _auth(self, identity: bytes) -> Authenticator:
+        return self.job_auth if identity in self.accepted else self.boot
+
     def _send(self, identity: bytes, frames: list[Any]) -> None:
-        self.sock.send_multipart([identity, *frames])
+        self.sock.send_multipart([identity, *self._auth(identity).sign(frames)])
+
+    def _verify(self, identity: bytes, frames: list[bytes]) -> list[bytes] | None:
+        """The frames without their MAC, or None (counted) when they fail authentication;
+        raises ProtocolError for a MAC in an unauthenticated job."""
+        try:
+            return list(self._auth(identity).verify(frames))
+        except AuthError as exc:
+            self._count("unauthenticated", str(exc))
+            return None
+
+    def _count(self, code: str, detail: str) -> None:
+        """Count a rejected message; log the first few per code, then every
+        ``_LOG_EVERY``-th with the running count."""
+        count = self.rejected[code] = self.rejected[code] + 1
+        if count <= _LOG_FIRST or count % _LOG_EVERY == 0:
+            log.warning("rejected a message (#%d %s): %s", count, code, detail)
 
     def _handle(self, raw: list[bytes]) -> None:
         identity, *frames = raw
         header = None
         try:
-            msg = P.decode(frames, self.cfg.max_message_bytes)
+            verified = self._verify(identity, frames)
+            if verified is None:  # dropped without a reply
+                return
+            msg = P.decode(verified, self.cfg.max_message_bytes)
             header = msg.header
             node = self.by_identity.get(identity)
+            if (node is not None and node.role == "worker" and self.boot.enabled
+                    and header.sender != node.rank):
+                raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                      f"this connection registered as worker {node.rank}; it "
+                                      f"cannot speak as rank {header.sender}")
             if node is not None:
                 node.last_seen = time.monotonic()
             handler = _HANDLERS.get(header.type)
@@ -274,7 +321,7 @@ class Scheduler:
                                       f"the scheduler does not handle {header.type.name}")
             handler(self, identity, node, msg)
         except P.ProtocolError as exc:
-            log.warning("rejected a message: %s", exc)
+            self._count(exc.code.value, str(exc))
             self._send(identity, P.encode_error(exc.code, exc.detail, request=header))
 
     def _on_register(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
@@ -310,8 +357,10 @@ class Scheduler:
 
     def _register_worker(self, identity: bytes, body: dict[str, Any]) -> _Node:
         rank, world = body.get("rank"), body.get("world_size")
-        if type(world) is not int or world < 1:
-            raise P.ProtocolError(P.ErrorCode.BAD_FIELD, f"bad world_size {world!r}")
+        if type(world) is not int or not 1 <= world <= MAX_PUSHERS:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"world_size must be an integer in [1, {MAX_PUSHERS}], got "
+                                  f"{str(world)[:40]}")
         if self.expected_workers is None:
             self.expected_workers = world
         if world != self.expected_workers:
@@ -336,8 +385,10 @@ class Scheduler:
         now = time.monotonic()
         for node in self.by_identity.values():
             node.last_seen = now
-            body = {"rank": node.rank, "servers": addresses, "num_workers": len(self.workers)}
+            body = {"rank": node.rank, "servers": addresses, "num_workers": len(self.workers),
+                    "job": self.job_id}
             self._send(node.identity, P.encode_json(P.MsgType.ACCEPT, body))
+            self.accepted.add(node.identity)  # from now on: the job key
         log.info("all %d server(s) and %d worker(s) registered", len(self.servers),
                  len(self.workers))
 
@@ -362,14 +413,21 @@ class Scheduler:
     def _on_place(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
         self._require_worker(node, "PLACE")
         body = P.decode_json(msg)
-        spec = KeySpec.from_json(body.get("spec", {}), len(self.workers))
+        spec = KeySpec.from_json(body.get("spec"), len(self.workers))
         parts = body.get("parts")
-        if (not isinstance(parts, list) or not parts
-                or not all(isinstance(p, list) and len(p) == 2 and all(type(v) is int and v >= 0
-                                                                       for v in p)
-                           for p in parts)):
+        if (not isinstance(parts, list) or not 0 < len(parts) <= MAX_PARTS
+                or not all(isinstance(p, list) and len(p) == 2
+                           and all(type(v) is int and 0 < v <= self.cfg.max_message_bytes
+                                   for v in p) for p in parts)
+                or sum(p[0] for p in parts) != spec.numel):
             raise P.ProtocolError(P.ErrorCode.BAD_DECLARE,
-                                  f"{spec.name}: parts must be a list of [numel, bytes]")
+                                  f"{spec.name}: parts must be a list of 1..{MAX_PARTS} "
+                                  "[numel, bytes] pairs (each at most ESPRESSO_MAX_MESSAGE_BYTES)"
+                                  " whose numels add up to the tensor's")
+        if spec.name not in self.placements and self.next_key - 1 + len(parts) > MAX_KEYS:
+            raise P.ProtocolError(P.ErrorCode.BAD_DECLARE,
+                                  f"{spec.name}: the job already has {self.next_key - 1} keys; "
+                                  f"at most {MAX_KEYS}")
         described = {"spec": spec.to_json(), "parts": parts}
         known = self.placements.get(spec.name)
         if known is not None:

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import zmq
 from byteps_espresso.server import protocol as P
+from byteps_espresso.server.auth import Authenticator, AuthError
 from byteps_espresso.server.keys import KeySpec
 from byteps_espresso.server.link import REGISTER_GRACE_S, SchedulerLink
 
@@ -57,6 +58,10 @@ RESULT_HISTORY = 2
 INLINE_MAX_BYTES = 1 << 20
 # Most keys one server holds; bounds memory against a flood of DECLAREs.
 MAX_KEYS = 1 << 20
+# Seconds between sweeps for rounds open longer than ESPRESSO_TIMEOUT.
+_SWEEP_S = 1.0
+# Pulls that may wait per key, per pusher (a pusher has at most a round or two in flight).
+_WAITERS_PER_PUSHER = 4
 # Log the first N rejections of each error code, then every LOG_EVERY-th.
 _LOG_FIRST, _LOG_EVERY = 20, 1000
 
@@ -141,6 +146,7 @@ class _Key:
     busy: bool = False
     results: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     waiters: dict[int, list[bytes]] = field(default_factory=dict)
+    warm: bool = False  # an aggregation of this key ran (its kernels are compiled)
     # Dense keys sum as pushes arrive, in pusher-rank order: acc holds pushers[:folded]. For
     # float32 it lives in the first pusher's received frame (acc_frame), summed in place.
     acc: np.ndarray | None = None
@@ -185,6 +191,11 @@ class Server:
         self.num_workers = 0
         self.keys: dict[int, _Key] = {}
         self.rejected: collections.Counter[str] = collections.Counter()
+        self.auth = Authenticator(None)  # the job key once registered (link.auth)
+        self.bound: dict[bytes, int] = {}  # connection -> the rank it speaks for
+        self.open_keys: dict[int, float] = {}  # key -> when its open round started
+        self._next_sweep = 0.0
+        self.bound_rank: dict[int, bytes] = {}
         self.rounds = 0
         self.agg_seconds = 0.0
         self.guard = NumbaGuard(cfg.server_threads)
@@ -205,6 +216,7 @@ class Server:
         """
         accept = self.link.register()
         self.rank, self.num_workers = int(accept["rank"]), int(accept["num_workers"])
+        self.auth = self.link.auth
         self.guard.configure_thread()  # for keys aggregated inline on this thread
         log.info("server %d serving on %s", self.rank, self.address)
         poller = zmq.Poller()
@@ -213,7 +225,9 @@ class Server:
         poller.register(self.link.watch.socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while True:
-            events = dict(poller.poll(self.link.tick() * 1000))
+            events = dict(poller.poll(min(self.link.tick(), _SWEEP_S) * 1000))
+            if time.monotonic() >= self._next_sweep:
+                self._expire_rounds()
             if self._wake_r in events:
                 self._drain_completions()
             if self.router in events:
@@ -233,6 +247,8 @@ class Server:
         """Handle scheduler messages; True when told to shut down."""
         while self.link.sock.poll(0):
             msg = self.link.recv()
+            if msg is None:
+                continue
             if msg.header.type is P.MsgType.SHUTDOWN:
                 self.link.send(P.encode(P.MsgType.BYE, sender=self.rank))
                 log.info("server %d: shutdown after %d rounds, rejected %s", self.rank,
@@ -257,8 +273,18 @@ class Server:
         identity, frames = raw[0].bytes, raw[1:]
         header = None
         try:
+            frames = self.auth.verify(frames)
+        except AuthError as exc:  # dropped without a reply: an outsider learns nothing
+            self._count_rejection("unauthenticated", "a message", str(exc))
+            return
+        except P.ProtocolError as exc:  # a MAC in an unauthenticated job
+            self._reject(identity, exc, None)
+            return
+        try:
             msg = P.decode(frames, self.cfg.max_message_bytes)
             header = msg.header
+            if self.auth.enabled:
+                self._check_binding(identity, header)
             handler = _HANDLERS.get(header.type)
             if handler is None:
                 raise P.ProtocolError(P.ErrorCode.UNEXPECTED,
@@ -270,17 +296,44 @@ class Server:
             log.exception("internal error on %s", header.describe() if header else "a message")
             self._reject(identity, P.ProtocolError(P.ErrorCode.INTERNAL, repr(exc)), header)
 
-    def _reject(self, identity: bytes, exc: P.ProtocolError, header: P.Header | None) -> None:
-        count = self.rejected[exc.code.value] = self.rejected[exc.code.value] + 1
+    def _check_binding(self, identity: bytes, h: P.Header) -> None:
+        """In an authenticated job a connection speaks for one worker rank, and a rank on
+        one connection: the first authenticated message binds them."""
+        if h.sender < 0:
+            return
+        if h.sender >= self.num_workers:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"sender {h.sender} is not a worker rank (0.."
+                                  f"{self.num_workers - 1})")
+        rank, owner = self.bound.get(identity), self.bound_rank.get(h.sender)
+        if rank is None and owner is None:
+            self.bound[identity], self.bound_rank[h.sender] = h.sender, identity
+        elif rank != h.sender or owner != identity:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"rank {h.sender} speaks on another connection, or this "
+                                  f"connection speaks for rank {rank}; a connection cannot "
+                                  "act for another rank")
+
+    def _count_rejection(self, code: str, what: str, detail: str) -> int:
+        """Count a rejection per code; log the first few of each code, then every
+        ``_LOG_EVERY``-th with the running count (a flood cannot flood the log)."""
+        count = self.rejected[code] = self.rejected[code] + 1
         if count <= _LOG_FIRST or count % _LOG_EVERY == 0:
-            log.warning("server %d rejected %s (#%d %s): %s", self.rank,
-                        header.describe() if header else "an unparsable message", count,
-                        exc.code.value, exc.detail)
+            log.warning("server %d rejected %s (#%d %s): %s", self.rank, what, count, code,
+                        detail)
+        return count
+
+    def _reject(self, identity: bytes, exc: P.ProtocolError, header: P.Header | None) -> None:
+        self._count_rejection(exc.code.value,
+                              header.describe() if header else "an unparsable message",
+                              exc.detail)
         self._send(identity, P.encode_error(exc.code, exc.detail, request=header,
                                             sender=self.rank))
 
-    def _send(self, identity: bytes, frames: list[Any]) -> None:
-        self.router.send_multipart([identity, *frames], copy=False)
+    def _send(self, identity: bytes, frames: list[Any], *, signed: bool = False) -> None:
+        """Send to a peer; ``signed``: the frames already carry their MAC (cached replies)."""
+        self.router.send_multipart([identity, *(frames if signed else self.auth.sign(frames))],
+                                   copy=False)
 
     def _key(self, header: P.Header) -> _Key:
         state = self.keys.get(header.key)
@@ -338,9 +391,10 @@ class Server:
         self._check_round(state, h)
         if state.compressor is not None and not _finite(*payload):
             self._fail_round(state, h.round, f"rank {h.sender} pushed non-finite values")
-            raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
+            raise P.ProtocolError(*state.failed[h.round])
         if state.open_round is None:
             state.open_round = h.round
+            self.open_keys[state.key] = time.monotonic()
             self._fail_stale_pulls(state, h.round)
         state.pushes[h.sender] = payload
         if state.compressor is None and msg.raw:
@@ -360,6 +414,7 @@ class Server:
         ordered = [state.pushes[r] for r in state.spec.pushers]
         state.queued.append((h.round, ordered))
         state.last_closed, state.open_round = h.round, None
+        self.open_keys.pop(state.key, None)
         state.pushes = {}
         self._start_next(state)
 
@@ -393,6 +448,7 @@ class Server:
         state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
         state.frames = {}
         state.last_closed, state.open_round = round_, None
+        self.open_keys.pop(state.key, None)
         self.rounds += 1
         if not _finite(acc):
             bad = [r for r in pushers[1:] if not _finite(*pushes[r])]
@@ -416,27 +472,41 @@ class Server:
             out = frame
         self._reply(state, round_, [out], state.waiters.pop(round_, []))
 
-    def _fail_round(self, state: _Key, round_: int, why: str) -> None:
+    def _fail_round(self, state: _Key, round_: int, why: str,
+                    code: P.ErrorCode = P.ErrorCode.NON_FINITE) -> None:
         """Close ``round_`` without a result: every waiter, and every later push or pull of
-        it, gets a ``non_finite`` error naming the key, the round and ``why``."""
+        it, gets a ``code`` error naming the key, the round and ``why``."""
         text = f"round {round_} of key {state.key} ({state.spec.name}) failed: {why}"
-        state.failed[round_] = text
+        state.failed[round_] = (code, text)
         while len(state.failed) > RESULT_HISTORY:
             state.failed.popitem(last=False)
         if state.open_round == round_:
             state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
             state.frames = {}
             state.open_round = None
+            self.open_keys.pop(state.key, None)
         state.last_closed = max(round_, state.last_closed or 0)
-        exc = P.ProtocolError(P.ErrorCode.NON_FINITE, text)
+        exc = P.ProtocolError(code, text)
         header = P.Header(P.MsgType.PUSH, state.key, round_)
         for identity in state.waiters.pop(round_, []):
             self._reject(identity, exc, header)
 
+    def _expire_rounds(self) -> None:
+        """Fail rounds open longer than ESPRESSO_TIMEOUT: their missing pushers will not
+        come (a worker's own wait has expired by then), and their pushes are freed."""
+        now = time.monotonic()
+        self._next_sweep = now + _SWEEP_S
+        limit = self.cfg.op_timeout_s
+        for key in [k for k, t in self.open_keys.items() if now - t > limit]:
+            state = self.keys[key]
+            missing = [r for r in state.spec.pushers if r not in state.pushes]
+            self._fail_round(state, state.open_round, f"no push from rank(s) {missing} within "
+                             f"ESPRESSO_TIMEOUT={limit:g} s", P.ErrorCode.ROUND_TIMEOUT)
+
     def _check_round(self, state: _Key, h: P.Header) -> None:
         name = state.spec.name
         if h.round in state.failed:
-            raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
+            raise P.ProtocolError(*state.failed[h.round])
         if state.open_round is not None:
             if h.round == state.open_round and h.sender in state.pushes:
                 raise P.ProtocolError(P.ErrorCode.DUPLICATE_PUSH,
@@ -460,10 +530,10 @@ class Server:
         state = self._key(h)
         result = state.results.get(h.round)
         if result is not None:
-            self._send(identity, [*result])
+            self._send(identity, result, signed=True)
             return
         if h.round in state.failed:
-            raise P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[h.round])
+            raise P.ProtocolError(*state.failed[h.round])
         waiting_ok = state.pending(h.round) or (
             state.open_round is None and (state.last_closed is None
                                           or h.round > state.last_closed))
@@ -473,6 +543,16 @@ class Server:
             raise P.ProtocolError(code, f"round {h.round} of key {h.key} ({state.spec.name}) "
                                   "has no result to pull (kept: "
                                   f"{list(state.results)}, collecting: {state.open_round})")
+        if (state.last_closed is not None and h.round > state.last_closed + 2) or (
+                state.open_round is not None and h.round > state.open_round + 1):
+            raise P.ProtocolError(P.ErrorCode.FUTURE_ROUND,
+                                  f"round {h.round} of key {h.key} ({state.spec.name}) is too "
+                                  "far ahead to wait for; pull it once the round before ran")
+        if sum(map(len, state.waiters.values())) >= _WAITERS_PER_PUSHER * len(
+                state.spec.pushers):
+            raise P.ProtocolError(P.ErrorCode.UNEXPECTED,
+                                  f"key {h.key} ({state.spec.name}) already has "
+                                  f"{_WAITERS_PER_PUSHER} waiting pulls per pusher")
         state.waiters.setdefault(h.round, []).append(identity)
 
     def _fail_stale_pulls(self, state: _Key, opened: int) -> None:
@@ -497,7 +577,9 @@ class Server:
             return
         round_, payloads = state.queued[0]
         state.busy = True
-        if self.pool is None or state.push_nbytes <= INLINE_MAX_BYTES:
+        # A key's first aggregation may compile its numba kernels (seconds): never inline,
+        # so the event loop keeps answering and heartbeating meanwhile.
+        if self.pool is None or (state.warm and state.push_nbytes <= INLINE_MAX_BYTES):
             self._complete(state.key, round_, *self._run(state, round_, payloads))
         else:
             self.pool.submit(self._run_async, state, round_, payloads)
@@ -529,6 +611,7 @@ class Server:
         state = self.keys[key]
         state.queued.popleft()
         state.busy = False
+        state.warm = True
         self.agg_seconds += seconds
         self.rounds += 1
         waiters = state.waiters.pop(round_, [])
@@ -537,13 +620,8 @@ class Server:
             for identity in waiters:
                 self._reject(identity, exc, P.Header(P.MsgType.PULL, key, round_))
         elif not _finite(*result):
-            state.failed[round_] = (f"round {round_} of key {key} ({state.spec.name}) failed: "
-                                    "its aggregate is not finite")
-            while len(state.failed) > RESULT_HISTORY:
-                state.failed.popitem(last=False)
-            exc = P.ProtocolError(P.ErrorCode.NON_FINITE, state.failed[round_])
-            for identity in waiters:
-                self._reject(identity, exc, P.Header(P.MsgType.PULL, key, round_))
+            state.waiters[round_] = waiters
+            self._fail_round(state, round_, "its aggregate is not finite")
         else:
             self._reply(state, round_, result, waiters)
         self._start_next(state)
@@ -566,14 +644,14 @@ class Server:
             return
         frames = [f if isinstance(f, zmq.Frame) else zmq.Frame(f, copy=True) for f in result]
         layout = state.reply_layout
-        reply = P.encode(P.MsgType.PULL_REPLY, key=state.key, round=round_, sender=self.rank,
-                         codec=layout.codec, dtype=layout.dtype, numel=layout.numel,
-                         frames=frames)
-        state.results[round_] = reply
+        reply = self.auth.sign(P.encode(
+            P.MsgType.PULL_REPLY, key=state.key, round=round_, sender=self.rank,
+            codec=layout.codec, dtype=layout.dtype, numel=layout.numel, frames=frames))
+        state.results[round_] = reply  # signed once, sent to every puller
         while len(state.results) > RESULT_HISTORY:
             state.results.popitem(last=False)
         for identity in waiters:
-            self._send(identity, [*reply])
+            self._send(identity, reply, signed=True)
 
 
 def _backing_frame(array: np.ndarray, frame: Any) -> Any:

@@ -147,3 +147,15 @@ def test_free_port_pair_is_bindable():
     with socket.socket() as a, socket.socket() as b:
         a.bind(("127.0.0.1", port))
         b.bind(("127.0.0.1", port + 1))
+
+
+def test_auth_gives_every_process_one_new_secret_unless_one_is_set():
+    plain = _plan()
+    assert all("ESPRESSO_JOB_SECRET" not in s.env for s in plain)
+    authed = _plan(auth=True)
+    secrets = {s.env["ESPRESSO_JOB_SECRET"] for s in authed}
+    assert len(secrets) == 1 and len(secrets.pop()) == 64  # 256 bits in hex
+    assert _plan(auth=True)[0].env["ESPRESSO_JOB_SECRET"] != authed[0].env["ESPRESSO_JOB_SECRET"]
+    given = _plan(auth=True, base_env={"PATH": "/bin", "ESPRESSO_JOB_SECRET": "x" * 20})
+    assert {s.env["ESPRESSO_JOB_SECRET"] for s in given} == {"x" * 20}
+    assert build_parser().parse_args(["--local", "--auth", "--", "python", "t.py"]).auth

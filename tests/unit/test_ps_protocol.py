@@ -233,3 +233,89 @@ def test_fuzz_declare_bodies_only_raise_protocol_error(body):
         body = {"name": "k", "numel": 4, "pushers": [0], **body}
     frames = P.encode(P.MsgType.DECLARE, frames=[json.dumps(body).encode()])
     _decode_everything(frames)
+
+
+# ---- authentication (server/auth.py) ---------------------------------------------------------
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(_messages(), st.lists(st.binary(max_size=128), max_size=5)))
+def test_fuzz_verify_only_raises_auth_or_protocol_error(frames):
+    from byteps_espresso.server.auth import Authenticator, AuthError
+
+    for auth in (Authenticator(None), Authenticator(bytes(range(32)))):
+        try:
+            _decode_everything(list(auth.verify(frames)))
+        except (AuthError, P.ProtocolError):
+            pass
+
+
+def _signed_push(auth):
+    x = np.arange(64, dtype=np.float32)
+    return auth.sign(P.encode(P.MsgType.PUSH, key=3, round=7, sender=1, dtype=P.DType.FLOAT32,
+                              numel=64, frames=[x]))
+
+
+@pytest.mark.parametrize("algorithm", ["blake2b", "hmac-sha256"])
+def test_mac_round_trips_and_any_altered_byte_fails(algorithm):
+    from byteps_espresso.server.auth import Authenticator, AuthError
+
+    auth = Authenticator.boot(b"0123456789abcdef").for_job(b"0123456789abcdef", "job-1")
+    auth = Authenticator(auth.key, algorithm)
+    frames = _signed_push(auth)
+    msg = P.decode(auth.verify(frames), 1 << 20)
+    assert msg.header.flags & P.FLAG_MAC and msg.header.round == 7
+    for index in range(3):  # header, payload, tag
+        for offset in (0, 9, -1):
+            bad = [bytearray(bytes(f)) if isinstance(f, bytes) else bytearray(f.tobytes())
+                   for f in frames]
+            bad[index][offset] ^= 0x01
+            with pytest.raises(AuthError):
+                auth.verify([bytes(b) for b in bad])
+
+
+def test_mac_binds_the_job_and_refuses_unsigned_messages():
+    from byteps_espresso.server.auth import Authenticator, AuthError
+
+    secret = b"0123456789abcdef"
+    boot = Authenticator.boot(secret)
+    job1, job2 = boot.for_job(secret, "job-1"), boot.for_job(secret, "job-2")
+    frames = _signed_push(job1)
+    for other in (job2, boot, Authenticator.boot(b"another secret!!!").for_job(
+            b"another secret!!!", "job-1")):
+        with pytest.raises(AuthError):
+            other.verify(frames)
+    with pytest.raises(AuthError, match="not signed"):
+        job1.verify(P.encode(P.MsgType.PULL, key=3, round=7, sender=1))
+    # A process without the secret says clearly that the peers disagree.
+    with pytest.raises(P.ProtocolError, match="ESPRESSO_JOB_SECRET"):
+        Authenticator(None).verify(frames)
+    plain = P.encode(P.MsgType.PULL, key=3, round=7, sender=1)
+    assert Authenticator(None).verify(plain) == plain
+
+
+def test_job_secret_from_env_or_file_never_shows_itself(tmp_path):
+    from byteps_espresso.config import Config, ConfigError
+
+    base = {"DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": "9000"}
+    secret = "s3cret-value-0123456789"
+    cfg = Config.from_env({**base, "ESPRESSO_JOB_SECRET": secret})
+    assert cfg.secret() == secret.encode()
+    assert secret not in repr(cfg) and secret not in str(cfg.job_secret)
+    assert Config.from_env(cfg.as_env()).secret() == secret.encode()
+    path = tmp_path / "secret"
+    path.write_text(secret + "\n")
+    assert Config.from_env({**base, "ESPRESSO_JOB_SECRET_FILE": str(path)}).secret() == \
+        secret.encode()
+    assert Config.from_env(base).secret() is None
+    with pytest.raises(ConfigError, match="set only one"):
+        Config.from_env({**base, "ESPRESSO_JOB_SECRET": secret,
+                         "ESPRESSO_JOB_SECRET_FILE": str(path)})
+    with pytest.raises(ConfigError, match="at least 16") as info:
+        Config.from_env({**base, "ESPRESSO_JOB_SECRET": "tooshort"})
+    assert "tooshort" not in str(info.value)
+    path.write_text("short")
+    with pytest.raises(ConfigError, match=r"ESPRESSO_JOB_SECRET_FILE=.* holds 5 characters"):
+        Config.from_env({**base, "ESPRESSO_JOB_SECRET_FILE": str(path)})
+    with pytest.raises(ConfigError, match="cannot be read"):
+        Config.from_env({**base, "ESPRESSO_JOB_SECRET_FILE": str(tmp_path / "missing")})

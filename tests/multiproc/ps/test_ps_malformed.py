@@ -146,3 +146,53 @@ def test_client_errors_name_key_round_and_server(ps_job_factory):
     with pytest.raises(PSError, match="declared as"):
         c1.declare("e2", NUMEL, pushers=[0, 1])
         c0.declare("e2", NUMEL + 1, pushers=[0, 1])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_non_finite_push_fails_the_round_naming_the_sender(ps_job_factory, dtype):
+    from byteps_espresso.server.client import PSError
+
+    job = ps_job_factory(1)
+    c0, c1, c2 = job.clients[:3]
+    name = f"nf-{dtype}"
+    for c in (c0, c1, c2):
+        c.declare(name, NUMEL, pushers=[0, 1, 2], dtype=dtype)
+    x = np.ones(NUMEL, dtype)
+    bad = x.copy()
+    bad[NUMEL // 2] = np.inf if dtype == "float16" else np.nan
+    handles = [c.push_pull_async(name, v, 0) for c, v in zip((c0, c1, c2), (x, bad, x),
+                                                               strict=True)]
+    key = c0._tensors[name].parts[0].key
+    for h in handles:  # every pusher, the culprit included, learns who and where
+        with pytest.raises(PSError, match=rf"non_finite: round 0 of key {key} \({name}\) "
+                                          r"failed: rank\(s\) \[1\] pushed non-finite"):
+            h.wait()
+    # The next round is clean and correct.
+    handles = [c.push_pull_async(name, x, 1) for c in (c0, c1, c2)]
+    for h in handles:
+        assert np.array_equal(h.wait(), x * 3)
+    assert c0.server_stats()[0]["rejected"].get("non_finite", 0) >= 3
+
+
+@pytest.mark.timeout(90)
+def test_non_finite_compressed_push_is_rejected_naming_the_sender(ps_job_factory):
+    from byteps_espresso.kernels import create, names
+    from byteps_espresso.server.client import PSError
+
+    if "onebit" not in names():
+        pytest.skip("onebit is not registered")
+    job = ps_job_factory(1)
+    c0, c1 = job.clients[:2]
+    for c in (c0, c1):
+        c.declare("nf-onebit", NUMEL, pushers=[0, 1], compressor="onebit")
+    comp = create("onebit", backend="numba")
+    x = np.ones(NUMEL, np.float32)
+    good = [comp.compress(x, name=n, step=0)[0] for n in c0.key_names("nf-onebit")]
+    poisoned = [tuple(np.full_like(a, np.nan) if a.dtype.kind == "f" else a for a in p)
+                for p in good]
+    with pytest.raises(PSError, match=r"rejected PUSH: non_finite: round 0 of key \d+ "
+                                      r"\(nf-onebit\) failed: rank 1 pushed non-finite"):
+        c1.push_pull("nf-onebit", poisoned, 0)
+    with pytest.raises(PSError, match=r"non_finite: .*rank 1 pushed non-finite"):
+        c0.push_pull("nf-onebit", good, 0)
