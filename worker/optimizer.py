@@ -254,22 +254,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 
 class _Bucket:
-    """One bucket's members and its preallocated flat buffer (None for a bucket of one)."""
+    """One bucket's members and its preallocated flat buffer (None for a bucket of one).
 
-    __slots__ = ("buffer", "name", "numels", "offsets", "tensors")
+    The last bucket of the submission order always has a buffer, one element longer than its
+    members: the non-finite flag (see :meth:`_Sync._check_finite`).
+    """
+
+    __slots__ = ("buffer", "flagged", "name", "numels", "offsets", "tensors")
 
     def __init__(self, bucket: Bucket, params: Mapping[str, torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, flagged: bool = False) -> None:
         self.name = bucket.name
         self.tensors = bucket.tensors
         self.numels = [params[n].numel() for n in bucket.tensors]
         self.offsets = [0]
         for n in self.numels[:-1]:
             self.offsets.append(self.offsets[-1] + n)
+        self.flagged = flagged
         # The executor sums float32 whatever the parameters' dtype; one buffer per bucket,
         # written in place every iteration (DDP's bucket buffers).
-        self.buffer = (torch.empty(sum(self.numels), dtype=torch.float32, device=device)
-                       if bucket.fused else None)
+        self.buffer = (torch.empty(sum(self.numels) + flagged, dtype=torch.float32,
+                                   device=device)
+                       if bucket.fused or flagged else None)
 
 
 class _Sync:
@@ -303,10 +309,9 @@ class _Sync:
         self.nonfinite = self.session.runtime.cfg.nonfinite
         self.skip_step = False  # this iteration's update is skipped (a non-finite gradient)
         self.skipped = 0
-        # Buckets whose compressed or PS Option got this rank's non-finite values, zeroed
-        # (order index of the first bad gradient): compressors and the servers refuse NaN,
-        # and one rank failing alone would leave the others waiting in the next collective.
-        self.zeroed: list[int] = []
+        # Order index of the first non-finite gradient of each bucket of this iteration that
+        # had one on this rank (see _check_finite).
+        self.bad: list[int] = []
         self.codec = compression.codec(self.session)
         self.engine: Engine = self.session.plain
         self.options: dict[str, Option] | None = None
@@ -332,7 +337,9 @@ class _Sync:
     def _use_buckets(self, buckets: Sequence[Bucket]) -> None:
         """Synchronize in ``buckets`` from the next iteration on (every rank the same)."""
         check_layout(buckets, self.order, "the strategy's buckets")
-        self.buckets = [_Bucket(b, self.params, self.device) for b in buckets]
+        last = len(buckets) - 1
+        self.buckets = [_Bucket(b, self.params, self.device, flagged=i == last)
+                        for i, b in enumerate(buckets)]
         ends, end = [], 0
         for b in self.buckets:
             end += len(b.tensors)
@@ -387,9 +394,17 @@ class _Sync:
             flat = flat.div_(self.predivide) if bucket.buffer is not None \
                 else flat / self.predivide
         option = self.options[bucket.name] if self.options is not None else self.session.fp32
-        if (option.is_compressed or option.uses_servers) and not bool(torch.isfinite(flat).all()):
-            self.zeroed.append(self._first_nonfinite(bucket, flat))
-            flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
+        members = flat[:-1] if bucket.flagged else flat
+        if not _finite(members):
+            self.bad.append(self._first_nonfinite(bucket, members))
+            # Compressors may drop non-finite values and servers refuse them; zeros go in
+            # their place, since one rank failing alone would leave the others waiting.
+            if (option.is_compressed or option.uses_servers) and bucket.buffer is not None:
+                members.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            elif option.is_compressed or option.uses_servers:  # the user's .grad: a copy
+                flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
+        if bucket.flagged:
+            flat[-1] = 1.0 if self.bad else 0.0
         self.handles.append((bucket, self.engine.submit(bucket.name, flat, option)))
         # Probes follow the last bucket of a profiled iteration: the same point of every
         # rank's submission order, queued behind the synchronization they share the host with.
@@ -458,36 +473,24 @@ class _Sync:
                 return self.order.index(name)
         return self.order.index(bucket.tensors[0])
 
-    def _local_input(self, bucket: _Bucket) -> torch.Tensor:
-        if bucket.buffer is not None:
-            return bucket.buffer  # the executor leaves its input untouched
-        grad = self.params[bucket.tensors[0]].grad
-        return grad.reshape(-1) if grad is not None else torch.zeros(1)
-
     def _check_finite(self, results: Sequence[tuple[_Bucket, torch.Tensor]],
                       timeout: float) -> None:
         """Stop or skip the step on every rank alike when any rank had a non-finite gradient.
 
-        An uncompressed sum over collectives is non-finite on every rank at once (NaN and Inf
-        survive addition), so only then do the ranks compare notes; compressed Options may
-        drop non-finite values and compressors and servers refuse them (their input was
-        zeroed in :meth:`_submit`), so with any such bucket the ranks always do (one small
-        all-gather per iteration, queued behind the lanes' work).
+        Every bucket's input was checked in :meth:`_submit`. The last bucket carries one more
+        element, 1 where this rank found a non-finite gradient in any bucket: when its Option
+        is uncompressed the sum of these flags reaches every rank with the gradients, and only
+        when it is not zero do the ranks all-gather which gradient was bad. When the last
+        bucket is compressed the flag may not survive, so the ranks compare notes every
+        iteration (one 1-element all-gather per rank, queued behind the lanes).
         """
         self.skip_step = False
-        local = list(self.zeroed)
-        self.zeroed.clear()
-        summed_bad = False
-        for bucket, total in results:
-            if not bool(torch.isfinite(total).all()):
-                summed_bad = True
-                mine = self._local_input(bucket)
-                if not bool(torch.isfinite(mine).all()):
-                    local.append(self._first_nonfinite(bucket, mine) if bucket.buffer is not None
-                                 else self.order.index(bucket.tensors[0]))
-        options = self.options.values() if self.options is not None else [self.session.fp32]
-        checked = any(o.is_compressed or o.uses_servers for o in options)
-        if not (summed_bad or checked):
+        local, self.bad = self.bad, []
+        if not results:  # no parameter to synchronize
+            return
+        last, total = results[-1]
+        option = self.options[last.name] if self.options is not None else self.session.fp32
+        if not option.is_compressed and not float(total[-1]):
             return
         first = float(min(local)) if local else -1.0
         every = self.engine.call(0, lambda ex: ex.transport.allgather(
@@ -566,6 +569,12 @@ class _Sync:
             self.trials = Trials(plan.finalists, self.session.runtime.cfg.trial_steps)
         if self.codec is not None:
             self.engine = self.session.runtime.engine(self.codec)
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in ``t``: one reduction without a temporary (a sum is NaN or infinite
+    when any element is), and the exact check only when the sum overflowed."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def default_layout(session: Session, tensors: Sequence[tuple[str, int]]) -> tuple[Bucket, ...]:

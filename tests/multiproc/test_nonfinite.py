@@ -19,11 +19,11 @@ worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
 
-def _run(tmp_path, cluster, compression: str, mode: str) -> None:
+def _run(tmp_path, cluster, compression: str, mode: str, env: dict | None = None) -> None:
     with cluster.ps_job(servers=1) as root:
         cluster.run_workers("nonfinite_worker.py", [str(tmp_path), compression, str(STEPS)],
                             root_port=root, servers=1, timeout=150,
-                            extra_env={"ESPRESSO_NONFINITE": mode})
+                            extra_env={"ESPRESSO_NONFINITE": mode, **(env or {})})
 
 
 @pytest.mark.timeout(200)
@@ -41,8 +41,12 @@ def test_every_rank_stops_naming_tensor_rank_and_iteration(tmp_path, cluster, co
 
 
 @pytest.mark.timeout(200)
-def test_skip_mode_skips_the_step_on_every_rank(tmp_path, cluster):
-    _run(tmp_path, cluster, "fp16", "skip")
+@pytest.mark.parametrize(("compression", "env"), [
+    ("fp16", {}),  # compressed: the ranks compare notes every iteration
+    # uncompressed through the server, one bucket per tensor: the flag rides in the last one
+    ("none", {"ESPRESSO_BUCKET_CAP_MB": "0"})])
+def test_skip_mode_skips_the_step_on_every_rank(tmp_path, cluster, compression, env):
+    _run(tmp_path, cluster, compression, "skip", env)
     assert {(tmp_path / f"skipped_{r}.txt").read_text() for r in range(WORLD)} == {"1"}
     for step in range(STEPS):
         got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
