@@ -15,6 +15,7 @@ from byteps_espresso.worker.executor import Engine
 from byteps_espresso.worker.runtime import Runtime
 from byteps_espresso.worker.topology import Topology
 
+from byteps_espresso.strategy import baselines
 from byteps_espresso.strategy.options import Option, Scope
 
 __all__ = ["NotInitializedError", "Session", "current", "fp32_option", "install", "installed",
@@ -26,16 +27,9 @@ class NotInitializedError(RuntimeError):
 
 
 def fp32_option(topology: Topology, servers: int) -> Option:
-    """The uncompressed path BytePS takes: hierarchical when machines have several workers.
-
-    Intra-machine reduce-scatter, then the PS (or an inter-machine all-reduce without servers)
-    on each shard, then the intra-machine all-gather; flat when there is one worker per
-    machine or a single machine.
-    """
-    middle = "PushPull(inter)" if servers > 0 else "Allreduce(inter)"
-    if topology.local_size > 1 and topology.machines > 1:
-        return Option.parse(f"ReduceScatter(intra) -> {middle} -> Allgather(intra)")
-    return Option.parse("PushPull(flat)" if servers > 0 else "Allreduce(flat)")
+    """This job's uncompressed path (:func:`byteps_espresso.strategy.baselines.fp32_option`,
+    the planner's fp32 baseline)."""
+    return baselines.fp32_option(topology.machines, topology.local_size, servers)
 
 
 class Session:

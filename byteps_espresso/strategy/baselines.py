@@ -4,8 +4,9 @@ Every algorithm maps a :class:`PlanContext` to a :class:`Solution` priced under 
 model. Look one up with :func:`get`; :data:`ALGORITHMS` lists them in report order.
 
 - ``espresso``     Algorithms 1 and 2 of the paper (:mod:`search`).
-- ``fp32``         no compression, hierarchical like BytePS (intra Reduce, PS PushPull,
-                   intra Broadcast), else Horovod's hierarchical allreduce, else flat.
+- ``fp32``         no compression, hierarchical like BytePS (intra ReduceScatter, PS
+                   PushPull, intra Allgather; :func:`fp32_option`), the runtime's
+                   ``Compression.none``.
 - ``all-gpu``      every tensor compressed on the GPU with one fixed scheme, like HiTopKComm:
                    intra ReduceScatter, inter AllgatherC, intra Allgather (flat: AllgatherC).
 - ``hipress``      selective compression like HiPress: tensors of at least HIPRESS_MIN_NUMEL
@@ -31,7 +32,7 @@ from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.options import Device, Option
 
 __all__ = ["ALGORITHMS", "BRUTEFORCE_LIMIT", "Algorithm", "BaselineUnavailable",
-           "BruteforceTooLarge", "Solution", "get", "register"]
+           "BruteforceTooLarge", "Solution", "fp32_option", "get", "register"]
 
 # Bruteforce simulates at most this many strategies (about 1 s on one core for 4 tensors).
 BRUTEFORCE_LIMIT = 300_000
@@ -108,11 +109,31 @@ def _first_allowed(ctx: PlanContext, texts: list[str], what: str) -> Option:
     raise BaselineUnavailable(f"{what}: none of its schemes is allowed here ({'; '.join(texts)})")
 
 
+def fp32_option(machines: int, local_size: int, servers: int) -> Option:
+    """The uncompressed path, defined once: ``Compression.none``, the profiled iterations and
+    the planner's ``fp32`` baseline all run it.
+
+    BytePS's path: each machine's workers reduce-scatter the tensor, every worker pushes and
+    pulls its shard through the servers (an inter-machine all-reduce without servers), and the
+    workers all-gather the shards. Every worker moves 1/local_size of the tensor over the
+    network, where an intra-machine Reduce to one root (then Broadcast) sends the whole tensor
+    through one worker and serializes the two intra-machine steps on it: 0.7-2.5x slower on
+    loopback for 1.2-13.7 MB (BENCHMARKS.md "Against torch DDP"). Flat when a machine has one
+    worker or there is one machine.
+    """
+    middle = "PushPull(inter)" if servers > 0 else "Allreduce(inter)"
+    if local_size > 1 and machines > 1:
+        return Option.parse(f"ReduceScatter(intra) -> {middle} -> Allgather(intra)")
+    return Option.parse("PushPull(flat)" if servers > 0 else "Allreduce(flat)")
+
+
 def _fp32_option(ctx: PlanContext) -> Option:
-    texts = ["Reduce(intra) -> PushPull(inter) -> Broadcast(intra)",
-             "ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)",
-             "PushPull(flat)", "Allreduce(flat)"]
-    return _first_allowed(ctx, texts, "fp32")
+    c = ctx.cluster
+    option = fp32_option(c.machines, c.gpus_per_machine, c.servers)
+    if not ctx.allowed(option):
+        raise BaselineUnavailable(f"fp32: its scheme {option} is not allowed here; relax the "
+                                  "constraints")
+    return option
 
 
 def _per_tensor(ctx: PlanContext, pick: Callable[[int], Option]) -> Solution:

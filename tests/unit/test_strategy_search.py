@@ -52,7 +52,21 @@ def test_baselines_run_and_espresso_is_not_slower():
     bound = baselines.get("upper-bound").run(ctx).iteration_us
     assert bound <= times["espresso"] + 1e-6
     fp32 = baselines.get("fp32").run(ctx).options
-    assert {str(o) for o in fp32} == {"Reduce(intra) -> PushPull(inter) -> Broadcast(intra)"}
+    assert {str(o) for o in fp32} == {
+        "ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)"}
+
+
+@pytest.mark.parametrize(("machines", "local", "servers"),
+                         [(2, 2, 1), (8, 8, 8), (4, 1, 2), (1, 4, 1), (2, 2, 0), (3, 1, 0)])
+def test_compression_none_runs_the_fp32_baseline(machines, local, servers):
+    from byteps_espresso.worker.session import fp32_option
+    from byteps_espresso.worker.topology import Topology
+
+    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(machines, local, "pcie", 25,
+                                                               servers=servers),
+                      COMPRESSOR, PARAMS)
+    planned = set(baselines.get("fp32").run(ctx).options)
+    assert planned == {fp32_option(Topology(machines, local), servers)}
 
 
 def test_unavailable_baseline_and_unknown_algorithm():
