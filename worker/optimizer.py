@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -166,7 +167,7 @@ class Compression:
     @staticmethod
     def espresso(compressor: str = "randomk", *, error_feedback: bool | None = None,
                  algorithm: str = "espresso", constraints: Any | None = None,
-                 **params: Any) -> CompressionSpec:
+                 recompress: bool = False, **params: Any) -> CompressionSpec:
         """Profile, then plan a per-tensor strategy with the strategy engine.
 
         Args:
@@ -175,10 +176,20 @@ class Compression:
                 biased sparsifiers and sign codecs, off for unbiased and fp16/bf16).
             algorithm: ``espresso`` or a baseline name of the strategy engine.
             constraints: a ``strategy.Constraints`` pruning the decision tree.
+            recompress: let the plan compress a gradient more than once per iteration
+                (sums re-compressed between hierarchy levels or by the servers). Off by
+                default: each compression adds its error to the update, so Espresso's plan
+                keeps one (``max-lossy=1``) unless ``constraints`` sets ``max_lossy``.
             **params: the compressor's parameters (``ratio=0.01``, ``seed=...``).
         """
         from byteps_espresso.worker.profiler import EspressoSpec
 
+        from byteps_espresso.strategy.tree import Constraints
+
+        if not recompress and algorithm == "espresso":
+            base = constraints if constraints is not None else Constraints()
+            if base.max_lossy is None:
+                constraints = dataclasses.replace(base, max_lossy=1)
         return EspressoSpec(compressor, dict(params), error_feedback, algorithm, constraints)
 
     @staticmethod

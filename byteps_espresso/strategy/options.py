@@ -217,6 +217,12 @@ class Option:
         return sum(1 for s in self.steps if s.kind is Kind.COMP)
 
     @functools.cached_property
+    def lossy_compressions(self) -> int:
+        """Lossy compressions a gradient goes through per iteration: every ``Comp``, plus
+        the servers' re-compression of the sum for each ``PushPullC``."""
+        return self.compressions + sum(1 for s in self.steps if s.kind is Kind.PUSH_PULL_C)
+
+    @functools.cached_property
     def is_compressed(self) -> bool:
         return self.compressions > 0
 

@@ -86,6 +86,9 @@ class Constraints:
         allow_gpu: whether Comp/Decomp may run on the training device.
         forbid: step kinds that may not appear (e.g. ``{Kind.ALLTOALL_C}``).
         max_compressions: at most this many ``Comp`` per option (0: no compression).
+        max_lossy: at most this many lossy compressions per option
+            (:attr:`Option.lossy_compressions`: each ``Comp`` and each re-compression of a sum
+            by the servers); 1 keeps every gradient to one compression error per iteration.
         flat_only / hierarchical_only: restrict the path shape.
     """
 
@@ -93,6 +96,7 @@ class Constraints:
     allow_gpu: bool = True
     forbid: frozenset[Kind] = field(default_factory=frozenset)
     max_compressions: int | None = None
+    max_lossy: int | None = None
     flat_only: bool = False
     hierarchical_only: bool = False
 
@@ -102,6 +106,8 @@ class Constraints:
             raise ConstraintError("flat-only and hierarchical-only exclude each other")
         if self.max_compressions is not None and self.max_compressions < 0:
             raise ConstraintError("max-compressions must be >= 0")
+        if self.max_lossy is not None and self.max_lossy < 0:
+            raise ConstraintError("max-lossy must be >= 0")
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -116,7 +122,10 @@ class Constraints:
             return False
         if not self.allow_gpu and Device.GPU in option.devices:
             return False
-        if self.max_compressions is not None and option.compressions > self.max_compressions:
+        over = ((self.max_compressions is not None
+                 and option.compressions > self.max_compressions)
+                or (self.max_lossy is not None and option.lossy_compressions > self.max_lossy))
+        if over:
             return False
         if self.flat_only and option.is_hierarchical:
             return False
@@ -133,6 +142,8 @@ class Constraints:
             out.append("forbid=" + ",".join(sorted(k.value for k in self.forbid)))
         if self.max_compressions is not None:
             out.append(f"max-compressions={self.max_compressions}")
+        if self.max_lossy is not None:
+            out.append(f"max-lossy={self.max_lossy}")
         if self.flat_only:
             out.append("flat-only")
         if self.hierarchical_only:
@@ -142,7 +153,7 @@ class Constraints:
     @classmethod
     def parse(cls, items: Iterable[str], where: str = "--constraint") -> Constraints:
         """Parse ``no-cpu``, ``no-gpu``, ``no-ps``, ``forbid=AlltoallC,GatherC``,
-        ``max-compressions=N``, ``flat-only``, ``hierarchical-only``.
+        ``max-compressions=N``, ``max-lossy=N``, ``flat-only``, ``hierarchical-only``.
 
         Raises:
             ConstraintError: unknown constraint or bad value (names ``where``).
@@ -191,10 +202,12 @@ def _no_ps(values: dict, arg: str) -> None:
     values["forbid"].update({Kind.PUSH_PULL, Kind.PUSH_PULL_C})
 
 
-def _max_comp(values: dict, arg: str) -> None:
-    if not arg.isdigit():
-        raise ValueError("needs a non-negative integer, e.g. max-compressions=1")
-    values["max_compressions"] = int(arg)
+def _count(field_name: str, flag: str):  # type: ignore[no-untyped-def]
+    def parse(values: dict, arg: str) -> None:
+        if not arg.isdigit():
+            raise ValueError(f"needs a non-negative integer, e.g. {flag}=1")
+        values[field_name] = int(arg)
+    return parse
 
 
 _CONSTRAINT_PARSERS = {
@@ -202,7 +215,8 @@ _CONSTRAINT_PARSERS = {
     "no-gpu": _flag("allow_gpu", False),
     "no-ps": _no_ps,
     "forbid": _forbid,
-    "max-compressions": _max_comp,
+    "max-compressions": _count("max_compressions", "max-compressions"),
+    "max-lossy": _count("max_lossy", "max-lossy"),
     "flat-only": _flag("flat_only", True),
     "hierarchical-only": _flag("hierarchical_only", True),
 }

@@ -110,3 +110,21 @@ def test_bad_constraints_name_the_problem(bad):
         Constraints.parse([bad])
     with pytest.raises(ConstraintError):
         Constraints.parse(["flat-only", "hierarchical-only"])
+
+
+def test_max_lossy_counts_every_comp_and_the_servers_recompression():
+    ps = Option.parse("Reduce(intra) -> Comp(cpu) -> PushPullC(inter) -> Decomp(cpu) -> "
+                      "Broadcast(intra)")
+    hitopk = Option.parse("ReduceScatter(intra) -> Comp(gpu) -> AllgatherC(inter) -> "
+                          "Decomp(gpu) -> Allgather(intra)")
+    twice = Option.parse("Comp(cpu) -> AlltoallC(flat) -> Decomp(cpu) -> Comp(gpu) -> "
+                         "AllgatherC(flat) -> Decomp(gpu)")
+    assert (ps.lossy_compressions, hitopk.lossy_compressions, twice.lossy_compressions) == (2, 1, 2)
+    once = Constraints.parse(["max-lossy=1"])
+    assert Constraints.parse(once.to_strings()) == once
+    options = enumerate_options(BIG, once)
+    assert hitopk in options and ps not in options and twice not in options
+    assert all(o.lossy_compressions <= 1 for o in options)
+    assert {o for o in enumerate_options(BIG) if o.lossy_compressions <= 1} == set(options)
+    with pytest.raises(ConstraintError, match="max-lossy"):
+        Constraints.parse(["max-lossy=x"])

@@ -172,3 +172,17 @@ def test_a_different_optimizer_is_named_not_hung():
     _, opt = _adam()
     other = torch.optim.SGD([torch.nn.Parameter(torch.ones(5))], lr=0.1)
     assert "same optimizer over the same model" in apply_description(other, describe(opt))
+
+
+def test_espresso_plans_one_lossy_compression_unless_recompression_is_allowed():
+    from byteps_espresso.strategy import Constraints
+
+    assert bps.Compression.espresso("dgc", ratio=0.01).constraints == Constraints(max_lossy=1)
+    mine = Constraints(allow_cpu=False)
+    assert (bps.Compression.espresso("dgc", constraints=mine).constraints
+            == Constraints(allow_cpu=False, max_lossy=1))
+    assert bps.Compression.espresso("dgc", recompress=True).constraints is None
+    assert (bps.Compression.espresso("dgc", constraints=Constraints(max_lossy=3)).constraints
+            == Constraints(max_lossy=3))
+    # a baseline asked for by name runs as its authors defined it
+    assert bps.Compression.espresso("dgc", algorithm="cpu-only").constraints is None
