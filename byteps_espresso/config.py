@@ -71,6 +71,13 @@ def _float(low: float) -> Callable[[str], float]:
     return parse
 
 
+def _optional_float(low: float) -> Callable[[str], float | None]:
+    def parse(text: str) -> float | None:
+        return _float(low)(text) if text.strip() else None
+
+    return parse
+
+
 def _bucket_cap(text: str) -> float | None:
     lowered = text.strip().lower()
     if lowered in ("", "auto"):
@@ -262,6 +269,15 @@ VARIABLES: tuple[Variable, ...] = (
              "A NaN or Inf gradient on any rank: `error` stops every rank naming the tensor, "
              "rank and step; `skip` makes every rank skip that optimizer step (as AMP's "
              "GradScaler does) and count it."),
+    Variable("ESPRESSO_COMPRESSION_ERROR_EVERY", "compression_error_every", _int(0), 100,
+             "Every this many iterations each rank measures the relative compression error "
+             "of every compressed bucket (norm of what it sent minus its gradient over the "
+             "gradient's norm; error feedback's carried residual counted) and rank 0 logs "
+             "them. 0: never."),
+    Variable("ESPRESSO_COMPRESSION_ERROR_BUDGET", "compression_error_budget",
+             _optional_float(0.0), None,
+             "When set, a compressed bucket whose measured error (the largest over ranks) "
+             "exceeds it is synchronized uncompressed from then on, on every rank."),
     Variable("ESPRESSO_PROFILE_OUT", "profile_out", _optional, None,
              "Directory where rank 0 writes the measured workload and planned strategy."),
     Variable("ESPRESSO_CPU_THREADS", "cpu_threads", _int(1, 1024), 2,
@@ -372,6 +388,8 @@ class Config:
     trial_steps: int = 6
     bucket_cap_mb: float | None = None
     nonfinite: str = "error"
+    compression_error_every: int = 100
+    compression_error_budget: float | None = None
     profile_out: str | None = None
     cpu_threads: int = 2
     seed: int = 0

@@ -244,8 +244,10 @@ def draw_predicted_timeline(profile: Path, picture: Path, compressor: str,
     from byteps_espresso.strategy.context import PlanContext
     from byteps_espresso.strategy.plot import draw_timelines
 
-    workload, cluster, costs = read_profile(profile)
+    _, cluster, costs = read_profile(profile)
     strategy = Strategy.load(profile / "strategy.json")
+    # the workload as planned: one tensor per bucket when the plan fuses
+    workload = strategy.workload
     ctx = PlanContext(workload, cluster, compressor, params, costs, Constraints())
     fp32 = get("fp32").run(ctx)
     chosen = ctx.index([strategy.options[name] for name in workload.names])

@@ -70,6 +70,17 @@ class CodecPair:
             if error_feedback:
                 comp = kernels.ErrorFeedback(comp)
             self._by_device[dev] = comp
+        # While True, every compress() also decodes its payload and records the compression
+        # error (the optimizer sets it for one iteration in ESPRESSO_COMPRESSION_ERROR_EVERY).
+        self.measuring = False
+        self._errors: dict[str, tuple[float, float]] = {}
+
+    def take_errors(self) -> dict[str, tuple[float, float]]:
+        """{compression name: (squared norm of what was sent minus the input, squared norm
+        of the input)} for every compression since the last call. With error feedback what
+        was sent carries the residual of earlier iterations, and counts against the input."""
+        errors, self._errors = self._errors, {}
+        return errors
 
     def compressor(self, device: Device) -> kbase.Compressor:
         return self._by_device[device]
@@ -89,7 +100,13 @@ class CodecPair:
             payload, _ = comp.compress(host, name=cname, step=step)
         else:
             payload, _ = comp.compress(dense.detach().contiguous(), name=cname, step=step)
-        return tuple(payload)
+        payload = tuple(payload)
+        if self.measuring:
+            sent = self.decompress(device, payload, dense.numel(), cname, step)
+            x = dense.detach().reshape(-1).to(sent.device, torch.float32)
+            # dict assignment is atomic: lanes and the host pool compress concurrently
+            self._errors[cname] = (float(torch.sum((sent - x) ** 2)), float(torch.sum(x * x)))
+        return payload
 
     def _ctx(self, device: Device, numel: int, cname: str, step: int) -> kbase.Ctx:
         return self._by_device[device].context((numel,), "float32", name=cname, step=step)

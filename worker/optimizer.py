@@ -30,6 +30,7 @@ import abc
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ __all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "NonFiniteG
            "Plan", "StartupProfile"]
 
 log = logging.getLogger(__name__)
+
+# Buckets named per compression-error log line (the largest errors).
+_ERRORS_LOGGED = 8
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -320,6 +324,8 @@ class _Sync:
         self.nonfinite = self.session.runtime.cfg.nonfinite
         self.skip_step = False  # this iteration's update is skipped (a non-finite gradient)
         self.skipped = 0
+        # The last measured relative compression error per compressed bucket (largest first).
+        self.compression_errors: dict[str, float] = {}
         # Order index of the first non-finite gradient of each bucket of this iteration that
         # had one on this rank (see _check_finite).
         self.bad: list[int] = []
@@ -388,6 +394,10 @@ class _Sync:
             self.submitted += 1
 
     def _submit(self, bucket: _Bucket) -> None:
+        if self.submitted == 0 and self.codec is not None:  # the iteration's first bucket
+            every = self.session.runtime.cfg.compression_error_every
+            self.codec.measuring = bool(self.options is not None and self.trials is None
+                                        and every and self.iteration % every == 0)
         if bucket.buffer is None:
             p = self.params[bucket.tensors[0]]
             flat = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -458,6 +468,9 @@ class _Sync:
         self._check_finite(results, timeout)
         for bucket, total in results:
             self._write_back(bucket, total)
+        if self.codec is not None and self.codec.measuring:
+            self.codec.measuring = False
+            self._compression_errors(timeout)
         self.handles.clear()
         self.count = dict.fromkeys(self.order, 0)
         self.next = self.submitted = 0
@@ -521,6 +534,40 @@ class _Sync:
         raise NonFiniteGradientError(
             f"{message}; every rank stops. Lower the learning rate, clip gradients, or set "
             "ESPRESSO_NONFINITE=skip to skip such steps as AMP's GradScaler does")
+
+    # ---- compression error ----------------------------------------------------------------
+    def _compression_errors(self, timeout: float) -> None:
+        """Log this iteration's relative compression error per compressed bucket and, with
+        ``ESPRESSO_COMPRESSION_ERROR_BUDGET``, send the buckets over it uncompressed from now
+        on (decided on the largest error over ranks, so every rank switches alike)."""
+        assert self.codec is not None and self.options is not None
+        sums: dict[str, list[float]] = {}
+        for cname, (err2, norm2) in self.codec.take_errors().items():
+            acc = sums.setdefault(cname.rpartition("#")[0], [0.0, 0.0])
+            acc[0] += err2
+            acc[1] += norm2
+        names = [b.name for b in self.buckets if self.options[b.name].is_compressed]
+        errors = [math.sqrt(sums[n][0] / sums[n][1]) if n in sums and sums[n][1] > 0 else 0.0
+                  for n in names]
+        budget = self.session.runtime.cfg.compression_error_budget
+        if budget is not None and names:
+            every = self.engine.call(0, lambda ex: ex.transport.allgather(
+                Scope.FLAT, torch.tensor(errors, dtype=torch.float64),
+                [len(errors)] * self.world), "espresso.compression_error").wait(timeout)
+            errors = every.reshape(self.world, len(names)).amax(0).tolist()
+        measured = sorted(((e, n) for e, n in zip(errors, names, strict=True) if e > 0),
+                          reverse=True)
+        self.compression_errors = {n: e for e, n in measured}
+        if measured and self.session.runtime.topology.rank == 0:
+            log.info("relative compression error at iteration %d (%s), largest first: %s",
+                     self.iteration, "largest over ranks" if budget is not None else "rank 0",
+                     ", ".join(f"{n} {e:.3f}" for e, n in measured[:_ERRORS_LOGGED]))
+        over = [n for e, n in measured if budget is not None and e > budget]
+        if over:
+            self.options = {**self.options, **dict.fromkeys(over, self.session.fp32)}
+            log.warning("%d bucket(s) over ESPRESSO_COMPRESSION_ERROR_BUDGET=%g are "
+                        "synchronized uncompressed from now on: %s", len(over), budget,
+                        ", ".join(over[:_ERRORS_LOGGED]))
 
     def _write_back(self, bucket: _Bucket, total: torch.Tensor) -> None:
         """The average over workers into each member's ``.grad``."""
