@@ -71,6 +71,18 @@ def _float(low: float) -> Callable[[str], float]:
     return parse
 
 
+def _patterns(text: str) -> tuple[str, ...] | None:
+    stripped = text.strip()
+    if not stripped:
+        return None
+    if stripped.lower() == "none":
+        return ()
+    patterns = tuple(p.strip() for p in stripped.split(","))
+    if not all(patterns):
+        raise ValueError("must be comma-separated name globs without empty items, or `none`")
+    return patterns
+
+
 def _optional_float(low: float) -> Callable[[str], float | None]:
     def parse(text: str) -> float | None:
         return _float(low)(text) if text.strip() else None
@@ -269,6 +281,10 @@ VARIABLES: tuple[Variable, ...] = (
              "A NaN or Inf gradient on any rank: `error` stops every rank naming the tensor, "
              "rank and step; `skip` makes every rank skip that optimizer step (as AMP's "
              "GradScaler does) and count it."),
+    Variable("ESPRESSO_EXCLUDE", "exclude", _patterns, None,
+             "Parameters `Compression.espresso` keeps uncompressed, as comma-separated name "
+             "globs (`*.bias,*norm*`; `none`: compress any). Unset: those of at most one "
+             "dimension (biases, normalization scales). `exclude=` in code wins."),
     Variable("ESPRESSO_COMPRESSION_ERROR_EVERY", "compression_error_every", _int(0), 100,
              "Every this many iterations each rank measures the relative compression error "
              "of every compressed bucket (norm of what it sent minus its gradient over the "
@@ -388,6 +404,7 @@ class Config:
     trial_steps: int = 6
     bucket_cap_mb: float | None = None
     nonfinite: str = "error"
+    exclude: tuple[str, ...] | None = None
     compression_error_every: int = 100
     compression_error_budget: float | None = None
     profile_out: str | None = None

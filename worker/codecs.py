@@ -75,6 +75,22 @@ class CodecPair:
         self.measuring = False
         self._errors: dict[str, tuple[float, float]] = {}
 
+    def correct_momentum(self, momentum: float, clip_norm: float | None, workers: int) -> None:
+        """Run DGC's recipe around the compressor on both devices (Lin et al., ICLR 2018;
+        ``kernels.momentum.MomentumCorrection``): momentum correction with local
+        accumulation, local gradient clipping at ``clip_norm / sqrt(workers)`` (None: no
+        clipping) and momentum factor masking. It replaces error feedback, which it contains.
+        """
+        from byteps_espresso.kernels.momentum import MomentumCorrection
+
+        from byteps_espresso import kernels
+
+        for dev, backend in _BACKEND.items():
+            self._by_device[dev] = MomentumCorrection(
+                kernels.create(self.name, backend=backend, **self.params), momentum=momentum,
+                masking=True, clip_norm=clip_norm, workers=workers)
+        self.error_feedback = False
+
     def take_errors(self) -> dict[str, tuple[float, float]]:
         """{compression name: (squared norm of what was sent minus the input, squared norm
         of the input)} for every compression since the last call. With error feedback what

@@ -79,6 +79,10 @@ class CompressionSpec(abc.ABC):
     def codec(self, session: Session) -> CodecPair | None:
         """The compressor the Options use (None for uncompressed)."""
 
+    def excluded(self, session: Session, params: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        """Parameters the plan must leave uncompressed."""
+        return frozenset()
+
     def probes(self, session: Session, numels: Sequence[int]) -> Any | None:
         """Cost probes to run in the lanes during the profiled iterations (None: none)."""
         return None
@@ -118,12 +122,14 @@ class StartupProfile:
         probes: the spec's lane probes (see :meth:`CompressionSpec.probes`), or None.
         buckets: {bucket name: elements} of the buckets the profiled iterations
             synchronized, in submission order (the probes timed their steps).
+        excluded: parameters to keep uncompressed (:meth:`CompressionSpec.excluded`).
     """
 
     ready: list[dict[str, float]]
     starts: list[float]
     probes: Any | None = None
     buckets: dict[str, int] = field(default_factory=dict)
+    excluded: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,9 @@ class Compression:
     @staticmethod
     def espresso(compressor: str = "randomk", *, error_feedback: bool | None = None,
                  algorithm: str = "espresso", constraints: Any | None = None,
-                 recompress: bool = False, **params: Any) -> CompressionSpec:
+                 recompress: bool = False, exclude: Sequence[str] | None = None,
+                 momentum_correction: bool | None = None, clip_norm: float | None = None,
+                 **params: Any) -> CompressionSpec:
         """Profile, then plan a per-tensor strategy with the strategy engine.
 
         Args:
@@ -184,6 +192,16 @@ class Compression:
                 (sums re-compressed between hierarchy levels or by the servers). Off by
                 default: each compression adds its error to the update, so Espresso's plan
                 keeps one (``max-lossy=1``) unless ``constraints`` sets ``max_lossy``.
+            momentum_correction: for ``dgc`` (default on): DGC's recipe as its paper runs it
+                (Lin et al., ICLR 2018): momentum correction with local accumulation,
+                momentum factor masking and, with ``clip_norm=C``, local gradient clipping at
+                ``C / sqrt(workers)``; the sparsity warm-up follows dgc's ``warmup_steps``.
+                The wrapped SGD's momentum and weight decay are applied before
+                communication instead (the optimizer then steps with neither).
+            exclude: name globs (``fnmatch``) of parameters to keep uncompressed, e.g.
+                ``["*.bias", "*norm*"]``; ``[]`` compresses any. Default: ``ESPRESSO_EXCLUDE``,
+                else every parameter of at most one dimension. Kept out of compressed
+                buckets (they are fused only with each other).
             **params: the compressor's parameters (``ratio=0.01``, ``seed=...``).
         """
         from byteps_espresso.worker.profiler import EspressoSpec
@@ -194,7 +212,18 @@ class Compression:
             base = constraints if constraints is not None else Constraints()
             if base.max_lossy is None:
                 constraints = dataclasses.replace(base, max_lossy=1)
-        return EspressoSpec(compressor, dict(params), error_feedback, algorithm, constraints)
+        if isinstance(exclude, str):
+            raise TypeError(f"exclude must be a list of name patterns, e.g. [{exclude!r}]")
+        if momentum_correction is None:
+            momentum_correction = compressor == "dgc"
+        if clip_norm is not None and not momentum_correction:
+            raise ValueError("clip_norm is part of DGC's recipe: use it with compressor='dgc' "
+                             "(or momentum_correction=True)")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
+        return EspressoSpec(compressor, dict(params), error_feedback, algorithm, constraints,
+                            None if exclude is None else tuple(exclude),
+                            {"clip_norm": clip_norm} if momentum_correction else None)
 
     @staticmethod
     def strategy(path: str) -> CompressionSpec:
@@ -278,7 +307,7 @@ class _Bucket:
     __slots__ = ("buffer", "flagged", "name", "numels", "offsets", "tensors")
 
     def __init__(self, bucket: Bucket, params: Mapping[str, torch.Tensor],
-                 device: torch.device, flagged: bool = False) -> None:
+                 device: torch.device, flagged: bool = False, owned: bool = False) -> None:
         self.name = bucket.name
         self.tensors = bucket.tensors
         self.numels = [params[n].numel() for n in bucket.tensors]
@@ -290,7 +319,7 @@ class _Bucket:
         # written in place every iteration (DDP's bucket buffers).
         self.buffer = (torch.empty(sum(self.numels) + flagged, dtype=torch.float32,
                                    device=device)
-                       if bucket.fused or flagged else None)
+                       if bucket.fused or flagged or owned else None)
 
 
 class _Sync:
@@ -330,6 +359,14 @@ class _Sync:
         # had one on this rank (see _check_finite).
         self.bad: list[int] = []
         self.codec = compression.codec(self.session)
+        # DGC's recipe: (momentum, weight decay) applied before communication, and each
+        # parameter's velocity while its bucket goes uncompressed (see _corrected).
+        self.momentum: tuple[float, float] | None = None
+        self.velocity: dict[str, torch.Tensor] = {}
+        recipe = getattr(compression, "recipe", None)
+        if recipe is not None and self.codec is not None:
+            self.momentum = _take_momentum(opt)
+            self.codec.correct_momentum(self.momentum[0], recipe.get("clip_norm"), self.world)
         self.engine: Engine = self.session.plain
         self.options: dict[str, Option] | None = None
         # Each gradient is divided by `predivide` before it is sent and the sum by `divisor`
@@ -355,7 +392,8 @@ class _Sync:
         """Synchronize in ``buckets`` from the next iteration on (every rank the same)."""
         check_layout(buckets, self.order, "the strategy's buckets")
         last = len(buckets) - 1
-        self.buckets = [_Bucket(b, self.params, self.device, flagged=i == last)
+        self.buckets = [_Bucket(b, self.params, self.device, flagged=i == last,
+                                owned=self.momentum is not None)
                         for i, b in enumerate(buckets)]
         ends, end = [], 0
         for b in self.buckets:
@@ -398,23 +436,12 @@ class _Sync:
             every = self.session.runtime.cfg.compression_error_every
             self.codec.measuring = bool(self.options is not None and self.trials is None
                                         and every and self.iteration % every == 0)
-        if bucket.buffer is None:
-            p = self.params[bucket.tensors[0]]
-            flat = p.grad if p.grad is not None else torch.zeros_like(p)
-        else:
-            flat = bucket.buffer
-            for name, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels,
-                                           strict=True):
-                grad = self.params[name].grad
-                piece = flat[offset:offset + numel]
-                if grad is None:
-                    piece.zero_()
-                else:
-                    piece.copy_(grad.reshape(-1))
+        option = self.options[bucket.name] if self.options is not None else self.session.fp32
+        flat = self._corrected(bucket, option) if self.momentum is not None \
+            else self._gathered(bucket)
         if self.predivide != 1.0:  # the buffer is ours; a bucket of one is the user's .grad
             flat = flat.div_(self.predivide) if bucket.buffer is not None \
                 else flat / self.predivide
-        option = self.options[bucket.name] if self.options is not None else self.session.fp32
         members = flat[:-1] if bucket.flagged else flat
         if not _finite(members):
             self.bad.append(self._first_nonfinite(bucket, members))
@@ -432,6 +459,56 @@ class _Sync:
         if (self.submitted + 1 == len(self.buckets) and self.options is None
                 and self.probes is not None):
             self.probes.issue(self.engine, self.iteration)
+
+    def _gathered(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's gradients: its buffer filled, or a bucket of one's own ``.grad``."""
+        if bucket.buffer is None:
+            p = self.params[bucket.tensors[0]]
+            return p.grad if p.grad is not None else torch.zeros_like(p)
+        flat = bucket.buffer
+        for name, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels,
+                                       strict=True):
+            grad = self.params[name].grad
+            piece = flat[offset:offset + numel]
+            if grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(grad.reshape(-1))
+        return flat
+
+    def _corrected(self, bucket: _Bucket, option: Option) -> torch.Tensor:
+        """The bucket's input under DGC's recipe, in its buffer.
+
+        Weight decay joins every gradient before communication (the parameters are the same
+        on every rank, so the sum carries it once per worker, as the optimizer would add it
+        to the average). An uncompressed bucket carries each member's velocity
+        ``u = momentum * u + g``: the average of the workers' velocities is the velocity of
+        the average, so the optimizer, stepping without momentum, does what it would have.
+        A compressed bucket leaves momentum to the codec's correction and masking, and its
+        members' velocities here start again from zero if they are ever sent uncompressed.
+        """
+        momentum, decay = self.momentum  # type: ignore[misc]
+        flat = bucket.buffer
+        assert flat is not None
+        for name, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels,
+                                       strict=True):
+            p = self.params[name]
+            piece = flat[offset:offset + numel]
+            if p.grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(p.grad.reshape(-1))
+            if decay:
+                piece.add_(p.detach().reshape(-1), alpha=decay)
+            if option.is_compressed:
+                self.velocity.pop(name, None)
+                continue
+            u = self.velocity.get(name)
+            if u is None:
+                self.velocity[name] = piece.clone()
+            else:
+                piece.copy_(u.mul_(momentum).add_(piece))
+        return flat
 
     def pending(self) -> bool:
         return bool(self.handles)
@@ -457,6 +534,7 @@ class _Sync:
         self.passes = passes
 
     def synchronize(self) -> None:
+        compression = self.compression
         if self.synced:  # nothing arrived since the last synchronize(): already averaged
             return
         if self.next < len(self.order):  # parameters without (enough) gradients
@@ -483,7 +561,8 @@ class _Sync:
             if self.iteration >= self._profile_steps:
                 self._apply_plan(StartupProfile(
                     self.ready_times, self.starts, self.probes,
-                    {b.name: sum(b.numels) for b in self.buckets}))
+                    {b.name: sum(b.numels) for b in self.buckets},
+                    compression.excluded(self.session, self.params)))
         elif self.trials is not None:
             self._trial_step()
         self.ended = time.perf_counter()
@@ -633,6 +712,32 @@ def _finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in ``t``: one reduction without a temporary (a sum is NaN or infinite
     when any element is), and the exact check only when the sum overflowed."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def _take_momentum(opt: torch.optim.Optimizer) -> tuple[float, float]:
+    """The wrapped SGD's (momentum, weight decay), set to 0 in every parameter group: DGC's
+    recipe applies both before communication.
+
+    Raises:
+        ValueError: not SGD-like, or settings the recipe cannot move (nesterov, dampening,
+            different values per group).
+    """
+    groups = opt.param_groups
+    if any("momentum" not in g for g in groups):
+        raise ValueError(f"DGC's momentum correction needs SGD with momentum, not "
+                         f"{type(opt).__name__}; pass momentum_correction=False to use dgc as a "
+                         "sparsifier with error feedback")
+    if any(g.get("nesterov") or g.get("dampening", 0) for g in groups):
+        raise ValueError("DGC's momentum correction implements plain momentum: use SGD "
+                         "without nesterov and dampening, or momentum_correction=False")
+    values = {(float(g["momentum"]), float(g.get("weight_decay", 0.0))) for g in groups}
+    if len(values) > 1:
+        raise ValueError(f"DGC's momentum correction needs one momentum and weight decay for "
+                         f"every parameter group, got {sorted(values)}")
+    for g in groups:
+        g["momentum"] = 0.0
+        g["weight_decay"] = 0.0
+    return values.pop()
 
 
 def default_layout(session: Session, tensors: Sequence[tuple[str, int]]) -> tuple[Bucket, ...]:

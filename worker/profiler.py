@@ -33,6 +33,7 @@ After the last profiled iteration every rank calls :meth:`EspressoSpec.plan`, wh
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import statistics
@@ -81,6 +82,18 @@ def default_error_feedback(compressor: str, params: Mapping[str, Any]) -> bool:
     if compressor == "randomk" and params.get("scale", False):
         return False
     return compressor in _NEEDS_EF
+
+
+def excluded_names(params: Mapping[str, Any], patterns: Sequence[str] | None) -> frozenset[str]:
+    """The parameters kept out of compression: those whose name matches one of ``patterns``
+    (``fnmatch`` globs, e.g. ``*.bias``), or by default (``None``) those of at most one
+    dimension: biases and normalization scales, which DGC's and PowerSGD's reference
+    implementations send uncompressed (their elementwise error is a large share of a small
+    tensor, and they save almost nothing)."""
+    if patterns is None:
+        return frozenset(name for name, p in params.items() if p.dim() <= 1)
+    return frozenset(name for name in params
+                     if any(fnmatch.fnmatchcase(name, pat) for pat in patterns))
 
 
 def _codec(session: Session, compressor: str, params: Mapping[str, Any],
@@ -527,9 +540,19 @@ class EspressoSpec(CompressionSpec):
     error_feedback: bool | None = None
     algorithm: str = "espresso"
     constraints: Any | None = None
+    exclude: tuple[str, ...] | None = None
+    # DGC's recipe (``{"clip_norm": ...}``): momentum correction, clipping and masking move
+    # into the codec and the optimizer's momentum before communication; None: not used.
+    recipe: Mapping[str, Any] | None = None
 
     def profile_steps(self, session: Session) -> int:
         return max(1, session.runtime.cfg.profile_steps)
+
+    def excluded(self, session: Session, params: Mapping[str, Any]) -> frozenset[str]:
+        patterns = self.exclude
+        if patterns is None and session.runtime.cfg.exclude is not None:
+            patterns = session.runtime.cfg.exclude
+        return excluded_names(params, patterns)
 
     def codec(self, session: Session) -> CodecPair | None:
         return _codec(session, self.compressor, self.params, self.error_feedback)
@@ -575,22 +598,32 @@ class EspressoSpec(CompressionSpec):
             t0 = time.perf_counter()
             planned: dict[tuple[str, ...], list[Strategy]] = {}
 
+            apart = profile.excluded if profile is not None else frozenset()
+            if apart:
+                log.info("kept uncompressed (exclude=, ESPRESSO_EXCLUDE or at most one "
+                         "dimension): %d parameter(s), e.g. %s", len(apart), sorted(apart)[:4])
+
             def plan_layout(fused: Any) -> float:
+                # Excluded gradients share buckets only with each other (layout_apart): a
+                # bucket led by one holds none else.
+                pinned = frozenset(t.name for t in fused.tensors
+                                   if t.name.rsplit("+", 1)[0] in apart or t.name in apart)
                 # Trials only when the planner chose freely: a baseline asked for by name runs.
                 if self._trials(session):
                     out = plan_finalists(fused, cluster, self.compressor, dict(self.params),
                                          within=_TRIAL_WITHIN, constraints=self.constraints,
-                                         costs=costs)
+                                         costs=costs, pinned=pinned)
                 else:
                     out = [plan(fused, cluster, self.compressor, dict(self.params),
                                 algorithm=self.algorithm, constraints=self.constraints,
-                                costs=costs)]
+                                costs=costs, pinned=pinned)]
                 planned[tuple(fused.names)] = out
                 return out[0].predicted_ms
 
             cap_mb = rt.cfg.bucket_cap_mb
             buckets, tried = plan_fused(
-                workload, plan_layout, CANDIDATE_CAPS if cap_mb is None else (int(cap_mb * MiB),))
+                workload, plan_layout, CANDIDATE_CAPS if cap_mb is None else (int(cap_mb * MiB),),
+                apart=apart)
             kept = buckets if any(b.fused for b in buckets) else ()
             finalists = [replace(s, buckets=kept)
                          for s in planned[tuple(b.name for b in buckets)]]

@@ -32,7 +32,8 @@ from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.options import Device, Option
 
 __all__ = ["ALGORITHMS", "BRUTEFORCE_LIMIT", "Algorithm", "BaselineUnavailable",
-           "BruteforceTooLarge", "Solution", "fp32_option", "get", "register"]
+           "BruteforceTooLarge", "Solution", "fp32_baseline_option", "fp32_option", "get",
+           "register"]
 
 # Bruteforce simulates at most this many strategies (about 1 s on one core for 4 tensors).
 BRUTEFORCE_LIMIT = 300_000
@@ -127,7 +128,12 @@ def fp32_option(machines: int, local_size: int, servers: int) -> Option:
     return Option.parse("PushPull(flat)" if servers > 0 else "Allreduce(flat)")
 
 
-def _fp32_option(ctx: PlanContext) -> Option:
+def fp32_baseline_option(ctx: PlanContext) -> Option:
+    """:func:`fp32_option` on ``ctx``'s cluster.
+
+    Raises:
+        BaselineUnavailable: the constraints do not allow it.
+    """
     c = ctx.cluster
     option = fp32_option(c.machines, c.gpus_per_machine, c.servers)
     if not ctx.allowed(option):
@@ -148,7 +154,7 @@ def _espresso(ctx: PlanContext) -> Solution:
 
 @register("fp32", "no compression, hierarchical like BytePS")
 def _fp32(ctx: PlanContext) -> Solution:
-    opt = _fp32_option(ctx)
+    opt = fp32_baseline_option(ctx)
     return _per_tensor(ctx, lambda i: opt)
 
 
@@ -162,7 +168,7 @@ def _all_gpu(ctx: PlanContext) -> Solution:
 
 @register("hipress", "large tensors compressed on GPU, each tensor's scheme chosen alone")
 def _hipress(ctx: PlanContext) -> Solution:
-    dense = _fp32_option(ctx)
+    dense = fp32_baseline_option(ctx)
     gpu_options = ctx.single_device(Device.GPU)
     if not any(o.is_compressed for o in gpu_options):
         raise BaselineUnavailable("hipress: no GPU compression allowed")
@@ -177,7 +183,7 @@ def _hipress(ctx: PlanContext) -> Solution:
 
 @register("cpu-only", "intra Reduce, CPU compression, PS push/pull (BytePS-Compress)")
 def _cpu_only(ctx: PlanContext) -> Solution:
-    dense = _fp32_option(ctx)
+    dense = fp32_baseline_option(ctx)
     comp = _first_allowed(ctx, [
         "Reduce(intra) -> Comp(cpu) -> PushPullC(inter) -> Decomp(cpu) -> Broadcast(intra)",
         "Comp(cpu) -> PushPullC(flat) -> Decomp(cpu)"], "cpu-only")

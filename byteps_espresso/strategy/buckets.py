@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from byteps_espresso.strategy.workload import TensorProfile, Workload
 
 __all__ = ["CANDIDATE_CAPS", "DEFAULT_CAP_BYTES", "DEFAULT_FIRST_CAP_BYTES", "Bucket",
-           "BucketError", "MiB", "check_layout", "fuse", "layout", "plan_fused", "singletons"]
+           "BucketError", "MiB", "check_layout", "fuse", "layout", "layout_apart", "plan_fused",
+           "reorder", "singletons"]
 
 MiB = 1 << 20
 # DDP's defaults (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and the
@@ -112,6 +113,50 @@ def layout(tensors: Sequence[tuple[str, int]], cap_bytes: int,
     return tuple(out)
 
 
+def layout_apart(tensors: Sequence[tuple[str, int]], cap_bytes: int,
+                 first_cap_bytes: int | None = None,
+                 apart: frozenset[str] = frozenset()) -> tuple[Bucket, ...]:
+    """:func:`layout`, with the gradients in ``apart`` fused only with each other.
+
+    Gradients kept out of compression (``Compression.espresso(exclude=...)``) must not share
+    a bucket with compressed ones: each kind gets its own greedy layout, and the buckets of
+    both are merged in the order their last members become ready. Their members in that order
+    are the new submission order (a gradient waits for its bucket anyway), and the layout
+    cuts it into consecutive runs; :func:`reorder` gives the workload in that order.
+    """
+    if not apart:
+        return layout(tensors, cap_bytes, first_cap_bytes)
+    position = {name: i for i, (name, _) in enumerate(tensors)}
+    kept = layout([t for t in tensors if t[0] not in apart], cap_bytes, first_cap_bytes)
+    alone = layout([t for t in tensors if t[0] in apart], cap_bytes, first_cap_bytes)
+    return tuple(sorted(kept + alone, key=lambda b: position[b.tensors[-1]]))
+
+
+def reorder(workload: Workload, order: Sequence[str]) -> Workload:
+    """``workload`` with its gradients submitted in ``order`` (a permutation of its names).
+
+    A gradient is handed over once every gradient before it in ``order`` is ready, so each
+    one's ready time becomes the latest ready time up to it; the gaps follow from those.
+
+    Raises:
+        BucketError: ``order`` is not a permutation of the workload's names.
+    """
+    if sorted(order) != sorted(workload.names):
+        raise BucketError(f"a submission order of {workload.model} must name every gradient "
+                          "once")
+    ready, at = {}, 0.0
+    for t in workload.tensors:
+        at += t.ready_gap_us
+        ready[t.name] = at
+    by_name = {t.name: t for t in workload.tensors}
+    tensors, latest = [], 0.0
+    for name in order:
+        now = max(latest, ready[name])
+        tensors.append(TensorProfile(name, by_name[name].numel, now - latest))
+        latest = now
+    return Workload(tuple(tensors), workload.forward_us, workload.model, workload.source)
+
+
 def check_layout(buckets: Sequence[Bucket], order: Sequence[str], where: str = "buckets") -> None:
     """Check that ``buckets`` cut ``order`` (backward order) into consecutive runs.
 
@@ -154,7 +199,8 @@ def fuse(workload: Workload, buckets: Sequence[Bucket]) -> Workload:
 
 def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],
                caps: Sequence[int] = CANDIDATE_CAPS,
-               first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES) \
+               first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES,
+               apart: frozenset[str] = frozenset()) \
         -> tuple[tuple[Bucket, ...], list[tuple[int, float]]]:
     """The layout whose plan is predicted fastest, among the greedy layouts of ``caps``.
 
@@ -163,6 +209,7 @@ def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],
         plan_one: plans a fused workload, returning its predicted iteration time.
         caps: bucket caps to try (bytes); layouts that two caps produce alike are planned once.
         first_cap_bytes: the first bucket's cap, for every ``cap`` above it.
+        apart: gradients fused only with each other (:func:`layout_apart`).
 
     Returns:
         (the kept layout, [(cap, predicted) for each distinct layout planned]); a tie keeps
@@ -173,10 +220,12 @@ def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],
     tried: list[tuple[int, float]] = []
     best: tuple[Bucket, ...] | None = None
     for cap in sorted(caps):
-        buckets = layout(tensors, cap, min(first_cap_bytes, cap) if cap else None)
+        buckets = layout_apart(tensors, cap, min(first_cap_bytes, cap) if cap else None, apart)
         if buckets in seen:
             continue
-        seen[buckets] = predicted = plan_one(fuse(workload, buckets))
+        ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart \
+            else workload
+        seen[buckets] = predicted = plan_one(fuse(ordered, buckets))
         tried.append((cap, predicted))
         if best is None or predicted < seen[best]:
             best = buckets

@@ -48,11 +48,36 @@ def _key(options: dict[str, Option]) -> tuple[str, ...]:
     return tuple(map(str, options.values()))
 
 
+def _pin(solution: baselines.Solution, pinned: frozenset[str]) -> baselines.Solution:
+    """``solution`` with every tensor of ``pinned`` that it compresses on the fp32 Option,
+    priced again (the search chose the others without knowing; a pinned tensor it left
+    uncompressed keeps its Option)."""
+    ctx = solution.ctx
+    names = ctx.workload.names
+    options = solution.options
+    moved = [i for i, n in enumerate(names) if n in pinned and options[i].is_compressed]
+    if not moved:
+        return solution
+    try:
+        dense = baselines.fp32_baseline_option(ctx)
+    except baselines.BaselineUnavailable:  # the constraints forbid it: any uncompressed one
+        allowed = ctx.uncompressed()
+        if not allowed:
+            raise ValueError(f"{len(moved)} tensor(s) must stay uncompressed (e.g. "
+                             f"{names[moved[0]]!r}), but the constraints allow no uncompressed "
+                             "Option; relax them or exclude fewer tensors") from None
+        dense = allowed[0]
+    choice = solution.choice.copy()
+    choice[moved] = ctx.index([dense])[0]
+    return baselines.Solution(choice, ctx.iteration_us(choice), ctx)
+
+
 def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str, Any] | None,
          *, algorithm: str, constraints: Constraints | None, costs: CompressorCosts | None,
-         baseline_names: tuple[str, ...]) \
+         baseline_names: tuple[str, ...], pinned: frozenset[str] = frozenset()) \
         -> tuple[Strategy, baselines.Solution, dict[str, baselines.Solution]]:
-    """The algorithm's Strategy and Solution, and the Solution of every available baseline."""
+    """The algorithm's Strategy and Solution, and the Solution of every available baseline;
+    the tensors in ``pinned`` uncompressed in all of them (:func:`_pin`)."""
     params = dict(params or {})
     algo = baselines.get(algorithm)
     # plan time: the model build (tree, prices, catalogue) and the search; search time: the
@@ -62,7 +87,7 @@ def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str
                       constraints or Constraints())
     ctx.prepare()
     t0 = time.perf_counter()
-    solution = algo.run(ctx)
+    solution = _pin(algo.run(ctx), pinned)
     t1 = time.perf_counter()
     search_ms, plan_ms = (t1 - t0) * 1e3, (t1 - t_plan) * 1e3
     others: dict[str, baselines.Solution] = {}
@@ -71,7 +96,7 @@ def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str
             others[name] = solution
             continue
         try:
-            others[name] = baselines.get(name).run(ctx)
+            others[name] = _pin(baselines.get(name).run(ctx), pinned)
         except baselines.BaselineUnavailable as exc:
             log.info("baseline %s skipped: %s", name, exc)
     reported = {name: sol.iteration_us / 1e3 for name, sol in others.items()}
@@ -85,13 +110,14 @@ def plan_with_timelines(workload: Workload, cluster: Cluster, compressor: str = 
                         params: dict[str, Any] | None = None, *, algorithm: str = "espresso",
                         constraints: Constraints | None = None,
                         costs: CompressorCosts | None = None,
-                        baseline_names: tuple[str, ...] = REPORTED_BASELINES) \
+                        baseline_names: tuple[str, ...] = REPORTED_BASELINES,
+                        pinned: frozenset[str] = frozenset()) \
         -> tuple[Strategy, dict[str, Timeline]]:
     """Like :func:`plan`, also returning the timelines of the chosen strategy ("chosen") and
     of the fp32 baseline ("fp32", when available)."""
     strategy, solution, others = _run(workload, cluster, compressor, params,
                                       algorithm=algorithm, constraints=constraints, costs=costs,
-                                      baseline_names=baseline_names)
+                                      baseline_names=baseline_names, pinned=pinned)
     timelines = {"chosen": solution.ctx.evaluator.timeline(solution.choice)}
     if "fp32" in others:
         fp32 = others["fp32"]
@@ -103,7 +129,8 @@ def plan_with_timelines(workload: Workload, cluster: Cluster, compressor: str = 
 def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "randomk",
                    params: dict[str, Any] | None = None, *, within: float,
                    algorithm: str = "espresso", constraints: Constraints | None = None,
-                   costs: CompressorCosts | None = None) -> list[Strategy]:
+                   costs: CompressorCosts | None = None,
+                   pinned: frozenset[str] = frozenset()) -> list[Strategy]:
     """The planned strategy first, then the alternatives predicted within ``within`` times
     its iteration time, fastest first, each option set once.
 
@@ -116,7 +143,7 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
     base = constraints or Constraints()
     strategy, _, others = _run(workload, cluster, compressor, params, algorithm=algorithm,
                                constraints=base, costs=costs,
-                               baseline_names=REPORTED_BASELINES)
+                               baseline_names=REPORTED_BASELINES, pinned=pinned)
     alternatives = [(name, _options(workload, sol),
                      sol.iteration_us / 1e3, base)
                     for name, sol in others.items() if name in RUNNABLE_BASELINES]
@@ -126,7 +153,8 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
         restricted = replace(base, **change)
         try:
             alt, _, _ = _run(workload, cluster, compressor, params, algorithm=algorithm,
-                             constraints=restricted, costs=costs, baseline_names=())
+                             constraints=restricted, costs=costs, baseline_names=(),
+                             pinned=pinned)
         except ValueError as exc:  # nothing left to plan with under the restriction
             log.info("finalist %s/%s skipped: %s", algorithm, label, exc)
             continue
@@ -145,8 +173,8 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
 
 def plan(workload: Workload, cluster: Cluster, compressor: str = "randomk",
          params: dict[str, Any] | None = None, *, algorithm: str = "espresso",
-         constraints: Constraints | None = None, costs: CompressorCosts | None = None) \
-        -> Strategy:
+         constraints: Constraints | None = None, costs: CompressorCosts | None = None,
+         pinned: frozenset[str] = frozenset()) -> Strategy:
     """Plan a per-tensor strategy.
 
     Args:
@@ -156,6 +184,7 @@ def plan(workload: Workload, cluster: Cluster, compressor: str = "randomk",
         algorithm: ``espresso`` or a baseline name (see ``baselines.ALGORITHMS``).
         constraints: prune the decision tree.
         costs: compression cost profile (default: the shipped, measured one).
+        pinned: tensors kept uncompressed (``Compression.espresso(exclude=...)``).
 
     Returns:
         The Strategy with its predicted iteration time and the baselines' times.
@@ -165,5 +194,6 @@ def plan(workload: Workload, cluster: Cluster, compressor: str = "randomk",
             input too large for ``bruteforce``.
     """
     strategy, _ = plan_with_timelines(workload, cluster, compressor, params,
-                                      algorithm=algorithm, constraints=constraints, costs=costs)
+                                      algorithm=algorithm, constraints=constraints, costs=costs,
+                                      pinned=pinned)
     return strategy

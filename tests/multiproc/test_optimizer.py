@@ -67,6 +67,30 @@ def test_workers_stay_identical_and_match_single_process(tmp_path, cluster, case
         assert np.array_equal(np.load(tmp_path / f"ranks_{r}.npy"), np.full(5, 6.0, np.float32))
 
 
+def _check_exact(out: Path, steps: int) -> None:
+    """Every rank's parameters after every step are identical and match _expected."""
+    expected = _expected(1, steps)
+    for step in range(steps):
+        got = [np.load(out / f"params_{step}_{r}.npy") for r in range(WORLD)]
+        for r in range(1, WORLD):
+            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+        np.testing.assert_allclose(got[0], expected[step], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(200)
+def test_dgc_recipe_moves_momentum_before_communication_exactly(tmp_path, cluster):
+    """Every step profiled, so every bucket goes uncompressed: each worker sends its own
+    velocity and SGD steps without momentum, which is SGD with momentum on the average."""
+    steps = 4
+    env = {"ESPRESSO_PROFILE_STEPS": str(steps + 1)}
+    with cluster.ps_job(servers=1) as root:
+        cluster.run_workers("optimizer_worker.py", [str(tmp_path), "dgc", "1", str(steps)],
+                            root_port=root, servers=1, timeout=150, extra_env=env)
+    # the optimizer stepped without momentum: the workers' velocities carried it
+    assert {(tmp_path / f"momentum_{r}.txt").read_text() for r in range(WORLD)} == {"0.0"}
+    _check_exact(tmp_path, steps)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("steps", "measured"), [(4, "in the lanes"), (1, "at start-up")],
                          ids=["lane-probes", "paused-probes"])
@@ -81,12 +105,7 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
     with cluster.ps_job(servers=1) as root:
         cluster.run_workers("optimizer_worker.py", [str(tmp_path), "espresso", "1", str(steps)],
                             root_port=root, servers=1, timeout=150, extra_env=env)
-    expected = _expected(1, steps)
-    for step in range(steps):
-        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
-        for r in range(1, WORLD):
-            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
-        np.testing.assert_allclose(got[0], expected[step], rtol=1e-5, atol=1e-5)
+    _check_exact(tmp_path, steps)
     cluster_json = json.loads((out / "cluster.json").read_text())
     assert cluster_json["intra_link"] == "measured"
     assert cluster_json["server_latency_us"] is not None and cluster_json["server_gbps"] > 0

@@ -14,7 +14,9 @@ from byteps_espresso.strategy.buckets import (
     check_layout,
     fuse,
     layout,
+    layout_apart,
     plan_fused,
+    reorder,
     singletons,
 )
 from byteps_espresso.strategy.workload import TensorProfile
@@ -136,3 +138,37 @@ def test_strategies_with_buckets_round_trip_and_bad_buckets_are_named(tmp_path):
     # Without buckets every option is one gradient.
     plain = plan(wl, Cluster.preset(2, 2, "pcie", 10), "randomk", {"ratio": 0.01})
     assert plain.layout == singletons(wl.names) and "buckets" not in plain.to_dict()
+
+
+def test_excluded_gradients_share_buckets_only_with_each_other():
+    # backward order: w3 b3 w2 b2 w1 b1 (weights of 1000 floats, biases of 10)
+    names = ["w3", "b3", "w2", "b2", "w1", "b1"]
+    wl = Workload(tuple(TensorProfile(n, 1000 if n[0] == "w" else 10, 5.0) for n in names), 1.0)
+    tensors = [(t.name, t.numel) for t in wl.tensors]
+    apart = frozenset({"b3", "b2", "b1"})
+    got = layout_apart(tensors, 8000, 4000, apart)  # 2 weights a bucket, a 1-weight first one
+    assert [b.tensors for b in got] == [("w3",), ("w2", "w1"), ("b3", "b2", "b1")]
+    assert layout_apart(tensors, 8000, 4000) == layout(tensors, 8000, 4000)
+    order = [n for b in got for n in b.tensors]
+    check_layout(got, order)  # consecutive runs of the new submission order
+    moved = reorder(wl, order)
+    # a gradient is handed over once every one before it is: b3 (ready at 10 us) waits for
+    # w1 (25 us), b1 is ready at 30 us
+    assert [t.name for t in moved.tensors] == order
+    assert [t.ready_gap_us for t in moved.tensors] == [5.0, 10.0, 10.0, 0.0, 0.0, 5.0]
+    fused = fuse(moved, got)
+    assert [t.ready_gap_us for t in fused.tensors] == [5.0, 20.0, 5.0]
+    with pytest.raises(BucketError, match="every gradient once"):
+        reorder(wl, order[:-1])
+
+
+def test_pinned_tensors_stay_uncompressed_and_the_plan_is_priced_so():
+    wl = Workload.builtin("vgg16")
+    cluster = Cluster.preset(8, 8, "pcie", 25)
+    free = plan(wl, cluster, "randomk", {"ratio": 0.01})
+    big = [n for n, o in free.options.items() if o.is_compressed][:3]
+    assert big  # the free plan compresses these
+    pinned = plan(wl, cluster, "randomk", {"ratio": 0.01}, pinned=frozenset(big))
+    assert all(not pinned.options[n].is_compressed for n in big)
+    assert pinned.predicted_ms >= free.predicted_ms - 1e-9  # a constraint cannot help
+    assert pinned.baselines["all-gpu"] > free.baselines["all-gpu"]  # baselines pinned too

@@ -186,3 +186,44 @@ def test_espresso_plans_one_lossy_compression_unless_recompression_is_allowed():
             == Constraints(max_lossy=3))
     # a baseline asked for by name runs as its authors defined it
     assert bps.Compression.espresso("dgc", algorithm="cpu-only").constraints is None
+
+
+def test_exclusion_by_pattern_or_by_default_every_parameter_of_one_dimension():
+    from byteps_espresso.worker.profiler import excluded_names
+
+    from byteps_espresso.config import Config
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    params = dict(net.named_parameters())
+    assert excluded_names(params, None) == {"0.bias", "1.weight", "1.bias", "2.bias"}
+    assert excluded_names(params, ("2.*",)) == {"2.weight", "2.bias"}
+    assert excluded_names(params, ()) == frozenset()
+    base = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "0",
+            "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9100"}
+    assert (Config.from_env({**base, "ESPRESSO_EXCLUDE": "*.bias, 1.*"}).exclude
+            == ("*.bias", "1.*"))
+    assert Config.from_env({**base, "ESPRESSO_EXCLUDE": "none"}).exclude == ()
+    assert Config.from_env(base).exclude is None
+    with pytest.raises(ValueError, match="ESPRESSO_EXCLUDE"):
+        Config.from_env({**base, "ESPRESSO_EXCLUDE": "*.bias,,x"})
+    assert bps.Compression.espresso("topk", exclude=["*.bias"]).exclude == ("*.bias",)
+    with pytest.raises(TypeError, match=r"\['\*\.bias'\]"):
+        bps.Compression.espresso("topk", exclude="*.bias")
+
+
+def test_dgc_recipe_takes_the_optimizers_momentum_or_says_why_it_cannot():
+    from byteps_espresso.worker.optimizer import _take_momentum
+
+    assert bps.Compression.espresso("dgc", clip_norm=5.0).recipe == {"clip_norm": 5.0}
+    assert bps.Compression.espresso("dgc", momentum_correction=False).recipe is None
+    assert bps.Compression.espresso("topk").recipe is None
+    with pytest.raises(ValueError, match="clip_norm is part of DGC's recipe"):
+        bps.Compression.espresso("topk", clip_norm=1.0)
+    w = torch.nn.Parameter(torch.ones(2))
+    sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9, weight_decay=1e-4)
+    assert _take_momentum(sgd) == (0.9, 1e-4)
+    assert sgd.param_groups[0]["momentum"] == 0 and sgd.param_groups[0]["weight_decay"] == 0
+    with pytest.raises(ValueError, match="needs SGD with momentum, not Adam"):
+        _take_momentum(torch.optim.Adam([w]))
+    with pytest.raises(ValueError, match="nesterov"):
+        _take_momentum(torch.optim.SGD([w], lr=0.1, momentum=0.9, nesterov=True))

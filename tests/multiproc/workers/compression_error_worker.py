@@ -30,7 +30,7 @@ def main() -> None:
         net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
         opt = bps.DistributedOptimizer(
             torch.optim.SGD(net.parameters(), lr=0.05), named_parameters=net.named_parameters(),
-            compression=bps.Compression.espresso("randomk", ratio=0.5,
+            compression=bps.Compression.espresso("randomk", ratio=0.5, exclude=[],
                                                  constraints=Constraints(forbid=DENSE)))
         g = torch.Generator().manual_seed(bps.rank())
         counts = []

@@ -41,7 +41,8 @@ def run(name: str, spec: str, steps: int, out: Path) -> None:
     else:
         params = {"ratio": float(ratio)} if ratio else {}
         compression = bps.Compression.espresso(
-            compressor, constraints=Constraints(forbid=DENSE, max_compressions=1), **params)
+            compressor, constraints=Constraints(forbid=DENSE, max_compressions=1), exclude=[],
+            **params)
     opt = bps.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
         named_parameters=[(f"{name}.{n}", p) for n, p in model.named_parameters()],

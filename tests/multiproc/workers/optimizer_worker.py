@@ -2,8 +2,9 @@
 
 Usage: optimizer_worker.py OUT_DIR COMPRESSION PASSES STEPS. COMPRESSION is a name of
 ``bps.Compression``, ``espresso`` (random-k planned after ESPRESSO_PROFILE_STEPS uncompressed
-iterations) or ``espresso-trials`` (the same, with every alternative a finalist of the
-measured trials, however slow its prediction). Each rank's batches are drawn
+iterations), ``espresso-trials`` (the same, with every alternative a finalist of the
+measured trials, however slow its prediction) or ``dgc`` (DGC's recipe: the optimizer's
+momentum moves before communication). Each rank's batches are drawn
 from a generator seeded by (rank, step, pass), so the test recomputes them. After every step
 the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle); at the end
 the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt.
@@ -45,8 +46,12 @@ def main() -> None:
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         if compression == "espresso-trials":
             profiler._TRIAL_WITHIN = float("inf")  # every alternative a finalist, however slow
-        spec = (bps.Compression.espresso("randomk", ratio=0.5)
-                if compression.startswith("espresso") else getattr(bps.Compression, compression))
+        if compression == "dgc":  # DGC's recipe: momentum applied before communication
+            spec = bps.Compression.espresso("dgc", ratio=0.5)
+        elif compression.startswith("espresso"):
+            spec = bps.Compression.espresso("randomk", ratio=0.5)
+        else:
+            spec = getattr(bps.Compression, compression)
         opt = bps.DistributedOptimizer(opt, named_parameters=net.named_parameters(),
                                        compression=spec,
                                        backward_passes_per_step=passes)
@@ -65,6 +70,7 @@ def main() -> None:
             time.sleep(0.001)
         total = bps.synchronize(h)
         np.save(out / f"ranks_{bps.rank()}.npy", total.numpy(), allow_pickle=False)
+        (out / f"momentum_{bps.rank()}.txt").write_text(str(opt.param_groups[0]["momentum"]))
         strategy = bps.planned_strategy()
         (out / f"kept_{bps.rank()}.txt").write_text(strategy.algorithm if strategy else "-")
     finally:
