@@ -121,10 +121,10 @@ def _ddp(model: nn.Module, hook: str) -> nn.Module:
 
 
 def _compression(args: argparse.Namespace) -> bps.CompressionSpec:
-    if args.compression == "none":
-        return bps.Compression.none
-    params = {"ratio": args.ratio} if args.compressor in ("randomk", "topk", "dgc") else {}
-    return bps.Compression.espresso(args.compressor, **params)
+    """examples/train.py's choice: its ``--compression fp32`` is this script's ``none``."""
+    return _example().compression(argparse.Namespace(
+        compression="fp32" if args.compression == "none" else "espresso",
+        compressor=args.compressor, ratio=args.ratio, algorithm="espresso", strategy=None))
 
 
 def main() -> None:

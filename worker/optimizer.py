@@ -376,11 +376,13 @@ class _Sync:
         self._profile_steps = compression.profile_steps(self.session)
         self.probes = None
         self.trials: Trials | None = None
-        # While profiling every bucket runs the fp32 path, fused as Compression.none fuses.
-        self._use_buckets(default_layout(self.session, [(n, self.numel[n]) for n in self.order]))
+        self.buckets: list[_Bucket] = []
         if self._profile_steps == 0:
             self._apply_plan(None)
         else:
+            # While profiling every bucket runs the fp32 path, fused as Compression.none fuses.
+            self._use_buckets(default_layout(self.session,
+                                             [(n, self.numel[n]) for n in self.order]))
             # The compressor is timed on gradient and bucket sizes: the plan may fuse or not.
             self.probes = compression.probes(
                 self.session, [*self.numel.values(), *(sum(b.numels) for b in self.buckets)])
@@ -698,7 +700,7 @@ class _Sync:
             self.order = list(plan.order)
         if plan.buckets is not None:
             self._use_buckets(plan.buckets)
-        elif plan.order is not None:  # the same caps over the new order
+        elif plan.order is not None or not self.buckets:  # the default caps (new order)
             self._use_buckets(default_layout(self.session, [(n, self.numel[n])
                                                             for n in self.order]))
         self.options = self._checked(plan.options)
