@@ -31,10 +31,9 @@ from pathlib import Path
 
 from byteps_espresso.deploy.launch import free_port_pair  # p and p + 1 both free
 from byteps_espresso.worker.profiler import read_profile
-from byteps_espresso.worker.session import fp32_option
-from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy import Constraints
+from byteps_espresso.strategy.baselines import fp32_baseline_option
 from byteps_espresso.strategy.context import PlanContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,13 +93,12 @@ def run_job(train_args: list[str], extra_env: dict[str, str], timeout: float) ->
 
 
 def fp32_prediction(profile: Path, compressor: str, params: dict) -> float:
-    """The model's iteration time (ms) for ``Compression.none`` -- BytePS' uncompressed path
-    on every tensor, which is what the fp32 run executes -- on the profile the Espresso run
-    measured (``ESPRESSO_PROFILE_OUT``). The plan's ``fp32`` baseline may be another
-    uncompressed path (the cheapest one under the model), so it is not used here."""
+    """The model's iteration time (ms) for ``Compression.none`` -- the fp32 Option on every
+    tensor (``baselines.fp32_option``, the plan's ``fp32`` baseline), which is what the fp32
+    run executes -- on the profile the Espresso run measured (``ESPRESSO_PROFILE_OUT``)."""
     workload, cluster, costs = read_profile(profile)
-    option = fp32_option(Topology(cluster.machines, cluster.gpus_per_machine), cluster.servers)
     ctx = PlanContext(workload, cluster, compressor, params, costs, Constraints())
+    option = fp32_baseline_option(ctx)
     return ctx.iteration_us(ctx.index([option] * len(workload.tensors))) / 1e3
 
 

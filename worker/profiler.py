@@ -577,6 +577,7 @@ class EspressoSpec(CompressionSpec):
         in_lanes = probes is not None and probes.complete
         # Paused probes are collectives too: every rank takes them, or none does.
         cluster = probes.cluster(_copy_gbps(rt.device)) if in_lanes else measure_cluster(session)
+        cluster = cluster.with_(shared_host=rt.shared_host)  # the fp32 baseline's path
         # The profiled iterations ran the fp32 path per bucket (every gradient's own when the
         # profile names none).
         profiled = dict(profile.buckets) if profile is not None and profile.buckets else numel

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import zlib
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 from byteps_espresso.worker.codecs import CodecPair
@@ -94,6 +97,11 @@ class Runtime:
                              address=f"{cfg.address()}, {self.backend} over {ifname}")
         self.transports = create_groups(self.topology, lanes, backend=self.backend,
                                         comm_device=comm_device)
+        self.shared_host = _machines_share_host(self.topology, self.transports[0], cfg)
+        if self.shared_host and self.topology.rank == 0:
+            log.info("all %d machines run on this host (one host name and address): the "
+                     "uncompressed path skips the intra-machine hierarchy",
+                     self.topology.machines)
         self.ps_client = None
         self.ps: PSPath | None = None
         if cfg.num_servers > 0:
@@ -183,6 +191,18 @@ class Runtime:
         if self._store_socket is not None:
             self._store_socket.close()
             self._store, self._store_socket = None, None
+
+
+def _machines_share_host(topology: Topology, transport: Any, cfg: Config) -> bool:
+    """Whether every worker machine of the job runs on this one host (espresso-launch
+    --local): every rank has the same host name and advertised address. One 8-byte
+    all-gather at start-up."""
+    if topology.machines == 1:
+        return False
+    me = f"{socket.gethostname()}|{cfg.advertise_host()}".encode()
+    ident = torch.tensor([zlib.crc32(me)], dtype=torch.int64)
+    every = transport.allgather(Scope.FLAT, ident, [1] * topology.world_size)
+    return len(set(every.tolist())) == 1
 
 
 def intra_op_threads(local_size: int, requested: int | None = None) -> int:

@@ -26,10 +26,10 @@ class NotInitializedError(RuntimeError):
     """An API call needs ``init()`` first."""
 
 
-def fp32_option(topology: Topology, servers: int) -> Option:
+def fp32_option(topology: Topology, servers: int, shared_host: bool = False) -> Option:
     """This job's uncompressed path (:func:`byteps_espresso.strategy.baselines.fp32_option`,
     the planner's fp32 baseline)."""
-    return baselines.fp32_option(topology.machines, topology.local_size, servers)
+    return baselines.fp32_option(topology.machines, topology.local_size, servers, shared_host)
 
 
 class Session:
@@ -38,7 +38,7 @@ class Session:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.plain: Engine = runtime.engine(None)
-        self.fp32 = fp32_option(runtime.topology, runtime.cfg.num_servers)
+        self.fp32 = fp32_option(runtime.topology, runtime.cfg.num_servers, runtime.shared_host)
         self.lock = threading.Lock()
         # The Strategy planned at start-up or loaded (set by the optimizer's compression).
         self.strategy: Any = None

@@ -110,20 +110,24 @@ def _first_allowed(ctx: PlanContext, texts: list[str], what: str) -> Option:
     raise BaselineUnavailable(f"{what}: none of its schemes is allowed here ({'; '.join(texts)})")
 
 
-def fp32_option(machines: int, local_size: int, servers: int) -> Option:
+def fp32_option(machines: int, local_size: int, servers: int,
+                shared_host: bool = False) -> Option:
     """The uncompressed path, defined once: ``Compression.none``, the profiled iterations and
     the planner's ``fp32`` baseline all run it.
 
     BytePS's path: each machine's workers reduce-scatter the tensor, every worker pushes and
     pulls its shard through the servers (an inter-machine all-reduce without servers), and the
-    workers all-gather the shards. Every worker moves 1/local_size of the tensor over the
-    network, where an intra-machine Reduce to one root (then Broadcast) sends the whole tensor
-    through one worker and serializes the two intra-machine steps on it: 0.7-2.5x slower on
-    loopback for 1.2-13.7 MB (BENCHMARKS.md "Against torch DDP"). Flat when a machine has one
-    worker or there is one machine.
+    workers all-gather the shards, so each machine's link carries the tensor once where a
+    flat push/pull would carry it ``local_size`` times, and every worker moves
+    1/local_size of it (an intra-machine Reduce to one root, then Broadcast, sends the whole
+    tensor through one worker). Flat when a machine has one worker, there is one machine, or
+    every machine runs on one host (``shared_host``, ``espresso-launch --local``): with no
+    inter-machine link to spare, the two intra-machine steps only add latency (on loopback
+    2 x 2 the flat path measured 0.84x DDP's iteration on a 5 MB MLP where the hierarchical
+    one measured 1.23x; BENCHMARKS.md "Against torch DDP").
     """
     middle = "PushPull(inter)" if servers > 0 else "Allreduce(inter)"
-    if local_size > 1 and machines > 1:
+    if local_size > 1 and machines > 1 and not shared_host:
         return Option.parse(f"ReduceScatter(intra) -> {middle} -> Allgather(intra)")
     return Option.parse("PushPull(flat)" if servers > 0 else "Allreduce(flat)")
 
@@ -135,7 +139,7 @@ def fp32_baseline_option(ctx: PlanContext) -> Option:
         BaselineUnavailable: the constraints do not allow it.
     """
     c = ctx.cluster
-    option = fp32_option(c.machines, c.gpus_per_machine, c.servers)
+    option = fp32_option(c.machines, c.gpus_per_machine, c.servers, c.shared_host)
     if not ctx.allowed(option):
         raise BaselineUnavailable(f"fp32: its scheme {option} is not allowed here; relax the "
                                   "constraints")

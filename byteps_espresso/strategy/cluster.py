@@ -109,6 +109,9 @@ class Cluster:
             1 for the presets. A profile measured by the runtime sets it from the profiled
             iterations' own steps: on a host whose cores the workers share, exchanges issued
             during backward cost more per hop than the probes read.
+        shared_host: every worker machine runs on one host (``espresso-launch --local``):
+            there is no inter-machine link for a hierarchy to spare, and the uncompressed
+            path is flat (:func:`~byteps_espresso.strategy.baselines.fp32_option`).
     """
 
     machines: int
@@ -126,6 +129,7 @@ class Cluster:
     server_latency_us: float | None = None
     lanes: int | None = None
     exchange_latency: float = 1.0
+    shared_host: bool = False
 
     def __post_init__(self) -> None:
         for name in ("machines", "gpus_per_machine", "cpu_threads", "server_threads"):

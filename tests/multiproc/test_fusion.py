@@ -59,7 +59,9 @@ def test_fused_buckets_match_the_reference_bit_for_bit(tmp_path, cluster):
     unused = next(b for b in expected_layout if worker.UNUSED in b.tensors)
     assert unused.fused and unused.tensors[-1] != worker.UNUSED
 
-    option = fp32_option(Topology(MACHINES, LOCAL), servers=1)
+    # the test's two machines run on this host: the flat path (baselines.fp32_option)
+    option = fp32_option(Topology(MACHINES, LOCAL), servers=1, shared_host=True)
+    assert {(tmp_path / f"fp32_{r}.txt").read_text() for r in range(WORLD)} == {str(option)}
     dtypes = {name: dtype for name, _, dtype in worker.PARAMS}
     ref = Reference(MACHINES, LOCAL, server=ServerModel())
     for step in range(steps):

@@ -56,17 +56,21 @@ def test_baselines_run_and_espresso_is_not_slower():
         "ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)"}
 
 
-@pytest.mark.parametrize(("machines", "local", "servers"),
-                         [(2, 2, 1), (8, 8, 8), (4, 1, 2), (1, 4, 1), (2, 2, 0), (3, 1, 0)])
-def test_compression_none_runs_the_fp32_baseline(machines, local, servers):
+@pytest.mark.parametrize(("machines", "local", "servers", "shared"),
+                         [(2, 2, 1, False), (8, 8, 8, False), (4, 1, 2, False),
+                          (1, 4, 1, False), (2, 2, 0, False), (3, 1, 0, False),
+                          (2, 2, 1, True), (2, 2, 0, True)])
+def test_compression_none_runs_the_fp32_baseline(machines, local, servers, shared):
     from byteps_espresso.worker.session import fp32_option
     from byteps_espresso.worker.topology import Topology
 
-    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(machines, local, "pcie", 25,
-                                                               servers=servers),
+    cluster = Cluster.preset(machines, local, "pcie", 25, servers=servers)
+    ctx = PlanContext(Workload.builtin("lstm"), cluster.with_(shared_host=shared),
                       COMPRESSOR, PARAMS)
     planned = set(baselines.get("fp32").run(ctx).options)
-    assert planned == {fp32_option(Topology(machines, local), servers)}
+    assert planned == {fp32_option(Topology(machines, local), servers, shared)}
+    hierarchical = local > 1 and machines > 1 and not shared
+    assert next(iter(planned)).is_hierarchical == hierarchical
 
 
 def test_unavailable_baseline_and_unknown_algorithm():

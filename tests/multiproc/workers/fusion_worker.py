@@ -69,6 +69,7 @@ def main() -> None:
         # Submissions per bucket: one per iteration whatever the call order.
         sent = {b.name: opt._bps.engine._steps[b.name] for b in opt._bps.buckets}
         (out / f"sent_{bps.rank()}.json").write_text(json.dumps(sent))
+        (out / f"fp32_{bps.rank()}.txt").write_text(str(opt._bps.session.fp32))
     finally:
         bps.shutdown()
 
