@@ -5,10 +5,12 @@ synchronizes one float32 tensor of each size with each path, one at a time after
 ``--iters`` times; reported per (size, path): the median wall time over the second half of
 the iterations on rank 0. Paths: a bare gloo all-reduce of the default group (what torch DDP
 runs), and the runtime's engine running ``Allreduce(flat)``, the planner's former fp32 baseline
-``Reduce(intra) -> PushPull(inter) -> Broadcast(intra)``, ``PushPull(flat)`` and the fp32
-Option (``baselines.fp32_option``). Sizes: the gradients of benchmarks/ddp.py's three models
-(lstm 1.2 MB, mlp 5.4 MB, transformer 13.7 MB). Prints a table and writes
-benchmarks/results/fp32_paths.json.
+``Reduce(intra) -> PushPull(inter) -> Broadcast(intra)``, BytePS's hierarchical path
+``ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)`` (fp32 between machines on
+separate hosts), ``PushPull(flat)`` and the fp32 Option of this job
+(``baselines.fp32_option``: flat here, since every machine runs on this host). Sizes: the
+gradients of benchmarks/ddp.py's three models (lstm 1.2 MB, mlp 5.4 MB, transformer 13.7 MB).
+Prints a table and writes benchmarks/results/fp32_paths.json.
 
     .venv/bin/python benchmarks/fp32_paths.py [--iters 20]
 """
@@ -29,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SIZES_MB = (1.2, 5.4, 13.7)  # benchmarks/ddp.py's models: lstm, mlp, transformer (MB float32)
 PATHS = ("Allreduce(flat)", "Reduce(intra) -> PushPull(inter) -> Broadcast(intra)",
-         "PushPull(flat)", "fp32")
+         "ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)", "PushPull(flat)",
+         "fp32")
 
 
 def worker(out: Path, iters: int) -> None:
