@@ -1,9 +1,9 @@
 """Convergence: 4 workers (2 machines x 2) with one PS server train the example's MLP on the
 learnable Markov task for a few hundred steps, uncompressed and with espresso-planned
 compression (randomk 10% with error feedback, dgc 5% with its recipe, efsignsgd), every tensor
-compressed
-(the uncompressed step kinds are forbidden by a planning constraint). The final loss (mean
-of the last 30 steps, averaged over workers) of every compressed run is within 10% of fp32's.
+compressed (the uncompressed step kinds are forbidden by a planning constraint). The final
+loss (mean of the last 30 steps, averaged over workers) of every compressed run is within 10%
+of fp32's.
 
 Measured here (2 busy cores): with 200 steps (mean of the last 40) in two runs: fp32 1.100;
 randomk 10% 1.134 / 1.107; efsignsgd 1.100 / 1.100; dgc 1% 1.132 / 1.121 (initial 6.198, the
