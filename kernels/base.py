@@ -214,6 +214,25 @@ class Compressor(abc.ABC):
         the steady state after any warm-up, which is what the cost model prices.
         """
 
+    # ---- state between calls (checkpoints) --------------------------------------------------
+    #: Names of the per-tensor state arrays this compressor keeps between calls (signum's
+    #: momentum, a wrapper's residual); empty for a stateless codec.
+    state_slots: ClassVar[tuple[str, ...]] = ()
+
+    def export_state(self) -> dict[str, dict[str, Any]]:
+        """The state kept between calls: ``{tensor name: {slot: array}}`` (the arrays
+        themselves, not copies; the backend's array type). Empty for a stateless codec."""
+        return {}
+
+    def import_state(self, state: dict[str, dict[str, Any]]) -> None:
+        """Replace the state kept between calls with ``state`` (as :meth:`export_state`
+        gives it, arrays already of this backend's type and device).
+
+        Raises:
+            ValueError: a slot this compressor does not keep.
+        """
+        _check_slots(self, state, self.state_slots)
+
     # ---- shared helpers ---------------------------------------------------------------------
     def context(self, shape: Sequence[int], dtype: str = "float32", *, name: str = "",
                 step: int = 0) -> Ctx:
@@ -311,6 +330,15 @@ class Compressor(abc.ABC):
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in sorted(self.params.items()))
         return f"{type(self).__name__}({params})"
+
+
+def _check_slots(who: Compressor, state: dict[str, dict[str, Any]],
+                 slots: Sequence[str]) -> None:
+    unknown = sorted({slot for entry in state.values() for slot in entry} - set(slots))
+    if unknown:
+        raise ValueError(f"{type(who).__name__}: state slot(s) {unknown} are not kept by this "
+                         f"compressor (it keeps {list(slots) or 'none'}); restore state saved "
+                         "with the same compressor and wrappers")
 
 
 def _np_dtype(arr: Any) -> np.dtype:

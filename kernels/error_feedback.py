@@ -30,6 +30,8 @@ class ErrorFeedback(Wrapper):
         inner: the compressor to wrap (any algorithm, either backend).
     """
 
+    state_slots = ("residual",)
+
     def compress(self, x: Any, *, name: str = "", step: int = 0) -> tuple[Payload, Ctx]:
         """Compress ``x + residual[name]`` and keep the new residual.
 

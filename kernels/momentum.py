@@ -54,6 +54,8 @@ class MomentumCorrection(Wrapper):
         workers: the number of workers (the local threshold is ``clip_norm / sqrt(workers)``).
     """
 
+    state_slots = ("velocity", "accumulated")
+
     def __init__(self, inner: Compressor, momentum: float = 0.9, masking: bool = True,
                  clip_norm: float | None = None, workers: int = 1) -> None:
         super().__init__(inner)

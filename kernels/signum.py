@@ -53,6 +53,16 @@ class _Signum:
         self.one_minus_beta = np.float32(1.0 - beta)
         self.momenta: dict[str, Any] = {}
 
+    state_slots = ("momentum",)
+
+    def export_state(self) -> dict[str, dict[str, Any]]:
+        return {name: {"momentum": m} for name, m in self.momenta.items()}
+
+    def import_state(self, state: dict[str, dict[str, Any]]) -> None:
+        super().import_state(state)  # type: ignore[misc]  # checks the slots
+        self.momenta = {name: slots["momentum"] for name, slots in state.items()
+                        if "momentum" in slots}
+
     def _momentum(self, flat: Any, ctx: Ctx, zeros: Any) -> Any:
         m = self.momenta.get(ctx.name)
         return zeros if m is None or m.shape != flat.shape else m

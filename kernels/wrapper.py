@@ -37,6 +37,26 @@ class Wrapper(Compressor):
         self.params = inner.params
         self.state: dict[str, Any] = {}
 
+    def export_state(self) -> dict[str, dict[str, Any]]:
+        """This wrapper's slots and the wrapped compressor's, per tensor name."""
+        out = {name: dict(slots) for name, slots in self.state.items()}
+        for name, slots in self.inner.export_state().items():
+            out.setdefault(name, {}).update(slots)
+        return out
+
+    def import_state(self, state: dict[str, dict[str, Any]]) -> None:
+        """Replace this wrapper's state and the wrapped compressor's (each takes its slots).
+
+        Raises:
+            ValueError: a slot neither this wrapper nor the wrapped compressor keeps.
+        """
+        mine = {name: {s: a for s, a in slots.items() if s in self.state_slots}
+                for name, slots in state.items()}
+        rest = {name: {s: a for s, a in slots.items() if s not in self.state_slots}
+                for name, slots in state.items()}
+        self.inner.import_state({n: slots for n, slots in rest.items() if slots})
+        self.state = {n: slots for n, slots in mine.items() if slots}
+
     def reset(self, name: str | None = None) -> None:
         """Forget the state of tensor ``name`` (of every tensor when None)."""
         if name is None:

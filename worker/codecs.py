@@ -43,6 +43,12 @@ def payload_spec(compressor: kbase.Compressor, numel: int) -> tuple[tuple[np.dty
                                                        strict=True))
 
 
+def _cpu_copy(array: Any) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array.detach().to("cpu", copy=True)
+    return torch.from_numpy(np.array(array, copy=True))
+
+
 class CodecPair:
     """The job's compressor on both devices, with optional error feedback.
 
@@ -104,6 +110,34 @@ class CodecPair:
     def spec(self, numel: int) -> tuple[tuple[np.dtype, int], ...]:
         """Payload layout for ``numel`` elements (identical on both backends)."""
         return payload_spec(self._by_device[Device.CPU], numel)
+
+    # ---- state between iterations (checkpoints) ---------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+        """Every compressor's state (error-feedback residuals, momenta) per device, as CPU
+        tensors copied from it: ``{"gpu"|"cpu": {compression name: {slot: tensor}}}``."""
+        return {dev.value: {name: {slot: _cpu_copy(a) for slot, a in slots.items()}
+                            for name, slots in comp.export_state().items()}
+                for dev, comp in self._by_device.items()}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Mapping[str, torch.Tensor]]]
+                        ) -> None:
+        """Replace every compressor's state with ``state`` (from :meth:`state_dict`), each
+        array moved to where its backend keeps it (the training device, or host numpy).
+
+        Raises:
+            ValueError: a device or state slot this codec does not have.
+        """
+        unknown = sorted(set(state) - {d.value for d in self._by_device})
+        if unknown:
+            raise ValueError(f"codec state for unknown device(s) {unknown}")
+        for dev, comp in self._by_device.items():
+            saved = state.get(dev.value, {})
+            if dev is Device.CPU:
+                comp.import_state({n: {s: t.detach().cpu().numpy().copy() for s, t in sl.items()}
+                                   for n, sl in saved.items()})
+            else:
+                comp.import_state({n: {s: t.detach().to(self.device, copy=True)
+                                       for s, t in sl.items()} for n, sl in saved.items()})
 
     # ---- Comp / Decomp -----------------------------------------------------------------------
     def compress(self, device: Device, dense: torch.Tensor, cname: str, step: int) -> tuple:
