@@ -62,6 +62,7 @@ _REPLY_OF = {
     P.MsgType.DONE: P.MsgType.DONE_OK,
     P.MsgType.DECLARE: P.MsgType.DECLARE_OK,
     P.MsgType.STATS: P.MsgType.STATS_REPLY,
+    P.MsgType.STATE: P.MsgType.STATE_REPLY,
 }
 _SCHEDULER = -1  # target index of the scheduler in control calls
 
@@ -380,6 +381,58 @@ class PSClient:
         calls = [self._start_call(s, P.encode(P.MsgType.STATS, sender=self.rank),
                                   P.MsgType.STATS, 0, "stats") for s in range(len(self.servers))]
         return [self._finish_call(c) for c in calls]
+
+    def server_state(self) -> dict[str, dict[str, dict[str, np.ndarray]]]:
+        """The compressor state every server keeps between rounds (server-side error-feedback
+        residuals, codec momenta), for a checkpoint: ``{key name: {tensor: {slot: array}}}``.
+        Rank 0 only; call it between iterations, when no round is in flight.
+
+        Raises:
+            PSError: a server refused (not rank 0, a round in flight) or was lost.
+        """
+        out: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+        for server in range(len(self.servers)):
+            keys: list[int] = []
+            start: int | None = 0
+            while start is not None:
+                page, _ = self._call(server, P.encode_control(
+                    P.MsgType.STATE, {"op": "list", "start": start}, sender=self.rank),
+                    P.MsgType.STATE, 0, "list server state")
+                keys += [int(k) for k in page["keys"]]
+                start = page["next"]
+            calls = [self._start_call(server, P.encode_control(
+                P.MsgType.STATE, {"op": "get"}, key=k, sender=self.rank), P.MsgType.STATE, k,
+                f"read server state of key {k}") for k in keys]
+            for call in calls:
+                body, frames = self._finish_call(call)
+                try:
+                    out[str(body["name"])] = P.unpack_state(body.get("state"), frames)
+                except P.ProtocolError as exc:
+                    raise PSError(f"server {server} sent bad state: {exc}") from None
+        return out
+
+    def restore_server_state(self, state: dict[str, dict[str, dict[str, np.ndarray]]]
+                             ) -> None:
+        """Give every server the state :meth:`server_state` read (in a resumed job, before
+        its first step). Each server applies a key's state when the key is declared on it,
+        since the new job may place keys on other servers. Rank 0 only.
+
+        Raises:
+            PSError: a server refused (not rank 0, a key that already ran a round, state
+                that does not fit the key) or was lost.
+        """
+        calls = []
+        for name, slots in state.items():
+            try:
+                entries, arrays = P.pack_state(slots)
+            except P.ProtocolError as exc:
+                raise PSError(f"cannot restore the server state of {name!r}: {exc}") from None
+            for server in range(len(self.servers)):
+                calls.append(self._start_call(server, P.encode_control(
+                    P.MsgType.STATE, {"op": "put", "name": name, "state": entries}, arrays,
+                    sender=self.rank), P.MsgType.STATE, 0, f"restore server state of {name!r}"))
+        for call in calls:
+            self._finish_call(call)
 
     def close(self) -> None:
         """Tell the scheduler this worker is done, then close every socket (idempotent).
@@ -757,7 +810,11 @@ class PSClient:
             return
         call = waiting.popleft()
         try:
-            call.finish(body=P.decode_json(msg) if msg.frames else None)
+            if h.type is P.MsgType.STATE_REPLY:  # JSON, then raw arrays (copied: kept)
+                body, frames = P.decode_control(msg)
+                call.finish(body=(body, tuple(memoryview(bytes(f)) for f in frames)))
+            else:
+                call.finish(body=P.decode_json(msg) if msg.frames else None)
         except P.ProtocolError as exc:
             call.finish(error=PSError(f"{call.what}: bad reply from {self._where(target)}: "
                                       f"{exc}"))

@@ -46,12 +46,16 @@ __all__ = [
     "MsgType",
     "ProtocolError",
     "decode",
+    "decode_control",
     "decode_json",
     "decode_payload",
     "encode",
+    "encode_control",
     "encode_error",
     "encode_json",
     "nbytes",
+    "pack_state",
+    "unpack_state",
 ]
 
 MAGIC = b"BPSE"
@@ -97,6 +101,8 @@ class MsgType(enum.IntEnum):
     ERROR = 19        # any -> requester, JSON {code, message, request}
     STATS = 20        # anyone -> server, no frames
     STATS_REPLY = 21  # JSON counters
+    STATE = 22        # rank 0 -> server: JSON {op: list|get|put, ...} [+ raw state arrays]
+    STATE_REPLY = 23  # JSON answer [+ raw state arrays]
 
 
 class DType(enum.IntEnum):
@@ -249,11 +255,17 @@ def encode(type: MsgType, *, key: int = 0, round: int = 0, sender: int = -1,
 
 def encode_json(type: MsgType, body: dict[str, Any], **fields: Any) -> list[Any]:
     """A control message whose single frame is the JSON object ``body``."""
+    return encode_control(type, body, (), **fields)
+
+
+def encode_control(type: MsgType, body: dict[str, Any], frames: Sequence[Any] = (),
+                   **fields: Any) -> list[Any]:
+    """A control message: frame 0 the JSON object ``body``, then raw ``frames`` (arrays)."""
     data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     if len(data) > MAX_CONTROL_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE,
                             f"control body of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
-    return encode(type, frames=[data], **fields)
+    return encode(type, frames=[data, *frames], **fields)
 
 
 def encode_error(code: ErrorCode, message: str, *, request: Header | None = None,
@@ -383,7 +395,22 @@ def decode_json(msg: Message) -> dict[str, Any]:
         raise ProtocolError(ErrorCode.BAD_JSON,
                             f"{msg.header.type.name} carries one JSON frame, got "
                             f"{len(msg.frames)}")
-    raw = msg.frames[0]
+    return _json_object(msg.frames[0])
+
+
+def decode_control(msg: Message) -> tuple[dict[str, Any], tuple[memoryview, ...]]:
+    """The JSON object of frame 0 and the raw frames after it (:func:`encode_control`).
+
+    Raises:
+        ProtocolError: no frame, or frame 0 too large, not UTF-8 JSON, or not an object.
+    """
+    if not msg.frames:
+        raise ProtocolError(ErrorCode.BAD_JSON,
+                            f"{msg.header.type.name} carries a JSON frame first, got none")
+    return _json_object(msg.frames[0]), msg.frames[1:]
+
+
+def _json_object(raw: memoryview) -> dict[str, Any]:
     if raw.nbytes > MAX_CONTROL_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE,
                             f"control body of {raw.nbytes} bytes exceeds {MAX_CONTROL_BYTES}")
@@ -395,6 +422,59 @@ def decode_json(msg: Message) -> dict[str, Any]:
         raise ProtocolError(ErrorCode.BAD_JSON,
                             f"control body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+# ---- compressor state (STATE / STATE_REPLY) ----------------------------------------------------
+# Element types a state array may have on the wire (residuals and momenta are float32).
+STATE_DTYPES = ("float32",)
+
+
+def pack_state(state: dict[str, dict[str, np.ndarray]]) -> tuple[list[list[Any]], list[Any]]:
+    """A compressor's state (``{tensor name: {slot: array}}``) as JSON entries
+    ``[tensor, slot, dtype, numel]`` and one raw frame per array, in the same order.
+
+    Raises:
+        ProtocolError: more arrays than a message carries, or an unsupported dtype.
+    """
+    entries, frames = [], []
+    for name, slots in state.items():
+        for slot, array in slots.items():
+            arr = np.ascontiguousarray(array).reshape(-1)
+            if arr.dtype.name not in STATE_DTYPES:
+                raise ProtocolError(ErrorCode.UNKNOWN_DTYPE, f"state {name!r}/{slot!r} is "
+                                    f"{arr.dtype}; state arrays are {list(STATE_DTYPES)}")
+            entries.append([name, slot, arr.dtype.name, int(arr.size)])
+            frames.append(arr)
+    if len(frames) > MAX_FRAMES - 1:  # frame 0 is the JSON body
+        raise ProtocolError(ErrorCode.BAD_LENGTH, f"{len(frames)} state arrays exceed the "
+                            f"{MAX_FRAMES - 1} one message carries")
+    return entries, frames
+
+
+def unpack_state(entries: Any, frames: Sequence[memoryview]
+                 ) -> dict[str, dict[str, np.ndarray]]:
+    """The state :func:`pack_state` sent, each array a copy of its received frame.
+
+    Raises:
+        ProtocolError: entries that are not ``[str, str, dtype, int]`` lists, an unknown
+            dtype, or frames whose count or sizes differ from the entries.
+    """
+    if not isinstance(entries, list) or len(entries) != len(frames):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"state entries must be a list of one "
+                            f"[tensor, slot, dtype, numel] per frame ({len(frames)} frames)")
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for entry, frame in zip(entries, frames, strict=True):
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+                and isinstance(entry[1], str) and entry[2] in STATE_DTYPES
+                and type(entry[3]) is int and entry[3] >= 0):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"state entry {str(entry)[:200]} is not "
+                                f"[tensor, slot, one of {list(STATE_DTYPES)}, numel]")
+        name, slot, dtype, numel = entry
+        if frame.nbytes != numel * np.dtype(dtype).itemsize:
+            raise ProtocolError(ErrorCode.BAD_LENGTH, f"state {name!r}/{slot!r}: frame of "
+                                f"{frame.nbytes} bytes for {numel} {dtype}")
+        out.setdefault(name, {})[slot] = np.frombuffer(frame, dtype=dtype).copy()
+    return out
 
 
 def decode_payload(msg: Message, layout: Layout) -> tuple[np.ndarray, ...]:

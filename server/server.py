@@ -62,6 +62,8 @@ MAX_KEYS = 1 << 20
 _SWEEP_S = 1.0
 # Pulls that may wait per key, per pusher (a pusher has at most a round or two in flight).
 _WAITERS_PER_PUSHER = 4
+# Key ids per STATE "list" reply: about 8 bytes of JSON each, well inside MAX_CONTROL_BYTES.
+_STATE_PAGE = 4096
 # Log the first N rejections of each error code, then every LOG_EVERY-th.
 _LOG_FIRST, _LOG_EVERY = 20, 1000
 
@@ -190,6 +192,9 @@ class Server:
         self.rank = -1
         self.num_workers = 0
         self.keys: dict[int, _Key] = {}
+        self.names: dict[str, int] = {}  # key name -> key id
+        # Compressor state restored (STATE put) for keys not declared yet, by key name.
+        self.restored: dict[str, dict[str, dict[str, np.ndarray]]] = {}
         self.rejected: collections.Counter[str] = collections.Counter()
         self.auth = Authenticator(None)  # the job key once registered (link.auth)
         self.bound: dict[bytes, int] = {}  # connection -> the rank it speaks for
@@ -357,6 +362,7 @@ class Server:
                 raise P.ProtocolError(P.ErrorCode.BAD_DECLARE,
                                       f"server {self.rank} already holds {MAX_KEYS} keys")
             self.keys[key] = self._new_key(key, spec)
+            self.names[spec.name] = key
         self._send(identity, P.encode(P.MsgType.DECLARE_OK, key=key, sender=self.rank))
 
     def _new_key(self, key: int, spec: KeySpec) -> _Key:
@@ -378,7 +384,11 @@ class Server:
                     f"{spec.name}: a message of this key needs {need} bytes, more than "
                     f"ESPRESSO_MAX_MESSAGE_BYTES={self.cfg.max_message_bytes}; lower "
                     "BYTEPS_PARTITION_BYTES or raise the limit")
-        return _Key(key, spec, compressor, ef, push, reply)
+        state = _Key(key, spec, compressor, ef, push, reply)
+        restored = self.restored.pop(spec.name, None)
+        if restored is not None:
+            self._import_state(state, restored)
+        return state
 
     def _on_push(self, identity: bytes, msg: P.Message) -> None:
         h = msg.header
@@ -571,6 +581,93 @@ class Server:
                 "aggregate_s": self.agg_seconds, "threads": self.cfg.server_threads}
         self._send(identity, P.encode_json(P.MsgType.STATS_REPLY, body, sender=self.rank))
 
+    # ---- compressor state (checkpoints) -------------------------------------------------------
+    def _on_state(self, identity: bytes, msg: P.Message) -> None:
+        """Rank 0 lists, reads or restores the keys' compressor state (server-side error
+        feedback residuals, codec momenta) to checkpoint a job or resume one."""
+        h = msg.header
+        if h.sender != 0:
+            raise P.ProtocolError(P.ErrorCode.UNEXPECTED, f"only worker rank 0 reads or "
+                                  f"restores server state; sender is {h.sender}")
+        body, frames = P.decode_control(msg)
+        op = body.get("op")
+        if op == "list":
+            start = body.get("start", 0)
+            if type(start) is not int or start < 0:
+                raise P.ProtocolError(P.ErrorCode.BAD_FIELD, f"list start {start!r} is not "
+                                      "an integer >= 0")
+            ids = sorted(k for k, st in self.keys.items() if _stateful(st).export_state())
+            page = ids[start:start + _STATE_PAGE]
+            end = start + len(page)
+            reply = P.encode_json(P.MsgType.STATE_REPLY, {
+                "op": "list", "keys": page, "next": end if end < len(ids) else None},
+                sender=self.rank)
+        elif op == "get":
+            state = self._key(h)
+            self._check_idle(state, "read")
+            entries, arrays = P.pack_state(_stateful(state).export_state())
+            need = sum(a.nbytes for a in arrays) + P.MAX_CONTROL_BYTES
+            if need > self.cfg.max_message_bytes:
+                raise P.ProtocolError(P.ErrorCode.TOO_LARGE, f"the state of {state.spec.name} "
+                                      f"needs up to {need} bytes; raise "
+                                      "ESPRESSO_MAX_MESSAGE_BYTES")
+            reply = P.encode_control(P.MsgType.STATE_REPLY, {
+                "op": "get", "name": state.spec.name, "round": state.last_closed,
+                "state": entries}, arrays, key=h.key, sender=self.rank)
+        elif op == "put":
+            name = body.get("name")
+            if not isinstance(name, str):
+                raise P.ProtocolError(P.ErrorCode.BAD_FIELD, "put needs the key's name")
+            restored = P.unpack_state(body.get("state"), frames)
+            key = self.names.get(name)
+            if key is None:
+                if len(self.restored) >= MAX_KEYS and name not in self.restored:
+                    raise P.ProtocolError(P.ErrorCode.BAD_FIELD, f"server {self.rank} "
+                                          f"already holds state of {MAX_KEYS} keys")
+                self.restored[name] = restored  # applied when the key is declared
+            else:
+                state = self.keys[key]
+                self._check_idle(state, "restore", fresh=True)
+                self._import_state(state, restored)
+            reply = P.encode_json(P.MsgType.STATE_REPLY, {
+                "op": "put", "name": name, "applied": key is not None}, sender=self.rank)
+        else:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD, f"STATE op {op!r} is not one of "
+                                  "list, get, put")
+        self._send(identity, reply)
+
+    @staticmethod
+    def _check_idle(state: _Key, what: str, fresh: bool = False) -> None:
+        """State is read while no aggregation runs and restored before the first round.
+
+        A round collecting pushes does not stop a read: only an aggregation changes the
+        state, and when rank 0 reads between its iterations, pushers that do not wait for
+        rank 0 (another machine's shard owners) may have pushed the next round already,
+        which cannot complete before rank 0 goes on."""
+        if state.busy or state.queued:
+            raise P.ProtocolError(P.ErrorCode.UNEXPECTED, f"key {state.key} "
+                                  f"({state.spec.name}) is aggregating round(s) "
+                                  f"{[r for r, _ in state.queued]}; {what} server state "
+                                  "between iterations")
+        ran = state.open_round if state.last_closed is None else state.last_closed
+        if fresh and ran is not None:
+            raise P.ProtocolError(P.ErrorCode.UNEXPECTED, f"key {state.key} "
+                                  f"({state.spec.name}) already ran round {ran}; restore "
+                                  "server state before the first step")
+
+    @staticmethod
+    def _import_state(state: _Key, restored: dict[str, dict[str, np.ndarray]]) -> None:
+        for name, slots in restored.items():
+            for slot, array in slots.items():
+                if array.size != state.spec.numel:
+                    raise P.ProtocolError(P.ErrorCode.BAD_FIELD, f"restored state "
+                                          f"{name!r}/{slot!r} has {array.size} elements; key "
+                                          f"{state.spec.name} has {state.spec.numel}")
+        try:
+            _stateful(state).import_state(restored)
+        except ValueError as exc:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD, f"{state.spec.name}: {exc}") from None
+
     # ---- aggregation --------------------------------------------------------------------------
     def _start_next(self, state: _Key) -> None:
         if state.busy or not state.queued:
@@ -665,6 +762,25 @@ def _backing_frame(array: np.ndarray, frame: Any) -> Any:
     return frame if np.frombuffer(view, np.uint8).ctypes.data == array.ctypes.data else None
 
 
+class _Stateless:
+    """Dense keys keep no compressor state."""
+
+    @staticmethod
+    def export_state() -> dict:
+        return {}
+
+    @staticmethod
+    def import_state(state: dict) -> None:
+        if state:
+            raise ValueError("a dense key keeps no compressor state")
+
+
+def _stateful(state: _Key) -> Any:
+    """What holds a key's state between rounds: its error feedback (which holds the
+    compressor's too), its compressor, or nothing for a dense key."""
+    return state.ef or state.compressor or _Stateless
+
+
 def _finite(*arrays: np.ndarray) -> bool:
     """No NaN or infinity in the floating-point arrays (integer arrays always pass). Two
     reductions per array, no temporary: min and max propagate NaN and reach +-inf."""
@@ -680,6 +796,7 @@ _HANDLERS = {
     P.MsgType.PUSH: Server._on_push,
     P.MsgType.PULL: Server._on_pull,
     P.MsgType.STATS: Server._on_stats,
+    P.MsgType.STATE: Server._on_state,
 }
 
 

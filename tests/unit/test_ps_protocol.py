@@ -319,3 +319,35 @@ def test_job_secret_from_env_or_file_never_shows_itself(tmp_path):
         Config.from_env({**base, "ESPRESSO_JOB_SECRET_FILE": str(path)})
     with pytest.raises(ConfigError, match="cannot be read"):
         Config.from_env({**base, "ESPRESSO_JOB_SECRET_FILE": str(tmp_path / "missing")})
+
+
+def test_compressor_state_round_trips_as_json_entries_and_raw_frames():
+    state = {"w#0c[0:5]": {"residual": np.arange(5, dtype=np.float32),
+                           "momentum": np.ones(5, np.float32)}}
+    entries, arrays = P.pack_state(state)
+    msg = P.decode(P.encode_control(P.MsgType.STATE, {"op": "put", "state": entries}, arrays,
+                                    sender=0), 1 << 20)
+    body, frames = P.decode_control(msg)
+    back = P.unpack_state(body["state"], frames)
+    assert {n: {s: a.tobytes() for s, a in sl.items()} for n, sl in back.items()} == {
+        n: {s: a.tobytes() for s, a in sl.items()} for n, sl in state.items()}
+
+
+@pytest.mark.parametrize(("entries", "frames", "code"), [
+    ([["w", "residual", "float32", 2]], [b"\0" * 4], P.ErrorCode.BAD_LENGTH),
+    ([["w", "residual", "float64", 1]], [b"\0" * 8], P.ErrorCode.BAD_FIELD),
+    ([["w", "residual", "float32", -1]], [b""], P.ErrorCode.BAD_FIELD),
+    ([["w", "residual", "float32"]], [b"\0" * 4], P.ErrorCode.BAD_FIELD),
+    ({"w": 1}, [b"\0" * 4], P.ErrorCode.BAD_FIELD),
+    ([], [b"\0" * 4], P.ErrorCode.BAD_FIELD),
+])
+def test_malformed_state_is_refused_with_its_code(entries, frames, code):
+    with pytest.raises(P.ProtocolError) as exc:
+        P.unpack_state(entries, [memoryview(f) for f in frames])
+    assert exc.value.code is code
+
+
+def test_state_of_more_arrays_than_a_message_carries_is_refused():
+    state = {f"t{i}": {"residual": np.zeros(1, np.float32)} for i in range(P.MAX_FRAMES)}
+    with pytest.raises(P.ProtocolError, match="exceed"):
+        P.pack_state(state)
