@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from byteps_espresso.worker import checkpoint
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.executor import Engine, Handle
 from byteps_espresso.worker.reduction import ReduceOp, resolve_op
@@ -70,6 +71,10 @@ class NonFiniteGradientError(RuntimeError):
 # ---- compression choices ---------------------------------------------------------------------
 class CompressionSpec(abc.ABC):
     """How a DistributedOptimizer picks each gradient's Option and compressor."""
+
+    #: The strategy is chosen at start-up from measurements: a resumed job takes the one in
+    #: its checkpoint instead of profiling again (``worker.checkpoint``).
+    takes_checkpoint_strategy = False
 
     #: iterations to run uncompressed while profiling before :meth:`plan` (0: plan at once)
     def profile_steps(self, session: Session) -> int:
@@ -289,6 +294,37 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def skipped_steps(self) -> int:
         """Optimizer steps skipped for a non-finite gradient (``ESPRESSO_NONFINITE=skip``)."""
         return self._bps.skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state plus, under ``"espresso"``, everything the compressed
+        run depends on: this rank's compressor state, the iteration counters, the strategy
+        in use and, on rank 0, the servers' state (``worker.checkpoint``).
+
+        The section is this rank's: save it on every rank and load each rank's own file.
+
+        Raises:
+            RuntimeError: called in the middle of an iteration (call it after ``step()``).
+        """
+        out = super(self.__class__, self).state_dict()
+        out[checkpoint.KEY] = checkpoint.capture(self._bps)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (or a plain torch optimizer's state dict, which
+        restores only the torch state). A ``Compression.espresso`` job takes the
+        checkpoint's strategy and does not profile again.
+
+        Raises:
+            CheckpointError: the checkpoint is from another world size, rank, compressor or
+                strategy (the message names what differs).
+            RuntimeError: called in the middle of an iteration.
+        """
+        saved = state_dict.get(checkpoint.KEY)
+        strategy = checkpoint.check(self._bps, saved) if saved is not None else None
+        super(self.__class__, self).load_state_dict(
+            {k: v for k, v in state_dict.items() if k != checkpoint.KEY})
+        if saved is not None:
+            checkpoint.apply(self._bps, saved, strategy)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._bps.pending():
@@ -682,6 +718,23 @@ class _Sync:
         if [b.tensors for b in strategy.layout] != [b.tensors for b in self.buckets]:
             self._use_buckets(strategy.layout)
         self.options = self._checked(strategy.options)
+
+    def adopt(self, strategy: Any) -> None:
+        """Run ``strategy`` from the next iteration on, without profiling or trials (a
+        resumed job takes its checkpoint's strategy)."""
+        order = [n for b in strategy.layout for n in b.tensors]
+        if sorted(order) != sorted(self.order):
+            raise ValueError("the strategy was planned for other parameters; load a "
+                             "checkpoint of this model")
+        self.order = order
+        self.trials = None
+        if self.probes is not None:
+            self.probes.close()
+            self.probes = None
+        self._use_strategy(strategy)
+        self.session.strategy = strategy
+        if self.codec is not None and self.engine is self.session.plain:
+            self.engine = self.session.runtime.engine(self.codec)
 
     def _checked(self, options: dict[str, Option]) -> dict[str, Option]:
         missing = [name for name in self.bucket_names if name not in options]

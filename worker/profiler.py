@@ -411,6 +411,11 @@ class LaneProbes:
                 payload = self.codec.compress(dev, x, "espresso.probe", 0)
                 self.codec.decompress(dev, payload, x.numel(), "espresso.probe", 0)
 
+    def close(self) -> None:
+        """Stop timing the lanes' steps (the profile is no longer needed)."""
+        for ex in self._executors:
+            ex.timings = None
+
     # ---- issuing -----------------------------------------------------------------------------
     def issue(self, engine: Any, iteration: int) -> None:
         """Queue one round of probes in the lanes (same call on every rank)."""
@@ -544,6 +549,7 @@ class EspressoSpec(CompressionSpec):
     # DGC's recipe (``{"clip_norm": ...}``): momentum correction, clipping and masking move
     # into the codec and the optimizer's momentum before communication; None: not used.
     recipe: Mapping[str, Any] | None = None
+    takes_checkpoint_strategy = True
 
     def profile_steps(self, session: Session) -> int:
         return max(1, session.runtime.cfg.profile_steps)

@@ -124,6 +124,12 @@ class Runtime:
                  lanes, cfg.num_servers, torch.get_num_threads())
 
     @property
+    def counters(self) -> dict[str, int]:
+        """Iterations per tensor name, shared by every engine of this process: they number
+        the PS rounds and seed the random draws (a checkpoint saves and restores them)."""
+        return self._counters
+
+    @property
     def lanes(self) -> int:
         """Independent communication lanes (one set of process groups, one engine thread each)."""
         return len(self.transports)

@@ -105,6 +105,10 @@ class Trials:
                      self.steps - 1, self.table(measured, kept))
             if rt.cfg.profile_out:
                 self._write(Path(rt.cfg.profile_out), measured, kept)
+            else:  # the choice depends on timing: say how to keep it for the next run
+                log.info("the kept strategy was chosen by measured times; set "
+                         "ESPRESSO_PROFILE_OUT to record it as strategy.json, which "
+                         "ESPRESSO_STRATEGY reuses without profiling or trials")
         return self.finalists[kept]
 
     def table(self, measured: np.ndarray, kept: int) -> str:
@@ -122,4 +126,5 @@ class Trials:
             {"steps": self.steps, "kept": self.finalists[kept].algorithm,
              "finalists": entries}, indent=1) + "\n")
         self.finalists[kept].save(out / "strategy.json")
-        log.info("wrote trials.json and the kept strategy to %s", out)
+        log.info("wrote trials.json and the kept strategy to %s; ESPRESSO_STRATEGY=%s "
+                 "reuses it without profiling or trials", out, out / "strategy.json")

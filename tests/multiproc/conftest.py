@@ -102,13 +102,32 @@ def run_workers(script: str, args: list[str], *, machines: int = 2, local_size: 
             log.close()
 
 
+def model_workload(script: str):
+    """A Workload of the ``model()`` of worker script ``script`` (a module in workers/):
+    its parameters in backward order, each ready 100 us apart (for planning test strategies)."""
+    import importlib
+
+    from byteps_espresso.strategy import Workload
+    from byteps_espresso.strategy.workload import TensorProfile
+
+    sys.path.insert(0, str(WORKERS))
+    try:
+        model = importlib.import_module(script).model
+    finally:
+        sys.path.remove(str(WORKERS))
+    params = list(model().named_parameters())
+    return Workload(tuple(TensorProfile(name, p.numel(), 100.0)
+                          for name, p in reversed(params)), model="tiny")
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """The launch helpers, as a fixture (test modules cannot import conftest)."""
     import types
 
     return types.SimpleNamespace(free_port=free_port, free_port_pair=free_port_pair,
-                                 run_workers=run_workers, store=_store, ps_job=ps_job)
+                                 run_workers=run_workers, store=_store, ps_job=ps_job,
+                                 model_workload=model_workload)
 
 
 @contextlib.contextmanager

@@ -109,17 +109,9 @@ def test_an_uncaught_exception_still_stops_the_job_at_once(cluster, tmp_path):
 
 @pytest.mark.timeout(180)
 def test_espresso_strategy_is_loaded_and_nothing_is_profiled(tmp_path, cluster):
-    from byteps_espresso.strategy import Cluster, Workload, plan
-    from byteps_espresso.strategy.workload import TensorProfile
+    from byteps_espresso.strategy import Cluster, plan
 
-    sys.path.insert(0, str(WORKERS))
-    try:
-        from strategy_env_worker import model
-    finally:
-        sys.path.remove(str(WORKERS))
-    params = list(model().named_parameters())
-    workload = Workload(tuple(TensorProfile(name, p.numel(), 100.0)
-                              for name, p in reversed(params)), model="tiny")
+    workload = cluster.model_workload("strategy_env_worker")
     strategy = plan(workload, Cluster.preset(2, 1, "pcie", 10), "randomk", {"ratio": 0.5},
                     algorithm="all-gpu")
     path = tmp_path / "strategy.json"
