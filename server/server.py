@@ -638,22 +638,22 @@ class Server:
 
     @staticmethod
     def _check_idle(state: _Key, what: str, fresh: bool = False) -> None:
-        """State is read while no aggregation runs and restored before the first round.
+        """State is read while no aggregation runs and restored before the first one.
 
-        A round collecting pushes does not stop a read: only an aggregation changes the
-        state, and when rank 0 reads between its iterations, pushers that do not wait for
-        rank 0 (another machine's shard owners) may have pushed the next round already,
-        which cannot complete before rank 0 goes on."""
+        A round collecting pushes stops neither: only an aggregation reads or changes the
+        state. Around rank 0's checkpoint or restore, pushers that do not wait for rank 0
+        (another machine's workers) may already have pushed the next round, which cannot
+        complete before rank 0 goes on: every aggregate sums rank 0's gradient too."""
         if state.busy or state.queued:
             raise P.ProtocolError(P.ErrorCode.UNEXPECTED, f"key {state.key} "
                                   f"({state.spec.name}) is aggregating round(s) "
                                   f"{[r for r, _ in state.queued]}; {what} server state "
                                   "between iterations")
-        ran = state.open_round if state.last_closed is None else state.last_closed
-        if fresh and ran is not None:
+        if fresh and state.last_closed is not None:
             raise P.ProtocolError(P.ErrorCode.UNEXPECTED, f"key {state.key} "
-                                  f"({state.spec.name}) already ran round {ran}; restore "
-                                  "server state before the first step")
+                                  f"({state.spec.name}) already ran round "
+                                  f"{state.last_closed}; restore server state before the "
+                                  "first step")
 
     @staticmethod
     def _import_state(state: _Key, restored: dict[str, dict[str, np.ndarray]]) -> None:

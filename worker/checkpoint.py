@@ -43,6 +43,8 @@ KEY = "espresso"
 FORMAT = "byteps-espresso-checkpoint"
 VERSION = 1
 _RUNNING = "running"  # the strategy is kept; "profiling" and "trials" come before
+_FIELDS = ("rank", "machines", "local_size", "servers", "iteration", "skipped_steps", "phase",
+           "compression", "plan", "strategy", "counters", "codec")
 
 
 class CheckpointError(ValueError):
@@ -124,6 +126,10 @@ def check(sync: Any, saved: Mapping[str, Any]) -> Any | None:
     if saved.get("version") != VERSION:
         raise CheckpointError(f"checkpoint section version {saved.get('version')!r}; this "
                               f"build reads version {VERSION}")
+    missing = [f for f in _FIELDS if f not in saved]
+    if missing:
+        raise CheckpointError(f"the checkpoint section lacks {missing}; it was not written "
+                              "by optimizer.state_dict() of this version")
     rt = sync.session.runtime
     topo = rt.topology
     machines, local = int(saved["machines"]), int(saved["local_size"])

@@ -2,8 +2,9 @@
 
 Two real jobs on loopback (scheduler + 2 servers each): the first runs rounds of a key with
 server-side error feedback, rank 0 reads the residuals; the second starts from new processes,
-rank 0 restores them before the key is declared, and the rounds that follow equal those of
-an uninterrupted ErrorFeedback reference bit for bit.
+rank 0 restores one partition's residual before the key is declared and the other's after
+rank 1 has already pushed the next round, and the rounds that follow equal those of an
+uninterrupted ErrorFeedback reference bit for bit.
 """
 
 from __future__ import annotations
@@ -24,13 +25,18 @@ def _data(rank: int, round_: int) -> np.ndarray:
     return np.random.default_rng([rank, round_, 11]).standard_normal(NUMEL, np.float32)
 
 
-def _run_rounds(clients, rounds, ref, plain) -> None:
-    """Push/pull ``rounds`` of key "ef" and compare every reply with the reference."""
-    parts, key_names = clients[0].partitions("ef"), clients[0].key_names("ef")
+def _run_rounds(clients, rounds, ref, plain, between=None) -> None:
+    """Push/pull ``rounds`` of key "ef" (rank 1 first, then ``between()`` once, then rank 0)
+    and compare every reply with the reference."""
+    parts, key_names = clients[1].partitions("ef"), clients[1].key_names("ef")
     for round_ in rounds:
         inputs = [[to_numpy(plain.compress(_data(r, round_)[o:o + n], name=k, step=round_)[0])
                    for k, (o, n) in zip(key_names, parts, strict=True)] for r in range(2)]
-        handles = [c.push_pull_async("ef", inputs[r], round_) for r, c in enumerate(clients)]
+        later = clients[1].push_pull_async("ef", inputs[1], round_)
+        if between is not None:
+            between()
+            between = None
+        handles = [clients[0].push_pull_async("ef", inputs[0], round_), later]
         for i, (k, (_, n)) in enumerate(zip(key_names, parts, strict=True)):
             ctx = ref.context((n,), "float32", name=k, step=round_)
             total = np.array(plain.decompress(inputs[0][i], ctx), dtype=np.float32)
@@ -64,10 +70,14 @@ def test_server_residuals_survive_a_restart_of_every_ps_process(tmp_path, ps_too
 
     with ps_tools.ps_job(tmp_path / "b", 2, 2) as job:
         clients = job.connect(2)
-        clients[0].restore_server_state(saved)  # before the key exists on any server
-        for c in clients:
-            c.declare("ef", NUMEL, pushers=[0, 1], compressor="topk", params=PARAMS)
-        _run_rounds(clients, range(SPLIT_AT, ROUNDS), ref, plain)
+        clients[0].restore_server_state({k: saved[k] for k in key_names[:1]})  # not declared
+        clients[1].declare("ef", NUMEL, pushers=[0, 1], compressor="topk", params=PARAMS)
+
+        def restore_the_rest() -> None:  # rank 1 already pushed: the rounds are open
+            clients[0].restore_server_state({k: saved[k] for k in key_names[1:]})
+            clients[0].declare("ef", NUMEL, pushers=[0, 1], compressor="topk", params=PARAMS)
+
+        _run_rounds(clients, range(SPLIT_AT, ROUNDS), ref, plain, restore_the_rest)
         with pytest.raises(PSError, match="already ran round"):
             clients[0].restore_server_state(saved)
         assert "Traceback" not in job.logs()
