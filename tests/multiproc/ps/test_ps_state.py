@@ -48,13 +48,16 @@ def _run_rounds(clients, rounds, ref, plain, between=None) -> None:
                     f"round {round_} partition {i} differs from the uninterrupted reference")
 
 
-@pytest.mark.timeout(180)
-def test_server_residuals_survive_a_restart_of_every_ps_process(tmp_path, ps_tools):
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("secret", [None, "checkpoint-job-secret-0123456789"],
+                         ids=["open", "authenticated"])
+def test_server_residuals_survive_a_restart_of_every_ps_process(tmp_path, ps_tools, secret):
     ref = ErrorFeedback(create("topk", backend="numba", ratio=0.05))
     plain = create("topk", backend="numba", ratio=0.05)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    with ps_tools.ps_job(tmp_path / "a", 2, 2) as job:
+    auth = {"ESPRESSO_JOB_SECRET": secret} if secret else {}
+    with ps_tools.ps_job(tmp_path / "a", 2, 2, **auth) as job:
         clients = job.connect(2)
         for c in clients:
             c.declare("ef", NUMEL, pushers=[0, 1], compressor="topk", params=PARAMS)
@@ -68,7 +71,7 @@ def test_server_residuals_survive_a_restart_of_every_ps_process(tmp_path, ps_too
         assert saved[k][k]["residual"].tobytes() == ref.residual(k).tobytes()
         assert np.any(saved[k][k]["residual"])
 
-    with ps_tools.ps_job(tmp_path / "b", 2, 2) as job:
+    with ps_tools.ps_job(tmp_path / "b", 2, 2, **auth) as job:
         clients = job.connect(2)
         clients[0].restore_server_state({k: saved[k] for k in key_names[:1]})  # not declared
         clients[1].declare("ef", NUMEL, pushers=[0, 1], compressor="topk", params=PARAMS)
