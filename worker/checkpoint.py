@@ -44,7 +44,7 @@ FORMAT = "byteps-espresso-checkpoint"
 VERSION = 1
 _RUNNING = "running"  # the strategy is kept; "profiling" and "trials" come before
 _FIELDS = ("rank", "machines", "local_size", "servers", "iteration", "skipped_steps", "phase",
-           "compression", "plan", "strategy", "counters", "codec")
+           "compression", "plan", "strategy", "counters", "codec", "velocity")
 
 
 class CheckpointError(ValueError):
@@ -65,9 +65,16 @@ def _plan(sync: Any) -> dict[str, Any]:
 
 def _compression(codec: Any) -> dict[str, Any]:
     if codec is None:
-        return {"compressor": None, "params": {}, "error_feedback": False}
+        return {"compressor": None, "params": {}, "error_feedback": False, "correction": None}
+    from byteps_espresso.kernels.momentum import MomentumCorrection
+
+    from byteps_espresso.strategy.options import Device
+
+    comp = codec.compressor(Device.GPU)
+    correction = ({"momentum": comp.momentum, "clip_norm": comp.clip_norm,
+                   "masking": comp.masking} if isinstance(comp, MomentumCorrection) else None)
     return {"compressor": codec.name, "params": dict(codec.params),
-            "error_feedback": bool(codec.error_feedback)}
+            "error_feedback": bool(codec.error_feedback), "correction": correction}
 
 
 def _idle(sync: Any, what: str) -> None:
@@ -98,6 +105,8 @@ def capture(sync: Any) -> dict[str, Any]:
         "strategy": json.dumps(strategy.to_dict()) if strategy is not None else "",
         "counters": dict(rt.counters),
         "codec": sync.codec.state_dict() if sync.codec is not None else {},
+        # DGC's recipe: each parameter's velocity while its bucket goes uncompressed
+        "velocity": {name: u.detach().to("cpu", copy=True) for name, u in sync.velocity.items()},
     }
     if topo.rank == 0 and rt.ps_client is not None:
         out["server_state"] = {
@@ -108,11 +117,13 @@ def capture(sync: Any) -> dict[str, Any]:
 
 
 # ---- loading ---------------------------------------------------------------------------------
-def check(sync: Any, saved: Mapping[str, Any]) -> Any | None:
+def check(sync: Any, saved: Mapping[str, Any]) -> tuple[Any | None, dict[str, Any] | None]:
     """Validate ``saved`` against this job before anything is changed.
 
     Returns:
-        The checkpoint's Strategy when this job takes it (``Compression.espresso``), else None.
+        The checkpoint's Strategy when this job takes it (``Compression.espresso``), else
+        None; and the Options per bucket to run (the plan's, with the buckets a compression
+        error budget had switched to the fp32 Option), None for a checkpoint without one.
 
     Raises:
         CheckpointError: another format, world size, rank, server use, compressor or plan;
@@ -151,21 +162,28 @@ def check(sync: Any, saved: Mapping[str, Any]) -> Any | None:
             f"has {rt.cfg.num_servers}; resume with parameter servers exactly when the "
             "checkpointed job had them")
     if saved["phase"] != _RUNNING:
-        return None
+        return None, None
     mine, theirs = _compression(sync.codec), json.loads(saved["compression"])
     if mine != theirs:
         raise CheckpointError(
             f"this checkpoint was trained with {_describe(theirs)} and this job compresses "
             f"with {_describe(mine)}; resume with the same compression (and ESPRESSO_SEED)")
+    theirs_plan = json.loads(saved["plan"])
+    fp32 = sync.session.fp32.names()
     if sync.compression.takes_checkpoint_strategy and saved["strategy"]:
         from byteps_espresso.strategy import Strategy
 
-        return Strategy.from_dict(json.loads(saved["strategy"]), "the checkpoint's strategy")
+        strategy = Strategy.from_dict(json.loads(saved["strategy"]), "the checkpoint's strategy")
+        _check_plan(theirs_plan, {
+            "order": [n for b in strategy.layout for n in b.tensors],
+            "buckets": [list(b.tensors) for b in strategy.layout],
+            "options": {n: o.names() for n, o in strategy.options.items()}}, fp32)
+        return strategy, theirs_plan["options"]
     if _phase(sync) != _RUNNING:
         raise CheckpointError("this checkpoint ran a fixed plan but this job has not decided "
                               "its strategy yet; resume with the same compression")
-    _check_plan(json.loads(saved["plan"]), _plan(sync))
-    return None
+    _check_plan(theirs_plan, _plan(sync), fp32)
+    return None, theirs_plan["options"]
 
 
 def _describe(compression: Mapping[str, Any]) -> str:
@@ -175,8 +193,9 @@ def _describe(compression: Mapping[str, Any]) -> str:
             f"{' with' if compression['error_feedback'] else ' without'} error feedback")
 
 
-def _check_plan(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
-    """Raise naming the first difference between the checkpoint's plan and this job's."""
+def _check_plan(theirs: Mapping[str, Any], mine: Mapping[str, Any], fp32: list[str]) -> None:
+    """Raise naming the first difference between the checkpoint's plan and this job's (a
+    bucket that ran the fp32 Option there was switched by a compression error budget)."""
     if theirs["buckets"] != mine["buckets"]:
         diff = next((i for i, (a, b) in enumerate(zip(theirs["buckets"], mine["buckets"],
                                                       strict=False)) if a != b),
@@ -188,7 +207,7 @@ def _check_plan(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
             "with the checkpoint's strategy (Compression.espresso takes it from the "
             "checkpoint; a strategy file must be the same)")
     for name, steps in theirs["options"].items():
-        if mine["options"].get(name) != steps:
+        if mine["options"].get(name) != steps and not (steps == fp32 and name in mine["options"]):
             raise CheckpointError(
                 f"this checkpoint ran another strategy: bucket {name!r} ran "
                 f"{' -> '.join(steps)} there and {' -> '.join(mine['options'].get(name, []))} "
@@ -200,9 +219,14 @@ def _at(buckets: list[list[str]], i: int) -> str:
     return str(buckets[i][:3]) if i < len(buckets) else "nothing"
 
 
-def apply(sync: Any, saved: Mapping[str, Any], strategy: Any | None) -> None:
-    """Restore what :func:`check` accepted: strategy, counters, compressor state, iteration
-    and, on rank 0, the servers' state."""
+def apply(sync: Any, saved: Mapping[str, Any],
+          checked: tuple[Any | None, dict[str, Any] | None]) -> None:
+    """Restore what :func:`check` accepted (``checked`` is what it returned): strategy and
+    Options, counters, compressor state, DGC recipe velocities, iteration and, on rank 0, the
+    servers' state."""
+    from byteps_espresso.strategy.options import Option
+
+    strategy, options = checked
     rt = sync.session.runtime
     if saved["phase"] != _RUNNING:
         log.warning("this checkpoint is from iteration %d, before the strategy was kept (%s): "
@@ -213,9 +237,13 @@ def apply(sync: Any, saved: Mapping[str, Any], strategy: Any | None) -> None:
         return
     if strategy is not None:
         sync.adopt(strategy)
+    if options is not None:
+        sync.options = {name: Option.parse(steps) for name, steps in options.items()}
     rt.counters.update({str(k): int(v) for k, v in saved["counters"].items()})
     if sync.codec is not None:
         sync.codec.load_state_dict(saved["codec"])
+    sync.velocity = {name: t.detach().to(sync.device, copy=True)
+                     for name, t in saved["velocity"].items()}
     sync.iteration = int(saved["iteration"])
     sync.skipped = int(saved["skipped_steps"])
     server_state = saved.get("server_state")

@@ -320,11 +320,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             RuntimeError: called in the middle of an iteration.
         """
         saved = state_dict.get(checkpoint.KEY)
-        strategy = checkpoint.check(self._bps, saved) if saved is not None else None
+        checked = checkpoint.check(self._bps, saved) if saved is not None else None
         super(self.__class__, self).load_state_dict(
             {k: v for k, v in state_dict.items() if k != checkpoint.KEY})
-        if saved is not None:
-            checkpoint.apply(self._bps, saved, strategy)
+        if checked is not None:
+            checkpoint.apply(self._bps, saved, checked)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._bps.pending():

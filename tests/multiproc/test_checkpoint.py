@@ -5,9 +5,11 @@ for PS Options, on the server).
 - A fixed strategy file: two runs end bit-identical; a run resumed in new processes (new
   scheduler and server too) from every rank's step-k checkpoint ends bit-identical to the
   uninterrupted one, and checkpoints of another rank, world size or strategy are refused.
-- ``Compression.espresso``: the resumed run takes the kept strategy from the checkpoint
-  (no profiling, no trials) and ends bit-identical; ``ESPRESSO_STRATEGY`` pointed at the kept
-  ``strategy.json`` runs that strategy from the first step.
+- ``Compression.espresso`` with dgc (DGC's recipe: momentum correction in the codec, the
+  optimizer's momentum as velocities of the uncompressed biases): the resumed run takes the
+  kept strategy from the checkpoint (no profiling, no trials) and ends bit-identical;
+  ``ESPRESSO_STRATEGY`` pointed at the kept ``strategy.json`` runs that strategy from the
+  first step.
 """
 
 import dataclasses
@@ -77,6 +79,7 @@ def test_strategy_file_runs_are_bit_identical_and_resume_exactly(tmp_path, clust
     params = _params(tmp_path / "first")
     assert all(p.tobytes() == params[0].tobytes() for p in params[1:])
     assert first[0]["server_state_keys"] > 0  # rank 0 saved the server's residuals
+    assert first[0]["codec_slots"] == ["residual"]
 
     resumed = _run(cluster, tmp_path / "resumed",
                    [*args, str(tmp_path / "first"), str(other)])
@@ -103,6 +106,8 @@ def test_espresso_resumes_with_the_checkpoint_strategy_and_the_kept_one_is_reusa
     resumed = _run(cluster, tmp_path / "resumed", [*args, str(tmp_path / "first")],
                    {**ESPRESSO_ENV, "ESPRESSO_PROFILE_STEPS": "50"})
     _same_bits(tmp_path / "first", tmp_path / "resumed")
+    # What the checkpoint had to carry: momentum correction's state, the biases' velocities.
+    assert first[0]["codec_slots"] == ["accumulated", "velocity"] and first[0]["velocities"]
     for r in range(4):
         assert resumed[r]["options"] == first[r]["options"] == first[0]["options"]
         later = {s: v for s, v in first[r]["losses"].items() if int(s) >= ESPRESSO_SAVE_AT}

@@ -1,8 +1,8 @@
 """Worker of test_checkpoint: train, checkpoint every rank at one step, or resume from it.
 
 Usage: checkpoint_worker.py OUT_DIR COMPRESSION STEPS SAVE_AT [RESUME_DIR [OTHER_STRATEGY]].
-COMPRESSION is ``espresso`` (random-k planned after profiling and trials) or a strategy file
-path. Each rank's batches are drawn from a generator seeded by (rank, step). Without
+COMPRESSION is ``espresso`` (dgc with DGC's recipe, planned after profiling and trials) or a
+strategy file path. Each rank's batches are drawn from a generator seeded by (rank, step). Without
 RESUME_DIR the script trains STEPS steps and after SAVE_AT of them saves
 OUT_DIR/ckpt_RANK.pt (model and optimizer state). With RESUME_DIR it first checks that
 checkpoints of another rank, another world size and (with OTHER_STRATEGY, a strategy file)
@@ -35,8 +35,8 @@ def model() -> torch.nn.Module:
 
 
 def compression(arg: str):
-    if arg == "espresso":
-        return bps.Compression.espresso("randomk", ratio=0.25)
+    if arg == "espresso":  # DGC's recipe: momentum correction, and velocities for biases
+        return bps.Compression.espresso("dgc", ratio=0.25)
     return bps.Compression.strategy(arg)
 
 
@@ -104,6 +104,9 @@ def main() -> None:
                 torch.save(state, out / f"ckpt_{rank}.pt")
                 facts["checkpoint_bytes"] = (out / f"ckpt_{rank}.pt").stat().st_size
                 facts["server_state_keys"] = len(section.get("server_state", {}))
+                facts["velocities"] = len(section["velocity"])
+                facts["codec_slots"] = sorted({slot for dev in section["codec"].values()
+                                               for slots in dev.values() for slot in slots})
         flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         np.save(out / f"params_{rank}.npy", flat.numpy(), allow_pickle=False)
         strategy = bps.planned_strategy()
