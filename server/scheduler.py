@@ -58,6 +58,13 @@ MAX_PARTS = 1 << 16
 MAX_KEYS = 1 << 20
 # Log the first N rejections of each error code, then every LOG_EVERY-th, with its count.
 _LOG_FIRST, _LOG_EVERY = 20, 1000
+# Replies queued for one peer that has not taken them (ZeroMQ messages). A node has one
+# control call in flight at a time plus ABORT/ACCEPT/BARRIER_OK, so only a peer that stops
+# reading reaches it; later replies to that peer are dropped and counted (`reply_cap`).
+REPLY_CAP = 1024
+# Messages received from one peer and not yet handled; beyond it ZeroMQ stops reading that
+# connection (TCP back-pressure), so a flooding peer cannot grow the scheduler's memory.
+RECEIVE_CAP = 16
 
 
 class SchedulerError(RuntimeError):
@@ -89,8 +96,9 @@ class Scheduler:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, REPLY_CAP)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, not drops
+        self.sock.setsockopt(zmq.RCVHWM, RECEIVE_CAP)
         self.sock.setsockopt(zmq.LINGER, 2000)
         endpoint = f"tcp://{cfg.bind_host()}:{cfg.root_port}"
         try:
@@ -280,7 +288,17 @@ class Scheduler:
         return self.job_auth if identity in self.accepted else self.boot
 
     def _send(self, identity: bytes, frames: list[Any]) -> None:
-        self.sock.send_multipart([identity, *self._auth(identity).sign(frames)])
+        """Send to a peer, never blocking: a reply to a peer that does not read (its queue
+        is full) is dropped and counted; one to a peer that is gone is dropped."""
+        try:
+            self.sock.send_multipart([identity, *self._auth(identity).sign(frames)],
+                                     flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._count("reply_cap", f"{REPLY_CAP} replies are queued for peer "
+                        f"{identity.hex()}, which does not read them; dropped one")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
 
     def _verify(self, identity: bytes, frames: list[bytes]) -> list[bytes] | None:
         """The frames without their MAC, or None (counted) when they fail authentication;
