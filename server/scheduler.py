@@ -17,7 +17,8 @@ Lifecycle:
        server reports it with DONE; the scheduler then aborts the job for everyone.
 
 The scheduler also hosts the job's ``torch.distributed`` TCPStore on ``cfg.store_port``,
-bound to the same interface as everything else.
+bound to the same interface as everything else; with a job secret that port is an
+authenticated gate (``server/store_gate.py``) and the store itself listens on loopback.
 """
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ from typing import Any
 
 import zmq
 from byteps_espresso.server import protocol as P
-from byteps_espresso.server.auth import Authenticator, AuthError, warn_if_unauthenticated
+from byteps_espresso.server.auth import (
+    Authenticator,
+    AuthError,
+    store_key,
+    warn_if_unauthenticated,
+)
 from byteps_espresso.server.keys import MAX_PUSHERS, KeySpec
 from byteps_espresso.server.link import HEARTBEAT_INTERVAL_S, REGISTER_GRACE_S
+from byteps_espresso.server.store_gate import StoreGate, loopback_listener
 from zmq.utils.monitor import recv_monitor_message
 
 from byteps_espresso.config import Config
@@ -110,6 +117,7 @@ class Scheduler:
                                  "machine?") from None
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.store = None
+        self.store_gate: StoreGate | None = None
         self.store_error: str | None = None
         self._store_socket: socket.socket | None = None
         self.workers: dict[int, _Node] = {}
@@ -157,14 +165,20 @@ class Scheduler:
                                  f"({exc.strerror}); DMLC_PS_ROOT_PORT + 1 must be free") from None
         sock.listen(1024)
         self._store_socket = sock
+        secret = self.cfg.secret()
+        if secret is not None:  # the public port is a gate; the store listens on loopback
+            inner = loopback_listener()
+            self.store_gate = StoreGate(sock, inner, store_key(secret))
+            self._store_socket = inner
         threading.Thread(target=self._serve_store, name="tcpstore", daemon=True).start()
 
     def _serve_store(self) -> None:
         try:
             import torch.distributed as dist
 
-            self.store = dist.TCPStore(self.cfg.advertise_host(), self.cfg.store_port, None,
-                                       True, datetime.timedelta(seconds=self.cfg.op_timeout_s),
+            host, port = self._store_socket.getsockname()[:2]
+            self.store = dist.TCPStore(host, port, None, True,
+                                       datetime.timedelta(seconds=self.cfg.op_timeout_s),
                                        wait_for_workers=False,
                                        master_listen_fd=self._store_socket.fileno())
         except Exception as exc:  # reported by the event loop, which aborts the job
@@ -279,8 +293,10 @@ class Scheduler:
             if sock is not None:
                 sock.close()
         self.ctx.term()
-        if self._store_socket is not None:
-            self._store_socket.close()
+        for attr in ("store_gate", "_store_socket"):  # absent when the bind above failed
+            part = getattr(self, attr, None)
+            if part is not None:
+                part.close()
         self.store = None
 
     # ---- messages -----------------------------------------------------------------------------
