@@ -482,9 +482,12 @@ class Scheduler:
 
     def _on_done(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
         node = self._require_worker(node, "DONE")
+        failed = P.decode_json(msg).get("failed") if msg.frames else None
+        if failed is not None and not isinstance(failed, str):
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD, "DONE's failed must be null or a "
+                                  f"string, not {type(failed).__name__}")
         node.done = True
         self._send(identity, P.encode(P.MsgType.DONE_OK))
-        failed = P.decode_json(msg).get("failed") if msg.frames else None
         if failed:
             self._abort(f"{node.describe()} failed: {failed}")
 
