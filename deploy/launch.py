@@ -195,7 +195,7 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
     given = common.get("ESPRESSO_JOB_SECRET") or common.get("ESPRESSO_JOB_SECRET_FILE")
     if auth and not given:
         # One secret per job authenticates every PS message (server/auth.py); 256 bits. Asked
-        # for (--auth), not the default: a 64 MB dense push/pull runs at 0.82x of its
+        # for (--auth), not the default: a 64 MB dense push/pull runs at 0.76-0.82x of its
         # unauthenticated speed on 2 cores here (BENCHMARKS.md, "Parameter server").
         common["ESPRESSO_JOB_SECRET"] = secrets.token_hex(32)
     scheduler = place(Role.SCHEDULER.value, 0)
