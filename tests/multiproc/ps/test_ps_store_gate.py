@@ -78,3 +78,43 @@ def test_only_processes_with_the_secret_reach_the_store(tmp_path, ps_tools):
         seen = _probe(port, SECRET, plain)
         assert "address0 worker 0" in seen and "listed" in seen, seen
         assert "store gate: refused a connection" in ps_tools.read_log(tmp_path, "scheduler")
+
+
+RANK = r'''
+import sys, torch, torch.distributed as dist
+from byteps_espresso.worker.topology import Topology
+from byteps_espresso.worker.transport import host_store, init_distributed
+rank, port, secret = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].encode()
+store = keep = tunnel = None
+if rank == 0:  # DMLC_NUM_SERVER=0: rank 0 hosts the store, behind the gate
+    store, keep = host_store("127.0.0.1", "127.0.0.1", port, 60, secret)
+tunnel = init_distributed(Topology(1, 2, 0, rank), "127.0.0.1", port, timeout_s=60,
+                          store=store, secret=secret, address=f"worker {rank}")
+t = torch.full((4,), float(rank + 1))
+dist.all_reduce(t)
+assert t[0].item() == 3.0, t
+print("world ok", flush=True)
+sys.stdin.read()  # rank 0 keeps hosting the store until the test is done probing
+'''
+
+
+@pytest.mark.timeout(240)
+def test_rank_zero_hosts_a_gated_store_without_servers(tmp_path, ps_tools):
+    from byteps_espresso.deploy.launch import free_port_pair
+
+    port = free_port_pair() + 1
+    env = ps_tools.base_env(2, 0)
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port), SECRET],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        for proc in ranks:
+            line = proc.stdout.readline()
+            assert "world ok" in line, line + proc.stdout.read()
+        assert "refused" in _probe(port, "", env)
+        seen = _probe(port, SECRET, env)
+        assert "address0 worker 0" in seen, seen
+    finally:
+        for proc in ranks:
+            proc.stdin.close()
+        ps_tools.kill_all(ranks)
