@@ -49,6 +49,8 @@ setup(
         "numpy>=1.26,<3",
         "numba>=0.59,<1",
         "pyzmq>=25,<28",
+        # Poly1305, the MAC of authenticated PS messages (server/auth.py).
+        "cryptography>=41,<60",
         "matplotlib>=3.7,<4",
         "tqdm>=4.60,<5",
     ],

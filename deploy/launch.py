@@ -195,8 +195,8 @@ def cluster_specs(command: Sequence[str], *, machines: int, workers_per_machine:
     given = common.get("ESPRESSO_JOB_SECRET") or common.get("ESPRESSO_JOB_SECRET_FILE")
     if auth and not given:
         # One secret per job authenticates every PS message (server/auth.py); 256 bits. Asked
-        # for (--auth), not the default: the MAC runs on the server's event loop and cost 4x
-        # on a 64 MB dense push/pull here (BENCHMARKS.md, "Parameter server").
+        # for (--auth), not the default: a 64 MB dense push/pull runs at 0.76-0.82x of its
+        # unauthenticated speed on 2 cores here (BENCHMARKS.md, "Parameter server").
         common["ESPRESSO_JOB_SECRET"] = secrets.token_hex(32)
     scheduler = place(Role.SCHEDULER.value, 0)
     common.update({

@@ -1,9 +1,13 @@
 """Message authentication on the PS wire: a MAC over header and frames, keyed by the job secret.
 
 With a job secret (``ESPRESSO_JOB_SECRET`` / ``ESPRESSO_JOB_SECRET_FILE``) every message
-carries ``FLAG_MAC`` in its header and one extra last frame: a 16-byte tag over the header
-(type, key, round, sender, lengths, flags) and every payload frame. Two keys are derived from
-the secret:
+carries ``FLAG_MAC`` in its header and one extra last frame, the tag over the header (type,
+key, round, sender, lengths, flags) and every payload frame. The MAC is Poly1305 with a fresh
+one-time key per message: the sender draws a 16-byte nonce, the one-time key is
+BLAKE2b(nonce, key=the long-term key), and the tag frame is nonce + the 16-byte Poly1305 tag
+(32 bytes). Poly1305 hashes the payload about ten times faster than HMAC-SHA256 here
+(``python benchmarks/ps.py --mac``, BENCHMARKS.md), which is what keeps the cost of
+authenticating 64 MB gradients small. Two long-term keys are derived from the secret:
 
     boot key  BLAKE2b(secret, person="espresso-boot"): REGISTER, and the scheduler's ACCEPT
               or ABORT to a node that has not been accepted yet
@@ -13,7 +17,9 @@ the secret:
 A message of another job (another secret, or the same secret with another job id) fails
 verification; within a job the tag binds the round and sender, so a replayed push can only
 repeat (sender, key, round), which the server's round rules reject. A message that fails
-verification is dropped without a reply and counted.
+verification is dropped without a reply and counted. Random 128-bit nonces make a repeated
+one-time key (which would let an observer of both messages forge) negligible: 2^-64 after
+2^32 messages of one job.
 
 Example:
     >>> auth = Authenticator.boot(b"0123456789abcdef")
@@ -26,34 +32,67 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from byteps_espresso.server import protocol as P
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-__all__ = ["ALGORITHM", "MACS", "TAG_BYTES", "AuthError", "Authenticator",
+__all__ = ["ALGORITHM", "MACS", "AuthError", "Authenticator", "store_key",
            "warn_if_unauthenticated"]
 
-TAG_BYTES = 16
 _FLAGS = slice(6, 8)  # the header's flags field (protocol.HEADER: offset 6, uint16)
+_DIGEST = 16  # bytes of every tag (Poly1305's size; the keyed hashes are truncated to it)
 
 
-def _blake2b(key: bytes) -> Callable[[], Any]:
-    return lambda: hashlib.blake2b(key=key, digest_size=TAG_BYTES)
+class _Poly1305:
+    """Poly1305 under a one-time key drawn per message from a random nonce."""
+
+    nonce_bytes = 16
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def tag(self, nonce: bytes, frames: Sequence[Any]) -> bytes:
+        once = hashlib.blake2b(nonce, key=self.key, digest_size=32,
+                               person=b"espresso-poly").digest()
+        mac = Poly1305(once)
+        for frame in frames:
+            mac.update(_view(frame))
+        return mac.finalize()
 
 
-def _hmac_sha256(key: bytes) -> Callable[[], Any]:
-    return lambda: hmac.new(key, digestmod=hashlib.sha256)
+class _KeyedHash:
+    """A keyed hash from hashlib (deterministic: no nonce)."""
+
+    nonce_bytes = 0
+
+    def __init__(self, new: Callable[[], Any]) -> None:
+        self._new = new
+
+    def tag(self, nonce: bytes, frames: Sequence[Any]) -> bytes:
+        mac = self._new()
+        for frame in frames:
+            mac.update(_view(frame))
+        return mac.digest()[:_DIGEST]
 
 
-# Keyed MACs by name: name -> (key -> new hash object). Both hash at the speed of the host's
-# hashing code; ALGORITHM is the faster on the development machine (`python
-# benchmarks/ps.py --mac`, BENCHMARKS.md).
-MACS: dict[str, Callable[[bytes], Callable[[], Any]]] = {
-    "blake2b": _blake2b,
-    "hmac-sha256": _hmac_sha256,
+# MACs by name: name -> (long-term key -> MAC). ALGORITHM is the one every process uses; the
+# others stay for `python benchmarks/ps.py --mac`, which measured it the fastest on the
+# development machine (BENCHMARKS.md, "Parameter server").
+MACS: dict[str, Callable[[bytes], Any]] = {
+    "poly1305": _Poly1305,
+    "blake2b": lambda key: _KeyedHash(
+        lambda: hashlib.blake2b(key=key, digest_size=_DIGEST)),
+    "hmac-sha256": lambda key: _KeyedHash(lambda: hmac.new(key, digestmod=hashlib.sha256)),
 }
-ALGORITHM = "hmac-sha256"
+ALGORITHM = "poly1305"
+
+
+def store_key(secret: bytes) -> bytes:
+    """The key that admits a connection to the job's torch.distributed store."""
+    return hashlib.blake2b(secret, digest_size=32, person=b"espresso-store").digest()
 
 
 _WARNED: set[str] = set()  # roles of this process already warned
@@ -74,15 +113,17 @@ class AuthError(ValueError):
 
 
 def _view(frame: Any) -> memoryview:
+    """The bytes of a frame, array or buffer, without copying."""
     buf = getattr(frame, "buffer", None)  # zmq.Frame
-    return memoryview(buf if buf is not None else frame)
+    view = memoryview(buf if buf is not None else frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class Authenticator:
     """Signs and verifies messages with one key; without a key it only refuses MACs.
 
     Args:
-        key: the MAC key, or None for an unauthenticated job.
+        key: the long-term MAC key, or None for an unauthenticated job.
         algorithm: a name in :data:`MACS`.
     """
 
@@ -91,11 +132,12 @@ class Authenticator:
             raise ValueError(f"unknown MAC {algorithm!r}; choose one of {sorted(MACS)}")
         self.key = key
         self.algorithm = algorithm
-        self._new = MACS[algorithm](key) if key is not None else None
+        self._mac = MACS[algorithm](key) if key is not None else None
+        self.tag_bytes = (self._mac.nonce_bytes + _DIGEST) if self._mac is not None else 0
 
     @property
     def enabled(self) -> bool:
-        return self._new is not None
+        return self._mac is not None
 
     @classmethod
     def boot(cls, secret: bytes | None) -> Authenticator:
@@ -113,16 +155,15 @@ class Authenticator:
                                              person=b"espresso-job").digest(), self.algorithm)
 
     def tag(self, frames: Sequence[Any]) -> bytes:
-        assert self._new is not None
-        mac = self._new()
-        for frame in frames:
-            mac.update(_view(frame))
-        return mac.digest()[:TAG_BYTES]
+        """The tag frame of ``frames``: a fresh nonce (if the MAC takes one), then the MAC."""
+        assert self._mac is not None
+        nonce = os.urandom(self._mac.nonce_bytes) if self._mac.nonce_bytes else b""
+        return nonce + self._mac.tag(nonce, frames)
 
     def sign(self, frames: list[Any]) -> list[Any]:
         """``frames`` (header first) with FLAG_MAC set and the tag appended; unchanged when
         the job is unauthenticated."""
-        if self._new is None:
+        if self._mac is None:
             return frames
         head = bytes(frames[0])
         flags = int.from_bytes(head[_FLAGS], "little") | P.FLAG_MAC
@@ -142,7 +183,7 @@ class Authenticator:
         head = _view(frames[0]) if frames else memoryview(b"")
         flagged = (head.nbytes >= _FLAGS.stop
                    and int.from_bytes(head[_FLAGS], "little") & P.FLAG_MAC)
-        if self._new is None:
+        if self._mac is None:
             if flagged:
                 raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
                                       "the message carries a MAC but this process has no job "
@@ -152,6 +193,9 @@ class Authenticator:
         if not flagged or len(frames) < 2:
             raise AuthError("not signed (no FLAG_MAC or no tag frame)")
         tag = _view(frames[-1])
-        if tag.nbytes != TAG_BYTES or not hmac.compare_digest(self.tag(frames[:-1]), tag):
+        if tag.nbytes != self.tag_bytes:
+            raise AuthError(f"a tag frame of {tag.nbytes} bytes, not {self.tag_bytes}")
+        nonce = bytes(tag[:self._mac.nonce_bytes])
+        if not hmac.compare_digest(self._mac.tag(nonce, frames[:-1]), tag[len(nonce):]):
             raise AuthError("wrong MAC: another job's secret, or the message was altered")
         return frames[:-1]

@@ -17,7 +17,8 @@ Lifecycle:
        server reports it with DONE; the scheduler then aborts the job for everyone.
 
 The scheduler also hosts the job's ``torch.distributed`` TCPStore on ``cfg.store_port``,
-bound to the same interface as everything else.
+bound to the same interface as everything else; with a job secret that port is an
+authenticated gate (``server/store_gate.py``) and the store itself listens on loopback.
 """
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ from typing import Any
 
 import zmq
 from byteps_espresso.server import protocol as P
-from byteps_espresso.server.auth import Authenticator, AuthError, warn_if_unauthenticated
+from byteps_espresso.server.auth import (
+    Authenticator,
+    AuthError,
+    store_key,
+    warn_if_unauthenticated,
+)
 from byteps_espresso.server.keys import MAX_PUSHERS, KeySpec
 from byteps_espresso.server.link import HEARTBEAT_INTERVAL_S, REGISTER_GRACE_S
+from byteps_espresso.server.store_gate import StoreGate, loopback_listener
 from zmq.utils.monitor import recv_monitor_message
 
 from byteps_espresso.config import Config
@@ -58,6 +65,13 @@ MAX_PARTS = 1 << 16
 MAX_KEYS = 1 << 20
 # Log the first N rejections of each error code, then every LOG_EVERY-th, with its count.
 _LOG_FIRST, _LOG_EVERY = 20, 1000
+# Replies queued for one peer that has not taken them (ZeroMQ messages). A node has one
+# control call in flight at a time plus ABORT/ACCEPT/BARRIER_OK, so only a peer that stops
+# reading reaches it; later replies to that peer are dropped and counted (`reply_cap`).
+REPLY_CAP = 1024
+# Messages received from one peer and not yet handled; beyond it ZeroMQ stops reading that
+# connection (TCP back-pressure), so a flooding peer cannot grow the scheduler's memory.
+RECEIVE_CAP = 16
 
 
 class SchedulerError(RuntimeError):
@@ -89,8 +103,9 @@ class Scheduler:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, REPLY_CAP)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, not drops
+        self.sock.setsockopt(zmq.RCVHWM, RECEIVE_CAP)
         self.sock.setsockopt(zmq.LINGER, 2000)
         endpoint = f"tcp://{cfg.bind_host()}:{cfg.root_port}"
         try:
@@ -102,6 +117,7 @@ class Scheduler:
                                  "machine?") from None
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.store = None
+        self.store_gate: StoreGate | None = None
         self.store_error: str | None = None
         self._store_socket: socket.socket | None = None
         self.workers: dict[int, _Node] = {}
@@ -149,14 +165,20 @@ class Scheduler:
                                  f"({exc.strerror}); DMLC_PS_ROOT_PORT + 1 must be free") from None
         sock.listen(1024)
         self._store_socket = sock
+        secret = self.cfg.secret()
+        if secret is not None:  # the public port is a gate; the store listens on loopback
+            inner = loopback_listener()
+            self.store_gate = StoreGate(sock, inner, store_key(secret))
+            self._store_socket = inner
         threading.Thread(target=self._serve_store, name="tcpstore", daemon=True).start()
 
     def _serve_store(self) -> None:
         try:
             import torch.distributed as dist
 
-            self.store = dist.TCPStore(self.cfg.advertise_host(), self.cfg.store_port, None,
-                                       True, datetime.timedelta(seconds=self.cfg.op_timeout_s),
+            host, port = self._store_socket.getsockname()[:2]
+            self.store = dist.TCPStore(host, port, None, True,
+                                       datetime.timedelta(seconds=self.cfg.op_timeout_s),
                                        wait_for_workers=False,
                                        master_listen_fd=self._store_socket.fileno())
         except Exception as exc:  # reported by the event loop, which aborts the job
@@ -271,8 +293,10 @@ class Scheduler:
             if sock is not None:
                 sock.close()
         self.ctx.term()
-        if self._store_socket is not None:
-            self._store_socket.close()
+        for attr in ("store_gate", "_store_socket"):  # absent when the bind above failed
+            part = getattr(self, attr, None)
+            if part is not None:
+                part.close()
         self.store = None
 
     # ---- messages -----------------------------------------------------------------------------
@@ -280,7 +304,17 @@ class Scheduler:
         return self.job_auth if identity in self.accepted else self.boot
 
     def _send(self, identity: bytes, frames: list[Any]) -> None:
-        self.sock.send_multipart([identity, *self._auth(identity).sign(frames)])
+        """Send to a peer, never blocking: a reply to a peer that does not read (its queue
+        is full) is dropped and counted; one to a peer that is gone is dropped."""
+        try:
+            self.sock.send_multipart([identity, *self._auth(identity).sign(frames)],
+                                     flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._count("reply_cap", f"{REPLY_CAP} replies are queued for peer "
+                        f"{identity.hex()}, which does not read them; dropped one")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
 
     def _verify(self, identity: bytes, frames: list[bytes]) -> list[bytes] | None:
         """The frames without their MAC, or None (counted) when they fail authentication;
@@ -448,9 +482,12 @@ class Scheduler:
 
     def _on_done(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
         node = self._require_worker(node, "DONE")
+        failed = P.decode_json(msg).get("failed") if msg.frames else None
+        if failed is not None and not isinstance(failed, str):
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD, "DONE's failed must be null or a "
+                                  f"string, not {type(failed).__name__}")
         node.done = True
         self._send(identity, P.encode(P.MsgType.DONE_OK))
-        failed = P.decode_json(msg).get("failed") if msg.frames else None
         if failed:
             self._abort(f"{node.describe()} failed: {failed}")
 

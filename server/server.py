@@ -44,7 +44,8 @@ from byteps_espresso.server.link import REGISTER_GRACE_S, SchedulerLink
 from byteps_espresso.config import Config
 
 __all__ = [
-    "RESULT_HISTORY", "NumbaGuard", "Server", "ServerError", "aggregate", "keep_freed_memory",
+    "REPLY_CAP_BASE", "REPLY_CAP_PER_KEY", "RESULT_HISTORY", "NumbaGuard", "Server",
+    "ServerError", "aggregate", "keep_freed_memory",
     "run_server",
 ]
 
@@ -66,6 +67,17 @@ _WAITERS_PER_PUSHER = 4
 _STATE_PAGE = 4096
 # Log the first N rejections of each error code, then every LOG_EVERY-th.
 _LOG_FIRST, _LOG_EVERY = 20, 1000
+# Replies queued for one peer (ZeroMQ messages its connection has not taken yet), at most
+# REPLY_CAP_BASE + REPLY_CAP_PER_KEY x the keys of this server. An honest worker has a round
+# or two in flight per key and pulls at most _WAITERS_PER_PUSHER rounds of one, plus a few
+# control calls, so it never reaches the cap; a peer that stops reading its replies does,
+# and further replies to it are dropped (counted as `reply_cap`) instead of queued.
+REPLY_CAP_BASE = 1024
+REPLY_CAP_PER_KEY = _WAITERS_PER_PUSHER
+# Messages received from one peer and not yet handled; beyond it ZeroMQ stops reading that
+# connection (TCP back-pressure, nothing is dropped), so a flooding peer slows itself down
+# instead of growing the server's memory. An honest worker pushes one message per partition.
+RECEIVE_CAP = 16
 
 
 class ServerError(RuntimeError):
@@ -175,8 +187,9 @@ class Server:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-        self.router.setsockopt(zmq.SNDHWM, 0)
-        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.setsockopt(zmq.SNDHWM, REPLY_CAP_BASE)  # raised as keys are declared
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, not drops
+        self.router.setsockopt(zmq.RCVHWM, RECEIVE_CAP)
         self.router.setsockopt(zmq.LINGER, 0)
         port = cfg.server_port
         if port:
@@ -336,9 +349,21 @@ class Server:
                                             sender=self.rank))
 
     def _send(self, identity: bytes, frames: list[Any], *, signed: bool = False) -> None:
-        """Send to a peer; ``signed``: the frames already carry their MAC (cached replies)."""
-        self.router.send_multipart([identity, *(frames if signed else self.auth.sign(frames))],
-                                   copy=False)
+        """Send to a peer; ``signed``: the frames already carry their MAC (cached replies).
+        A reply to a peer whose queue is full (it does not read) or that is gone is dropped;
+        the first is counted and logged, never blocks the loop."""
+        try:
+            self.router.send_multipart(
+                [identity, *(frames if signed else self.auth.sign(frames))], copy=False,
+                flags=zmq.NOBLOCK)
+        except zmq.Again:
+            cap = self.router.getsockopt(zmq.SNDHWM)
+            self._count_rejection("reply_cap", f"a reply to peer {identity.hex()}",
+                                  f"{cap} replies are already queued for it (it does not read "
+                                  "them); this one is dropped")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise  # EHOSTUNREACH: the peer disconnected; nobody is left to answer
 
     def _key(self, header: P.Header) -> _Key:
         state = self.keys.get(header.key)
@@ -349,6 +374,10 @@ class Server:
 
     # ---- handlers -----------------------------------------------------------------------------
     def _on_declare(self, identity: bytes, msg: P.Message) -> None:
+        if not 0 <= msg.header.sender < self.num_workers:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"DECLARE comes from a worker rank (0..{self.num_workers - 1}"
+                                  f"), not sender {msg.header.sender}")
         spec = KeySpec.from_json(P.decode_json(msg), self.num_workers)
         key = msg.header.key
         known = self.keys.get(key)
@@ -363,6 +392,8 @@ class Server:
                                       f"server {self.rank} already holds {MAX_KEYS} keys")
             self.keys[key] = self._new_key(key, spec)
             self.names[spec.name] = key
+            self.router.setsockopt(zmq.SNDHWM,
+                                   REPLY_CAP_BASE + REPLY_CAP_PER_KEY * len(self.keys))
         self._send(identity, P.encode(P.MsgType.DECLARE_OK, key=key, sender=self.rank))
 
     def _new_key(self, key: int, spec: KeySpec) -> _Key:

@@ -80,7 +80,7 @@ class Runtime:
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         comm_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self._owns_world = not dist.is_initialized()
-        self._store, self._store_socket = None, None
+        self._store, self._store_socket, self._store_tunnel = None, None, None
         if self._owns_world:
             timeout_s = max(cfg.start_timeout_s, cfg.op_timeout_s)
             # gloo and NCCL pick their interface from the host name unless told; point them
@@ -89,12 +89,13 @@ class Runtime:
             if cfg.num_servers == 0 and self.topology.rank == 0:
                 # No PS scheduler in this job: rank 0 hosts the rendezvous store itself.
                 self._store, self._store_socket = host_store(
-                    cfg.bind_host(), cfg.root_uri, cfg.store_port, timeout_s)
+                    cfg.bind_host(), cfg.root_uri, cfg.store_port, timeout_s, cfg.secret())
             ifname = interfaces.get("NCCL_SOCKET_IFNAME" if self.backend == "nccl"
                                     else "GLOO_SOCKET_IFNAME", "the host name's")
-            init_distributed(self.topology, cfg.root_uri, cfg.store_port, backend=self.backend,
-                             timeout_s=timeout_s, store=self._store,
-                             address=f"{cfg.address()}, {self.backend} over {ifname}")
+            self._store_tunnel = init_distributed(
+                self.topology, cfg.root_uri, cfg.store_port, backend=self.backend,
+                timeout_s=timeout_s, store=self._store, secret=cfg.secret(),
+                address=f"{cfg.address()}, {self.backend} over {ifname}")
         self.transports = create_groups(self.topology, lanes, backend=self.backend,
                                         comm_device=comm_device)
         self.shared_host = _machines_share_host(self.topology, self.transports[0], cfg)
@@ -197,6 +198,9 @@ class Runtime:
         if self._store_socket is not None:
             self._store_socket.close()
             self._store, self._store_socket = None, None
+        if self._store_tunnel is not None:
+            self._store_tunnel.close()
+            self._store_tunnel = None
 
 
 def _machines_share_host(topology: Topology, transport: Any, cfg: Config) -> bool:

@@ -356,11 +356,13 @@ class DistTransport:
 
 
 def host_store(bind_host: str, advertise_host: str, port: int,
-               timeout_s: float) -> tuple[Any, Any]:
+               timeout_s: float, secret: bytes | None = None) -> tuple[Any, Any]:
     """Host a TCPStore on ``port``, listening on ``bind_host`` only; returns (store, socket).
 
     Used by rank 0 when the job has no PS scheduler (``DMLC_NUM_SERVER=0``); with servers the
-    scheduler hosts it the same way.
+    scheduler hosts it the same way. With a job ``secret`` the port is an authenticated gate
+    (:mod:`byteps_espresso.server.store_gate`) and the store listens on loopback; the second
+    value is then the gate (close it with the store).
 
     Raises:
         RuntimeError: the port is taken.
@@ -368,6 +370,8 @@ def host_store(bind_host: str, advertise_host: str, port: int,
     import socket
 
     import torch.distributed as dist
+    from byteps_espresso.server.auth import store_key
+    from byteps_espresso.server.store_gate import StoreGate, loopback_listener
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -379,9 +383,14 @@ def host_store(bind_host: str, advertise_host: str, port: int,
                            f"({exc.strerror}); DMLC_PS_ROOT_PORT + 1 must be free on rank 0's "
                            "host") from None
     sock.listen(1024)
+    keep: Any = sock
+    if secret is not None:
+        inner = loopback_listener()
+        keep = StoreGate(sock, inner, store_key(secret))
+        sock, advertise_host, port = inner, "127.0.0.1", inner.getsockname()[1]
     store = dist.TCPStore(advertise_host, port, None, True, datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False, master_listen_fd=sock.fileno())
-    return store, sock  # the caller keeps the listening socket alive with the store
+    return store, keep  # the caller keeps the listening socket (or gate) alive with the store
 
 
 class RendezvousError(RuntimeError):
@@ -395,14 +404,20 @@ _ADDRESS_KEY = "espresso/address/{rank}"
 
 
 def init_distributed(topology: Topology, host: str, port: int, *, backend: str = "gloo",
-                     timeout_s: float = 60.0, store: Any = None, address: str = "") -> None:
+                     timeout_s: float = 60.0, store: Any = None, address: str = "",
+                     secret: bytes | None = None) -> Any:
     """Join the job's ``torch.distributed`` world through the TCPStore at ``host:port``.
 
     The scheduler hosts the store (INTERFACES.md), or rank 0 when the job has no servers
     (pass its ``host_store`` as ``store``); every other process is a client. Each rank
     publishes ``address`` (what it advertises, and over which interface) in the store first,
     so that a rank that cannot complete the rendezvous says which peers it heard of, and at
-    which addresses.
+    which addresses. With a job ``secret`` the store is reached through its authenticated
+    gate (:class:`byteps_espresso.server.store_gate.StoreTunnel`).
+
+    Returns:
+        The StoreTunnel when one was opened (keep it, and close it after the process group
+        is destroyed: the store's connection runs through it), else None.
 
     Raises:
         RendezvousError: the store cannot be reached or the world does not assemble in time;
@@ -412,14 +427,23 @@ def init_distributed(topology: Topology, host: str, port: int, *, backend: str =
 
     timeout = datetime.timedelta(seconds=timeout_s)
     rank, world = topology.rank, topology.world_size
+    tunnel = None
     if store is None:
+        if secret is not None:
+            from byteps_espresso.server.auth import store_key
+            from byteps_espresso.server.store_gate import StoreTunnel
+
+            tunnel = StoreTunnel(host, port, store_key(secret))
         try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            store = dist.TCPStore(*(("127.0.0.1", tunnel.port) if tunnel else (host, port)),
+                                  is_master=False, timeout=timeout)
         except (RuntimeError, OSError) as exc:
+            why = _first_line(exc) + (" (through the authenticated store gate: every process "
+                                      "needs the job's ESPRESSO_JOB_SECRET)" if tunnel else "")
             raise RendezvousError(
                 f"rank {rank} (advertising {address or 'unknown'}) cannot reach the "
                 f"torch.distributed store at {host}:{port} within {timeout_s:g} s: "
-                f"{_first_line(exc)}. Check that DMLC_PS_ROOT_URI={host} is this job's "
+                f"{why}. Check that DMLC_PS_ROOT_URI={host} is this job's "
                 f"scheduler (rank 0 when DMLC_NUM_SERVER=0), that it runs, and that port "
                 f"{port} (DMLC_PS_ROOT_PORT + 1) is reachable from this machine") from None
     store.set(_ADDRESS_KEY.format(rank=rank), address)
@@ -435,6 +459,7 @@ def init_distributed(topology: Topology, host: str, port: int, *, backend: str =
             "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) where one is wrong") from None
     log.debug("rank %d joined torch.distributed (%s) via %s:%d as %s", rank, backend, host,
               port, address)
+    return tunnel
 
 
 def _first_line(exc: BaseException) -> str:

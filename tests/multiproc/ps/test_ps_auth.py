@@ -93,6 +93,10 @@ def test_outsiders_are_dropped_and_ranks_stay_bound(tmp_path, ps_tools):
         with pytest.raises(PSError, match="a key spec must be a JSON object"):
             c0._call(-1, P.encode_json(P.MsgType.PLACE, {"spec": []}, sender=0),
                      P.MsgType.PLACE, 0, "place")
+        # A DONE whose reason is not a string is refused too, and does not end the job.
+        with pytest.raises(PSError, match="must be null or a string"):
+            c0._call(-1, P.encode_json(P.MsgType.DONE, {"failed": {"x": 1}}, sender=0),
+                     P.MsgType.DONE, 0, "done")
         assert c0.declare("after", NUMEL, pushers=[0]) == [(0, NUMEL)]
 
 

@@ -57,3 +57,36 @@ def test_incomplete_rounds_expire_and_far_pulls_are_refused(tmp_path, ps_tools):
             assert np.array_equal(h.wait(), x * 2)
         body = _pull(c0.servers[0], key, 1000)
         assert body["code"] == "future_round" and "too far ahead" in body["message"]
+
+
+@pytest.mark.timeout(120)
+def test_replies_to_a_peer_that_never_reads_are_capped(tmp_path, ps_tools):
+    with ps_tools.ps_job(tmp_path, 1, 1) as job:
+        (c0,) = job.connect(1)
+        c0.declare("r", NUMEL, pushers=[0])
+        key = c0._tensors["r"].parts[0].key
+        c0.push_pull("r", np.ones(NUMEL, np.float32), 0)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)  # takes one reply, then lets them back up
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(c0.servers[0])
+        try:
+            # Each pull of the kept round 0 is answered with its 4 KB result, never read:
+            # beyond the kernel's socket buffers and the server's cap, replies are dropped.
+            pull = P.encode(P.MsgType.PULL, key=key, round=0, sender=0)
+            for _ in range(8000):
+                sock.send_multipart(pull)
+            deadline = time.monotonic() + 60
+            while c0.server_stats()[0]["rejected"].get("reply_cap", 0) < 1:
+                assert time.monotonic() < deadline, "replies to a peer that does not read " \
+                    "were queued without a cap"
+                time.sleep(0.5)
+        finally:
+            sock.close()
+            ctx.term()
+        # The server goes on serving the job, and said why it dropped replies.
+        x = np.full(NUMEL, 2.0, np.float32)
+        assert np.array_equal(c0.push_pull("r", x, 1), x)
+        assert "reply_cap" in ps_tools.read_log(tmp_path, "server0")

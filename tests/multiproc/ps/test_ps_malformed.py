@@ -100,8 +100,11 @@ def test_malformed_messages_are_rejected_counted_and_serving_goes_on(ps_job_fact
         expect(P.encode(P.MsgType.PUSH, key=key, round=1, sender=1, dtype=P.DType.FLOAT32,
                         numel=NUMEL, frames=[half] * 4), P.ErrorCode.TOO_LARGE)
         expect(P.encode_json(P.MsgType.DECLARE, {"name": "bad", "numel": -3, "pushers": [0]},
-                             key=77), P.ErrorCode.BAD_DECLARE)
-        expect(P.encode(P.MsgType.DECLARE, key=78, frames=[b"{not json"]), P.ErrorCode.BAD_JSON)
+                             key=77, sender=0), P.ErrorCode.BAD_DECLARE)
+        expect(P.encode(P.MsgType.DECLARE, key=78, sender=0, frames=[b"{not json"]),
+               P.ErrorCode.BAD_JSON)
+        expect(P.encode_json(P.MsgType.DECLARE, {"name": "anon", "numel": 4, "pushers": [0]},
+                             key=79), P.ErrorCode.BAD_FIELD)  # not from a worker rank
         # A single frame above the limit: ZeroMQ drops that connection before allocating.
         blob = RawPeer(c0.servers[0])
         blob.sock.send_multipart([np.zeros(MAX_MESSAGE_BYTES // 4 + 16, np.float32)])
