@@ -49,7 +49,7 @@ from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.options import Device
 
 __all__ = ["GREEDY_PASSES", "OFFLOAD_NODE_LIMIT", "OffloadUnits", "cpu_offload", "espresso",
-           "gpu_greedy", "offload_exhaustive", "offload_units", "uniform_best"]
+           "gc_paused", "gpu_greedy", "offload_exhaustive", "offload_units", "uniform_best"]
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (restored after): the search allocates many
     small containers, and a collection would traverse the whole decision tree's objects."""
     was_enabled = gc.isenabled()
@@ -326,7 +326,7 @@ def _gc_paused() -> Iterator[None]:
 
 def espresso(ctx: PlanContext) -> np.ndarray:
     """Algorithm 1, Algorithm 2, then the device refinement; returns option indices."""
-    with _gc_paused():
+    with gc_paused():
         return _espresso(ctx)
 
 

@@ -136,3 +136,40 @@ def test_strategies_with_buckets_round_trip_and_bad_buckets_are_named(tmp_path):
     # Without buckets every option is one gradient.
     plain = plan(wl, Cluster.preset(2, 2, "pcie", 10), "randomk", {"ratio": 0.01})
     assert plain.layout == singletons(wl.names) and "buckets" not in plain.to_dict()
+
+
+@pytest.mark.parametrize("within", [2.5, None])
+def test_plan_bucketed_equals_planning_every_layout_in_full(monkeypatch, within):
+    """The start-up path picks the layout by the algorithm's plan alone and builds the
+    finalists (or the plan with its baselines) for the kept layout only; the answer is the
+    same as planning every layout in full and keeping the fastest."""
+    from byteps_espresso.strategy import planner
+
+    wl = _many_small_tensors()
+    cluster = Cluster.preset(2, 2, "pcie", 10)
+    params = {"ratio": 0.01}
+    full = {}
+
+    def plan_fully(fused):
+        out = (planner.plan_finalists(fused, cluster, "randomk", params, within=within)
+               if within is not None else [plan(fused, cluster, "randomk", params)])
+        full[tuple(fused.names)] = out
+        return out[0].predicted_ms
+
+    want_buckets, want_tried = plan_fused(wl, plan_fully)
+    want = full[tuple(b.name for b in want_buckets)]
+    calls = []
+    original = planner.plan_finalists
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].names)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_finalists", counted)
+    buckets, tried, got = planner.plan_bucketed(wl, cluster, "randomk", params, within=within)
+    assert buckets == want_buckets and len(want_tried) > 1
+    assert tried == [(cap, pytest.approx(ms, abs=1e-9)) for cap, ms in want_tried]
+    assert [(s.algorithm, s.options, s.baselines) for s in got] == \
+        [(s.algorithm, s.options, s.baselines) for s in want]
+    assert [s.predicted_ms for s in got] == pytest.approx([s.predicted_ms for s in want])
+    assert calls == ([fuse(wl, buckets).names] if within is not None else [])
