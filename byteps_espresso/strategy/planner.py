@@ -32,8 +32,8 @@ from byteps_espresso.strategy.timeline import Timeline
 from byteps_espresso.strategy.tree import Constraints
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["REPORTED_BASELINES", "RESTRICTED", "RUNNABLE_BASELINES", "plan", "plan_bucketed",
-           "plan_finalists", "plan_with_timelines"]
+__all__ = ["REPORTED_BASELINES", "RESTRICTED", "RUNNABLE_BASELINES", "plan", "plan_alone",
+           "plan_bucketed", "plan_finalists", "plan_with_timelines"]
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,17 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
     return out
 
 
+def plan_alone(workload: Workload, cluster: Cluster, compressor: str = "randomk",
+               params: dict[str, Any] | None = None, *, algorithm: str = "espresso",
+               constraints: Constraints | None = None, costs: CompressorCosts | None = None) \
+        -> tuple[Strategy, baselines.Solution]:
+    """Like :func:`plan` without the baselines (the Strategy reports none): the algorithm's
+    strategy, timed as ``plan`` times it, and its Solution."""
+    strategy, solution, _ = _run(workload, cluster, compressor, params, algorithm=algorithm,
+                                 constraints=constraints, costs=costs, baseline_names=())
+    return strategy, solution
+
+
 def plan_bucketed(workload: Workload, cluster: Cluster, compressor: str = "randomk",
                   params: dict[str, Any] | None = None, *, within: float | None,
                   algorithm: str = "espresso", constraints: Constraints | None = None,
@@ -174,9 +185,8 @@ def plan_bucketed(workload: Workload, cluster: Cluster, compressor: str = "rando
     base = constraints or Constraints()
 
     def predicted_ms(fused: Workload) -> float:
-        strategy, _, _ = _run(fused, cluster, compressor, params, algorithm=algorithm,
-                              constraints=base, costs=costs, baseline_names=())
-        return strategy.predicted_ms
+        return plan_alone(fused, cluster, compressor, params, algorithm=algorithm,
+                          constraints=base, costs=costs)[0].predicted_ms
 
     buckets, tried = plan_fused(workload, predicted_ms, caps, first_cap_bytes)
     fused = fuse(workload, buckets)

@@ -208,9 +208,10 @@ def _simulate(gaps, size_idx, lane, choice, cat_len, cat_res, cat_dur, n_res, re
 
 @numba.njit(cache=True)
 def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
-             tol):  # pragma: no cover - compiled
+             tol, k0, t0, s0):  # pragma: no cover - compiled
     """Best candidate option for tensor i, others fixed: lexicographic (iteration time,
-    sum of done times); the prefix before i is simulated once and copied per candidate."""
+    sum of done times) against the incumbent k0 with its (t0, s0) (k0 = -1, t0 = s0 = inf:
+    none); the prefix before i is simulated once and copied per candidate."""
     cap = _capacity(choice, cat_len)
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     dummy = np.zeros((1, 1))
@@ -223,9 +224,9 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
     e2 = np.empty((n_res, cap))
     c2 = np.empty(n_res, dtype=np.int64)
     a2 = np.empty(acc.shape[0])
-    best_k = -1
-    best_t = np.inf
-    best_s = np.inf
+    best_k = k0
+    best_t = t0
+    best_s = s0
     for c in range(cands.shape[0]):
         s2[:, :width] = starts[:, :width]
         e2[:, :width] = ends[:, :width]
@@ -629,10 +630,11 @@ class Evaluator:
         te = np.zeros((n, width)) if record else np.zeros((1, 1))
         ready = np.zeros(n)
         done = np.zeros(n)
-        bwd, last, _ = _simulate(self.gaps, self.size_idx, self.lane, choice, self._len, self._res,
-                                 self._dur, len(RESOURCES), record, ts, te, ready, done)
+        bwd, last, sdone = _simulate(self.gaps, self.size_idx, self.lane, choice, self._len,
+                                     self._res, self._dur, len(RESOURCES), record, ts, te, ready,
+                                     done)
         self.calls += 1
-        return bwd, last, ts, te, ready, done
+        return bwd, last, sdone, ts, te, ready, done
 
     def exhaustive(self, allowed: Sequence[Sequence[int]]) -> tuple[float, np.ndarray]:
         """The fastest combination of per-tensor option indices (every one is simulated)."""
@@ -647,14 +649,23 @@ class Evaluator:
         return float(best), choice
 
     def best_of(self, choice: np.ndarray, i: int, candidates: np.ndarray,
-                tol: float = 1e-6) -> tuple[int, float]:
+                tol: float = 1e-6, current: tuple[float, float] | None = None) \
+            -> tuple[int, float]:
         """The candidate option index for tensor ``i`` (others as in ``choice``) with the
-        lowest (iteration time, sum of synchronized times); put the current choice first so
-        that ties keep it. Returns (index, iteration time)."""
+        lowest (iteration time, sum of synchronized times), earlier candidates winning ties.
+
+        ``current``: ``choice``'s own (iteration time, sum of synchronized times), from
+        :meth:`schedule`; then ``choice[i]`` is the incumbent that every candidate must beat
+        (ties keep it) and is not simulated again. Returns (index, iteration time)."""
         cands = np.asarray(candidates, dtype=np.int64)
-        k, t, _ = _best_of(self.gaps, self.size_idx, self.lane,
-                           np.asarray(choice, dtype=np.int64), i, cands, self._len, self._res,
-                           self._dur, len(RESOURCES), self.forward_us, tol)
+        choice = np.asarray(choice, dtype=np.int64)
+        k0, t0, s0 = -1, np.inf, np.inf
+        if current is not None:
+            k0, (t0, s0) = int(choice[i]), current
+            cands = cands[cands != k0]
+        k, t, _ = _best_of(self.gaps, self.size_idx, self.lane, choice, i, cands, self._len,
+                           self._res, self._dur, len(RESOURCES), self.forward_us, tol, k0,
+                           float(t0), float(s0))
         self.calls += len(cands)
         return int(k), float(t)
 
@@ -669,7 +680,8 @@ class Evaluator:
         lens = np.ones(1, dtype=np.int64)
         _simulate(np.ones(1), one, lane, one, lens, res, dur, len(RESOURCES), True,
                   np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), np.zeros(1))
-        _best_of(np.ones(1), one, lane, one, 0, one, lens, res, dur, len(RESOURCES), 0.0, 1e-6)
+        _best_of(np.ones(1), one, lane, one, 0, one, lens, res, dur, len(RESOURCES), 0.0, 1e-6,
+                 -1, np.inf, np.inf)
         _best_group(np.ones(1), one, lane, one, one, one, lens, res, dur, len(RESOURCES), 0.0,
                     np.inf, 1e-6)
         _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
@@ -745,13 +757,19 @@ class Evaluator:
 
     def ready_done(self, choice: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
         """(iteration time, gradient ready times, synchronized times) per tensor."""
-        bwd, last, _, _, ready, done = self._run(np.asarray(choice, dtype=np.int64), True)
-        return self.forward_us + max(bwd, last), ready, done
+        t, _, ready, done = self.schedule(choice)
+        return t, ready, done
+
+    def schedule(self, choice: np.ndarray) -> tuple[float, float, np.ndarray, np.ndarray]:
+        """(iteration time, sum of synchronized times, gradient ready times, synchronized
+        times per tensor): the first two are what :meth:`best_of` compares, bit for bit."""
+        bwd, last, sdone, _, _, ready, done = self._run(np.asarray(choice, dtype=np.int64), True)
+        return self.forward_us + max(bwd, last), sdone, ready, done
 
     def timeline(self, choice: np.ndarray) -> Timeline:
         """The full schedule of ``choice`` (for reports and plots)."""
         choice = np.asarray(choice, dtype=np.int64)
-        bwd, last, ts, te, ready, done = self._run(choice, True)
+        bwd, last, _, ts, te, ready, done = self._run(choice, True)
         tasks = []
         for i, o in enumerate(choice):
             priced = self.pricer.tasks(self.options[o])
