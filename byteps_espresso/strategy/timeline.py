@@ -50,7 +50,10 @@ BACKFILL_WINDOW = 16
 # Scalars the kernels pass to one another. A literal (0, -1, False) in a call between numba
 # functions is typed as that literal value, and each distinct literal compiles the callee once
 # more (_advance was compiled four times, 1-5 s each on a cold cache); these typed values keep
-# one compiled version per callee.
+# one compiled version per callee. The exception is _advance's ``record``: the calls that never
+# record pass a literal False, so that one second version of _advance drops the recording
+# branches from its inner loop (Algorithm 2's branch and bound on BERT ran 1.6x slower with a
+# run-time flag).
 _I0 = np.int64(0)
 _NONE = np.int64(-1)
 _NO = np.bool_(False)
@@ -218,7 +221,7 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
     dummy1 = np.zeros(1)
     n = gaps.shape[0]
     _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, _I0, i, _NONE, _I0, cat_len,
-             cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, _NO, dummy, dummy, dummy1, dummy1)
+             cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, dummy1, dummy1)
     width = count.max()
     s2 = np.empty((n_res, cap))
     e2 = np.empty((n_res, cap))
@@ -233,7 +236,7 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
         c2[:] = count
         a2[:] = acc
         ok = _advance(s2, e2, c2, a2, gaps, size_idx, lane, choice, i, n, i, cands[c], cat_len,
-                      cat_res, cat_dur, forward, best_t, best_s, tol, _NO, dummy, dummy,
+                      cat_res, cat_dur, forward, best_t, best_s, tol, False, dummy, dummy,
                       dummy1, dummy1)
         if not ok:
             continue
@@ -255,7 +258,7 @@ def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, fo
     dummy = np.zeros((1, 1))
     dummy1 = np.zeros(1)
     ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, _I0, gaps.shape[0], _NONE,
-                  _I0, cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0, _NO, dummy, dummy,
+                  _I0, cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0, False, dummy, dummy,
                   dummy1, dummy1)
     if ok:
         t = forward + max(acc[0], acc[1])
@@ -415,7 +418,7 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
         # (A) schedule tensors j0..j1-1 (their options fixed), open a level at branch j1
         nodes += 1
         ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, j1, _NONE, _I0,
-                      cat_len, cat_res, cat_dur, forward, best_t, -np.inf, tol, _NO, dummy,
+                      cat_len, cat_res, cat_dur, forward, best_t, -np.inf, tol, False, dummy,
                       dummy, dummy1, dummy1)
         if ok and j1 == n:
             t = forward + max(acc[0], acc[1])
