@@ -14,9 +14,18 @@
     every combination of per-group counts simulated) where it has at most EXHAUSTIVE_CHECK
     combinations.
 
-Prints the tables and writes benchmarks/results/plan.json.
+(e) with --startup only: what ``Compression.espresso`` plans at start-up
+    (``planner.plan_bucketed``, as worker/profiler.py calls it: the bucket layouts, then the
+    finalists of the kept one) on the main job's measured profile (examples/train.py on 2 x 2
+    workers + 1 server: the profile recorded in benchmarks/results/calibrate.json), each run
+    in a fresh process as rank 0 plans (torch and the kernels imported before the clock), with
+    the compiled planner kernels in numba's cache (warm) and with an empty cache (cold: the
+    first job of a fresh clone compiles them).
+
+Prints the tables and writes benchmarks/results/plan.json (--startup: plan_startup.json).
 
     .venv/bin/python benchmarks/plan.py [--instances 200] [--runs 5]
+    .venv/bin/python benchmarks/plan.py --startup [--runs 5] [--cold-runs 1]
 """
 
 from __future__ import annotations
@@ -26,14 +35,16 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from byteps_espresso.strategy import Cluster, Workload, baselines, search
 from byteps_espresso.strategy.context import PlanContext, clear_model_cache
 from byteps_espresso.strategy.instances import random_instance
-from byteps_espresso.strategy.planner import REPORTED_BASELINES
+from byteps_espresso.strategy.planner import REPORTED_BASELINES, plan_alone
 
 SETTINGS = {
     "nvlink-100G": dict(intra="nvlink", inter_gbps=100.0),
@@ -52,6 +63,14 @@ TARGET_MS = {"lstm": 0.5, "vgg16": 1.5, "resnet50": None, "resnet101": 8.0, "uga
 # The exhaustive traversal of (d) simulates every combination; above this many it is skipped.
 EXHAUSTIVE_CHECK = 100_000
 RESULTS = Path(__file__).resolve().parent / "results" / "plan.json"
+STARTUP_RESULTS = RESULTS.with_name("plan_startup.json")
+# The main job's measured profile (workload, cluster, costs) and what its trials keep
+# (worker/profiler.py's _TRIAL_WITHIN: finalists predicted within 2.5x of the plan).
+PROFILE = RESULTS.with_name("calibrate.json")
+TRIAL_WITHIN = 2.5
+# Compressors planned at start-up: the main job's (shipped cost profile) and the one the
+# profile measured.
+STARTUP_COMPRESSORS = ("efsignsgd", "randomk")
 
 
 def near_optimality(n: int, compressor: str, params: dict) -> dict:
@@ -81,14 +100,12 @@ def near_optimality(n: int, compressor: str, params: dict) -> dict:
 
 def _plan_once(workload: Workload, cluster: Cluster, compressor: str, params: dict) \
         -> tuple[float, float, float, PlanContext, object]:
-    """One plan from the loaded profile: (plan wall ms, plan CPU ms, search wall ms, ...)."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    ctx = PlanContext(workload, cluster, compressor, params)
-    ctx.prepare()
-    t1 = time.perf_counter()
-    solution = baselines.get("espresso").run(ctx)
-    t2, c2 = time.perf_counter(), time.process_time()
-    return (t2 - t0) * 1e3, (c2 - c0) * 1e3, (t2 - t1) * 1e3, ctx, solution
+    """One plan from the loaded profile, timed as `espresso plan --json` times it:
+    (plan_time_ms, process CPU ms of the same span, search_time_ms, ...)."""
+    c0 = time.process_time()
+    strategy, solution = plan_alone(workload, cluster, compressor, params)
+    cpu = (time.process_time() - c0) * 1e3
+    return strategy.plan_time_ms, cpu, strategy.search_time_ms, solution.ctx, solution
 
 
 def _timed_search(workload: Workload, cluster: Cluster, compressor: str, params: dict,
@@ -205,12 +222,95 @@ def print_tables(opt: dict, rows: list[dict]) -> None:
               f"{o['bb_us'] / 1e3:9.3f} ms in {o['bb_ms']:7.1f} ms; {check}")
 
 
+def startup_child(compressor: str) -> dict:
+    """One start-up plan in this (fresh) process, timed as worker/profiler.py logs it."""
+    import torch  # noqa: F401  - the runtime has imported it before it plans
+    from byteps_espresso.kernels.cli import warm_up
+
+    from byteps_espresso.strategy import CompressorCosts
+    from byteps_espresso.strategy.planner import plan_bucketed
+
+    # By the time rank 0 plans, the profiled iterations have run the compressor's numba
+    # kernels: numba's own start-up is paid.
+    warm_up([compressor])
+
+    profile = json.loads(PROFILE.read_text())["profile"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("workload", "cluster", "costs"):
+            (Path(tmp) / f"{name}.json").write_text(json.dumps(profile[name]))
+        workload = Workload.load(Path(tmp) / "workload.json")
+        cluster = Cluster.load(Path(tmp) / "cluster.json")
+        measured = CompressorCosts.load(Path(tmp) / "costs.json")
+    costs = measured if measured.has(compressor) else None
+    params = COMPRESSORS[compressor]
+    t0, c0 = time.perf_counter(), time.process_time()
+    buckets, tried, finalists = plan_bucketed(workload, cluster, compressor, params,
+                                              within=TRIAL_WITHIN, costs=costs)
+    ms, cpu = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+    return {"compressor": compressor, "planned_ms": ms, "cpu_ms": cpu, "layouts": tried,
+            "buckets": [b.name for b in buckets],
+            "finalists": [[s.algorithm, s.predicted_ms] for s in finalists]}
+
+
+def startup(runs: int, cold_runs: int) -> list[dict]:
+    """Start-up plans in fresh processes, with numba's cache warm and cold."""
+    rows = []
+    for compressor in STARTUP_COMPRESSORS:
+        for cache, n in (("warm", runs), ("cold", cold_runs)):
+            got = []
+            for _ in range(n):
+                with tempfile.TemporaryDirectory() as empty:
+                    env = dict(os.environ)
+                    if cache == "cold":
+                        env["NUMBA_CACHE_DIR"] = empty
+                    out = subprocess.run([sys.executable, __file__, "--startup-child", compressor],
+                                         capture_output=True, text=True, env=env, check=True)
+                got.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            if not got:
+                continue
+            ms = [g["planned_ms"] for g in got]
+            cpu = [g["cpu_ms"] for g in got]
+            rows.append({**got[-1], "cache": cache, "runs": ms, "cpu_runs": cpu,
+                         "planned_ms": statistics.median(ms), "cpu_ms": statistics.median(cpu)})
+            print(f"  {compressor:10} {cache} cache: planned in {statistics.median(ms):8.1f} ms, "
+                  f"CPU {statistics.median(cpu):8.1f} ms (median of {len(ms)}: "
+                  f"{', '.join(f'{m:.0f}' for m in ms)})", file=sys.stderr)
+    return rows
+
+
+def print_startup(rows: list[dict]) -> None:
+    print("\n(e) start-up planning (plan_bucketed on the main job's profile, a fresh process "
+          "each), ms")
+    for r in rows:
+        layouts = ", ".join(f"{cap / (1 << 20):g} MiB {ms:.2f}" for cap, ms in r["layouts"])
+        print(f"{r['compressor']:10} {r['cache']} cache {r['planned_ms']:9.1f} ms (CPU "
+              f"{r['cpu_ms']:.1f} ms); layouts "
+              f"(cap, predicted ms): {layouts}; finalists "
+              f"{', '.join(f'{a} {ms:.2f}' for a, ms in r['finalists'])}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--instances", type=int, default=200)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--startup", action="store_true",
+                        help="only (e): start-up planning on the main job's profile")
+    parser.add_argument("--cold-runs", type=int, default=1,
+                        help="(e) runs with an empty numba cache (each compiles the kernels)")
+    parser.add_argument("--startup-child", metavar="COMPRESSOR", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.startup_child:
+        print(json.dumps(startup_child(args.startup_child)))
+        return 0
+    if args.startup:
+        t0 = time.time()
+        rows = startup(args.runs, args.cold_runs)
+        print_startup(rows)
+        _write(args.out or str(STARTUP_RESULTS), {
+            "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
+            **_machine(), "startup": rows, "seconds": time.time() - t0})
+        return 0
     t0 = time.time()
     warm = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2), "randomk",
                        {"ratio": 0.01})
@@ -218,21 +318,25 @@ def main(argv: list[str] | None = None) -> int:
     opt = near_optimality(args.instances, "randomk", {"ratio": 0.01})
     rows = quality_and_time(args.runs)
     print_tables(opt, rows)
-    result = {
+    _write(args.out or str(RESULTS), {
         "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores "
-                   f"(shared with other jobs: timings are noisy)",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "near_optimality": opt,
-        "workloads": rows,
-        "seconds": time.time() - t0,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, args.out)
-    print(f"\nwrote {args.out} in {result['seconds']:.0f} s")
+        **_machine(), "near_optimality": opt, "workloads": rows, "seconds": time.time() - t0})
     return 0
+
+
+def _machine() -> dict:
+    return {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores "
+                       f"(shared with other jobs: timings are noisy)",
+            "load_average": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def _write(out: str, result: dict) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, out)
+    print(f"\nwrote {out} in {result['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

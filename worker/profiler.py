@@ -49,7 +49,7 @@ from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.optimizer import CompressionSpec, Plan
 from byteps_espresso.worker.session import Session, slowest_across_ranks
 
-from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB, plan_fused
+from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
@@ -571,8 +571,8 @@ class EspressoSpec(CompressionSpec):
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
-        from byteps_espresso.strategy import Strategy, plan
-        from byteps_espresso.strategy.planner import plan_finalists
+        from byteps_espresso.strategy import Strategy
+        from byteps_espresso.strategy.planner import plan_bucketed
 
         rt = session.runtime
         numel = dict(tensors)
@@ -603,37 +603,19 @@ class EspressoSpec(CompressionSpec):
                 log.info("latency in training vs the probes: %s", ", ".join(
                     f"{path} x{f:.2f}" for path, f in factors.items()) or "not measured")
             t0 = time.perf_counter()
-            planned: dict[tuple[str, ...], list[Strategy]] = {}
-
             apart = profile.excluded if profile is not None else frozenset()
             if apart:
                 log.info("kept uncompressed (exclude=, ESPRESSO_EXCLUDE or at most one "
                          "dimension): %d parameter(s), e.g. %s", len(apart), sorted(apart)[:4])
-
-            def plan_layout(fused: Any) -> float:
-                # Excluded gradients share buckets only with each other (layout_apart): a
-                # bucket led by one holds none else.
-                pinned = frozenset(t.name for t in fused.tensors
-                                   if t.name.rsplit("+", 1)[0] in apart or t.name in apart)
-                # Trials only when the planner chose freely: a baseline asked for by name runs.
-                if self._trials(session):
-                    out = plan_finalists(fused, cluster, self.compressor, dict(self.params),
-                                         within=_TRIAL_WITHIN, constraints=self.constraints,
-                                         costs=costs, pinned=pinned)
-                else:
-                    out = [plan(fused, cluster, self.compressor, dict(self.params),
-                                algorithm=self.algorithm, constraints=self.constraints,
-                                costs=costs, pinned=pinned)]
-                planned[tuple(fused.names)] = out
-                return out[0].predicted_ms
-
             cap_mb = rt.cfg.bucket_cap_mb
-            buckets, tried = plan_fused(
-                workload, plan_layout, CANDIDATE_CAPS if cap_mb is None else (int(cap_mb * MiB),),
-                apart=apart)
+            # Trials only when the planner chose freely: a baseline asked for by name runs.
+            buckets, tried, finalists = plan_bucketed(
+                workload, cluster, self.compressor, dict(self.params),
+                within=_TRIAL_WITHIN if self._trials(session) else None,
+                algorithm=self.algorithm, constraints=self.constraints, costs=costs,
+                caps=CANDIDATE_CAPS if cap_mb is None else (int(cap_mb * MiB),), apart=apart)
             kept = buckets if any(b.fused for b in buckets) else ()
-            finalists = [replace(s, buckets=kept)
-                         for s in planned[tuple(b.name for b in buckets)]]
+            finalists = [replace(s, buckets=kept) for s in finalists]
             log.info("planned in %.1f ms (bucket caps: %s):\n%s",
                      (time.perf_counter() - t0) * 1e3, ", ".join(
                          f"{cap / MiB:g} MiB {ms:.2f} ms" for cap, ms in tried),

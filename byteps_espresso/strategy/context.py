@@ -23,6 +23,7 @@ empties the cache). Planning is single-threaded: contexts share these objects.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from collections import OrderedDict
@@ -38,10 +39,16 @@ from byteps_espresso.strategy.compressor_costs import CompressorCosts
 from byteps_espresso.strategy.costs import CompressedSizes, Pricer, StepTasks
 from byteps_espresso.strategy.options import Device, Kind, Option, Step
 from byteps_espresso.strategy.timeline import Catalogue, Evaluator
-from byteps_espresso.strategy.tree import Constraints, enumerate_options, option_set
+from byteps_espresso.strategy.tree import (
+    Constraints,
+    canonical_options,
+    enumerate_options,
+    option_set,
+)
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["MODEL_CACHE_SIZE", "Fronts", "PlanContext", "clear_model_cache", "pareto_front"]
+__all__ = ["MODEL_CACHE_SIZE", "Fronts", "PlanContext", "clear_model_cache", "load_kernels",
+           "pareto_front"]
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +66,25 @@ FRONT_RANK = "sum"
 MODEL_CACHE_SIZE = 8
 
 
+class _Priced:
+    """The prices of one (cluster, compressor, parameters, costs, sizes): what does not depend
+    on the constraints, so that plans under other constraints (the restricted finalists)
+    reuse it."""
+
+    def __init__(self, pricer: Pricer, keep: tuple) -> None:
+        self.pricer = pricer
+        self.catalogue = Catalogue(pricer)
+        self.keep = keep  # the objects whose identity is part of the key, kept alive
+
+
 class _Model:
     """The priced model of one (cluster, compressor, parameters, costs, constraints, sizes)."""
 
-    def __init__(self, pricer: Pricer, keep: tuple, constraints: Constraints) -> None:
-        self.pricer = pricer
+    def __init__(self, priced: _Priced, constraints: Constraints) -> None:
+        self.pricer = priced.pricer
         self.constraints = constraints  # restricted to the devices the cost profile has
-        self.catalogue = Catalogue(pricer)
-        self.keep = keep  # the objects whose identity is part of the key, kept alive
+        self.catalogue = priced.catalogue
+        self.priced = priced
         self.fronts: dict = {}
         self.single: dict = {}
         self.moved: dict = {}
@@ -77,21 +95,25 @@ class _Model:
 
 
 _MODELS: OrderedDict[tuple, _Model] = OrderedDict()
+_PRICED: OrderedDict[tuple, _Priced] = OrderedDict()
 
 
 def clear_model_cache() -> None:
     """Forget every priced model (the next plan prices from scratch)."""
     _MODELS.clear()
+    _PRICED.clear()
 
 
-def _model(key: tuple, make) -> _Model:  # type: ignore[no-untyped-def]
-    got = _MODELS.get(key)
+def _cached(cache: OrderedDict, key: tuple, make):  # type: ignore[no-untyped-def]
+    """``cache[key]``, made by ``make()`` when missing; the least recently used of more than
+    MODEL_CACHE_SIZE entries is dropped."""
+    got = cache.get(key)
     if got is None:
-        got = _MODELS[key] = make()
-        while len(_MODELS) > MODEL_CACHE_SIZE:
-            _MODELS.popitem(last=False)
+        got = cache[key] = make()
+        while len(cache) > MODEL_CACHE_SIZE:
+            cache.popitem(last=False)
     else:
-        _MODELS.move_to_end(key)
+        cache.move_to_end(key)
     return got
 
 
@@ -130,6 +152,38 @@ def pareto_front(vectors: np.ndarray, rel: float = DOMINANCE_REL,
     """
     return ~_dominated(np.ascontiguousarray(vectors, dtype=np.float64), float(rel),
                        float(abs_us))
+
+
+@functools.lru_cache(maxsize=4096)
+def _placements_in_tree(option: Option, cluster: Cluster, constraints: Constraints) \
+        -> tuple[list[int], list[Option]]:
+    """The device placements of ``option`` that the tree holds, as (masks, Options): bit j
+    of a mask runs the j-th Comp/Decomp on the CPU. The Options are the tree's own objects
+    (found by identity in later lookups). A function of the tree, so kept across models."""
+    tree = canonical_options(cluster, constraints)
+    where = [j for j, st in enumerate(option.steps) if st.device is not None]
+    masks, options = [], []
+    for mask in range(1 << len(where)):
+        cand = tree.get(Option(tuple(
+            Step(st.kind, device=Device.CPU if (mask >> where.index(j)) & 1
+                 else Device.GPU) if st.device is not None else st
+            for j, st in enumerate(option.steps))))
+        if cand is not None:
+            masks.append(mask)
+            options.append(cand)
+    return masks, options
+
+
+def load_kernels() -> None:
+    """Load the numba kernels a plan runs (compile them on a cold cache), once per process:
+    paid once like an import, so the planner starts its clock after it."""
+    if not _KERNELS:
+        Evaluator.warm_up()
+        pareto_front(np.zeros((1, 1, 1)))
+        _KERNELS.append(True)
+
+
+_KERNELS: list[bool] = []
 
 
 @dataclass(frozen=True)
@@ -173,19 +227,23 @@ class PlanContext:
         self.numels = sorted({t.numel for t in self.workload.tensors})
         self.size_index = {n: i for i, n in enumerate(self.numels)}
         given_sizes = self.sizes
-        key = (self.cluster, self.compressor, json.dumps(self.params, sort_keys=True),
-               id(self.costs), id(given_sizes), self.constraints, tuple(self.numels),
-               self.free_compression)
+        priced_key = (self.cluster, self.compressor, json.dumps(self.params, sort_keys=True),
+                      id(self.costs), id(given_sizes), tuple(self.numels),
+                      self.free_compression)
 
-        def make() -> _Model:
+        def make_priced() -> _Priced:
             # the kernels registry first: an unknown compressor is named as such
             sizes = given_sizes or CompressedSizes(self.compressor, self.params)
-            constraints = self._restrict_to_profiled_devices(self.constraints)
-            return _Model(Pricer(self.cluster, self.compressor, sizes, self.costs, self.numels,
-                                 free_compression=self.free_compression),
-                          (self.costs, given_sizes), constraints)
+            return _Priced(Pricer(self.cluster, self.compressor, sizes, self.costs, self.numels,
+                                  free_compression=self.free_compression),
+                           (self.costs, given_sizes))
 
-        model = _model(key, make)
+        def make() -> _Model:
+            priced = _cached(_PRICED, priced_key, make_priced)
+            constraints = self._restrict_to_profiled_devices(self.constraints)
+            return _Model(priced, constraints)
+
+        model = _cached(_MODELS, (*priced_key, self.constraints), make)
         self.constraints = model.constraints
         self.options: list[Option] = enumerate_options(self.cluster, self.constraints)
         if not self.options:
@@ -238,9 +296,8 @@ class PlanContext:
         the search as evaluator indices (:meth:`fronts`) and load the numba kernels. The
         device placements Algorithm 2 and the refinement try are priced when first asked for
         (:meth:`placements`): only those of the options the search chose."""
+        load_kernels()
         self.evaluator.add(self.single_device(self.primary_device()))
-        self.evaluator.warm_up()
-        pareto_front(np.zeros((1, 1, 1)))
         self.fronts(self.primary_device())  # Algorithm 1's candidates
         self.uncompressed_index()
 
@@ -337,16 +394,8 @@ class PlanContext:
         on_cpu = (ordinal >= 0) & ((masks[:, None] >> np.maximum(ordinal, 0)) & 1).astype(bool)
         resource = np.where(on_cpu, c.resource, g.resource)
         duration = np.where(on_cpu[:, None, :], c.duration[None], g.duration[None])
-        options, priced, rows = [], [], []
-        for mask in masks.tolist():
-            cand = Option(tuple(
-                Step(st.kind, device=Device.CPU if (mask >> where.index(j)) & 1
-                     else Device.GPU) if st.device is not None else st
-                for j, st in enumerate(option.steps)))
-            if self.allowed(cand):
-                options.append(cand)
-                priced.append(StepTasks(resource[mask], g.step, duration[mask]))
-                rows.append(mask)
+        rows, options = _placements_in_tree(option, self.cluster, self.constraints)
+        priced = [StepTasks(resource[mask], g.step, duration[mask]) for mask in rows]
         got = np.full(len(masks), -1, dtype=np.int64)
         got[rows] = self.evaluator.add(options, priced)
         for idx in got[rows].tolist():  # every placement of a form shares the table

@@ -175,6 +175,7 @@ class Pricer:
         self.free_compression = free_compression
         self._memo: dict[Option, StepTasks] = {}
         self._prefix: dict[tuple[int, ...], tuple] = {}
+        self._ops: dict[tuple, tuple] = {}
         c = cluster
         self._b_intra = bytes_per_us(c.intra_gbps)
         self._b_inter = bytes_per_us(c.inter_gbps)
@@ -224,13 +225,24 @@ class Pricer:
             if hit is not None:
                 tasks = hit
                 continue
-            new = (self._compute(prog, op),) if op.kind.is_compute else \
-                tuple((t.resource, t.duration) for t in self._comm(prog, op))
-            tasks = tasks + tuple((r, i, d) for r, d in new)
+            tasks = tasks + tuple((r, i, d) for r, d in self._op_tasks(prog, op))
             self._prefix[key] = tasks
         return StepTasks(np.array([t[0] for t in tasks], dtype=np.int64),
                          np.array([t[1] for t in tasks], dtype=np.int64),
                          np.stack([t[2] for t in tasks], axis=1))
+
+    def _op_tasks(self, prog: Program, op: Op) -> tuple[tuple[int, np.ndarray], ...]:
+        """(resource, duration) of ``op``'s tasks, memoized by what they depend on: the step,
+        the extents it works on and whether a rooted step before it left one worker per
+        machine holding data (``_active``). Options that differ in their prefix share them."""
+        prev = self._before(prog, op)
+        key = (op.step, op.shards, op.chunks, op.piece_shards, op.payloads,
+               prev is not None and bool(prev.rooted), prev.shards if prev is not None else ())
+        got = self._ops.get(key)
+        if got is None:
+            got = self._ops[key] = (self._compute(prog, op),) if op.kind.is_compute else \
+                tuple((t.resource, t.duration) for t in self._comm(prog, op))
+        return got
 
     def wire(self, option: Option) -> list[tuple[int, float, np.ndarray]]:
         """(step index, messages, bytes) at the busiest member of each collective step's

@@ -11,21 +11,30 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from byteps_espresso.strategy import baselines
+from byteps_espresso.strategy import baselines, search
+from byteps_espresso.strategy.buckets import (
+    CANDIDATE_CAPS,
+    DEFAULT_FIRST_CAP_BYTES,
+    Bucket,
+    fuse,
+    plan_fused,
+    reorder,
+)
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
-from byteps_espresso.strategy.context import PlanContext
+from byteps_espresso.strategy.context import PlanContext, load_kernels
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.strategy_file import Strategy
 from byteps_espresso.strategy.timeline import Timeline
 from byteps_espresso.strategy.tree import Constraints
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["REPORTED_BASELINES", "RESTRICTED", "RUNNABLE_BASELINES", "plan", "plan_finalists",
-           "plan_with_timelines"]
+__all__ = ["REPORTED_BASELINES", "RESTRICTED", "RUNNABLE_BASELINES", "plan", "plan_alone",
+           "plan_bucketed", "plan_finalists", "plan_with_timelines"]
 
 log = logging.getLogger(__name__)
 
@@ -81,24 +90,26 @@ def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str
     params = dict(params or {})
     algo = baselines.get(algorithm)
     # plan time: the model build (tree, prices, catalogue) and the search; search time: the
-    # search alone
-    t_plan = time.perf_counter()
-    ctx = PlanContext(workload, cluster, compressor, params, costs,
-                      constraints or Constraints())
-    ctx.prepare()
-    t0 = time.perf_counter()
-    solution = _pin(algo.run(ctx), pinned)
-    t1 = time.perf_counter()
-    search_ms, plan_ms = (t1 - t0) * 1e3, (t1 - t_plan) * 1e3
-    others: dict[str, baselines.Solution] = {}
-    for name in baseline_names:
-        if name == algorithm:
-            others[name] = solution
-            continue
-        try:
-            others[name] = _pin(baselines.get(name).run(ctx), pinned)
-        except baselines.BaselineUnavailable as exc:
-            log.info("baseline %s skipped: %s", name, exc)
+    # search alone. Loading the compiled kernels is paid once per process, before the clock.
+    load_kernels()
+    with search.gc_paused():  # the model build allocates many small objects too
+        t_plan = time.perf_counter()
+        ctx = PlanContext(workload, cluster, compressor, params, costs,
+                          constraints or Constraints())
+        ctx.prepare()
+        t0 = time.perf_counter()
+        solution = _pin(algo.run(ctx), pinned)
+        t1 = time.perf_counter()
+        search_ms, plan_ms = (t1 - t0) * 1e3, (t1 - t_plan) * 1e3
+        others: dict[str, baselines.Solution] = {}
+        for name in baseline_names:
+            if name == algorithm:
+                others[name] = solution
+                continue
+            try:
+                others[name] = _pin(baselines.get(name).run(ctx), pinned)
+            except baselines.BaselineUnavailable as exc:
+                log.info("baseline %s skipped: %s", name, exc)
     reported = {name: sol.iteration_us / 1e3 for name, sol in others.items()}
     strategy = Strategy(_options(workload, solution), solution.iteration_us / 1e3, reported,
                         algorithm, search_ms, workload, cluster, compressor, params,
@@ -169,6 +180,66 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
         out.append(replace(strategy, options=options, predicted_ms=predicted_ms,
                            algorithm=name, constraints=used))
     return out
+
+
+def plan_alone(workload: Workload, cluster: Cluster, compressor: str = "randomk",
+               params: dict[str, Any] | None = None, *, algorithm: str = "espresso",
+               constraints: Constraints | None = None, costs: CompressorCosts | None = None,
+               pinned: frozenset[str] = frozenset()) -> tuple[Strategy, baselines.Solution]:
+    """Like :func:`plan` without the baselines (the Strategy reports none): the algorithm's
+    strategy, timed as ``plan`` times it, and its Solution."""
+    strategy, solution, _ = _run(workload, cluster, compressor, params, algorithm=algorithm,
+                                 constraints=constraints, costs=costs, baseline_names=(),
+                                 pinned=pinned)
+    return strategy, solution
+
+
+def _pinned_buckets(fused: Workload, apart: frozenset[str]) -> frozenset[str]:
+    """The buckets of ``fused`` made of gradients in ``apart``: a bucket named after its first
+    member (``first`` or ``first+N``) holds only such gradients when that one is
+    (:func:`~byteps_espresso.strategy.buckets.layout_apart`)."""
+    return frozenset(n for n in fused.names if n in apart or n.rsplit("+", 1)[0] in apart)
+
+
+def plan_bucketed(workload: Workload, cluster: Cluster, compressor: str = "randomk",
+                  params: dict[str, Any] | None = None, *, within: float | None,
+                  algorithm: str = "espresso", constraints: Constraints | None = None,
+                  costs: CompressorCosts | None = None, caps: Sequence[int] = CANDIDATE_CAPS,
+                  first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES,
+                  apart: frozenset[str] = frozenset()) \
+        -> tuple[tuple[Bucket, ...], list[tuple[int, float]], list[Strategy]]:
+    """What ``Compression.espresso`` plans at start-up: the bucket layout, then its strategies.
+
+    Each distinct greedy layout of ``caps`` (:func:`~byteps_espresso.strategy.buckets.plan_fused`)
+    is planned with ``algorithm`` alone (no baselines, no finalists: only its predicted time
+    decides the layout), and only the kept layout gets the full plan: its finalists
+    (:func:`plan_finalists`, when ``within`` is given) or the plan with its baselines.
+
+    The gradients in ``apart`` (``Compression.espresso(exclude=...)``) are fused only with
+    each other and their buckets stay uncompressed in every plan.
+
+    Returns:
+        (the kept layout, [(cap, predicted ms) per distinct layout], the strategies of the
+        kept layout, the planned one first). The strategies describe the fused workload;
+        the caller records the layout in them.
+    """
+    base = constraints or Constraints()
+
+    def predicted_ms(fused: Workload) -> float:
+        return plan_alone(fused, cluster, compressor, params, algorithm=algorithm,
+                          constraints=base, costs=costs,
+                          pinned=_pinned_buckets(fused, apart))[0].predicted_ms
+
+    buckets, tried = plan_fused(workload, predicted_ms, caps, first_cap_bytes, apart)
+    ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart else workload
+    fused = fuse(ordered, buckets)
+    pinned = _pinned_buckets(fused, apart)
+    if within is not None:
+        return buckets, tried, plan_finalists(fused, cluster, compressor, params, within=within,
+                                              algorithm=algorithm, constraints=base,
+                                              costs=costs, pinned=pinned)
+    return buckets, tried, [plan(fused, cluster, compressor, params, algorithm=algorithm,
+                                 constraints=base, costs=costs, pinned=pinned)]
 
 
 def plan(workload: Workload, cluster: Cluster, compressor: str = "randomk",

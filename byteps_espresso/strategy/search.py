@@ -49,7 +49,7 @@ from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.options import Device
 
 __all__ = ["GREEDY_PASSES", "OFFLOAD_NODE_LIMIT", "OffloadUnits", "cpu_offload", "espresso",
-           "gpu_greedy", "offload_exhaustive", "offload_units", "uniform_best"]
+           "gc_paused", "gpu_greedy", "offload_exhaustive", "offload_units", "uniform_best"]
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +93,19 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
         choice = alone
     for _ in range(passes):
         changed = False
-        _, ready, done = evaluator.ready_done(choice)
+        now = evaluator.schedule(choice)
         for i in order:
             keep = int(choice[i])
+            ready, done = now[2], now[3]
             if use_bubbles and i + 1 < n and keep in uncompressed and done[i] <= ready[i + 1]:
                 continue
-            cands = fronts.index[size_idx[i]]
-            best_k, _ = evaluator.best_of(choice, i, _current_first(keep, cands))
+            # ties keep the current option, whose time the schedule already holds
+            best_k, _ = evaluator.best_of(choice, i, fronts.index[size_idx[i]],
+                                          current=now[:2])
             if best_k != keep:
                 choice[i] = best_k
                 changed = True
-                _, ready, done = evaluator.ready_done(choice)
+                now = evaluator.schedule(choice)
         if not changed:
             break
         # Later passes revisit only sizes down to the smallest compressed tensor: below it,
@@ -113,16 +115,6 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
         floor = min(sizes, default=0)
         order = [i for i in order if ctx.workload.tensors[i].numel >= floor]
     return choice
-
-
-def _current_first(keep: int, cands: np.ndarray) -> np.ndarray:
-    """``cands`` with ``keep`` moved (or added) in front, so that ties keep the current choice;
-    a candidate evaluated twice could not change the answer."""
-    out = np.empty(len(cands) + 1, dtype=np.int64)
-    out[0] = keep
-    rest = cands[cands != keep]
-    out[1:len(rest) + 1] = rest
-    return out[:len(rest) + 1]
 
 
 def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarray]) -> float:
@@ -288,31 +280,30 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     cpu_front = ctx.fronts(Device.CPU).index
     size_idx = ctx.evaluator.size_idx
     n = ctx.n_tensors
-    _, ready, done = ctx.evaluator.ready_done(choice)
+    now = ctx.evaluator.schedule(choice)  # (time, sum of synchronized times, ready, done)
     for i in ctx.visit_order:
         keep = int(choice[i])
         if not options[keep].is_compressed:
             # Algorithm 1's bubble rule: synchronized before the next gradient is ready,
             # nothing waits for it and host compression cannot shorten the iteration
-            if i + 1 < n and done[i] <= ready[i + 1]:
+            if i + 1 < n and now[3][i] <= now[2][i + 1]:
                 continue
-            keep, _ = ctx.evaluator.best_of(choice, i,
-                                            _current_first(keep, cpu_front[size_idx[i]]))
+            keep, _ = ctx.evaluator.best_of(choice, i, cpu_front[size_idx[i]], current=now[:2])
             if keep != choice[i]:
                 choice[i] = keep
-                _, ready, done = ctx.evaluator.ready_done(choice)
+                now = ctx.evaluator.schedule(choice)
             if not options[keep].is_compressed:
                 continue
         table = ctx.placements(keep)
-        best_k, _ = ctx.evaluator.best_of(choice, i, _current_first(keep, table[table >= 0]))
+        best_k, _ = ctx.evaluator.best_of(choice, i, table[table >= 0], current=now[:2])
         if best_k != keep:
             choice[i] = best_k
-            _, ready, done = ctx.evaluator.ready_done(choice)
+            now = ctx.evaluator.schedule(choice)
     return choice
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (restored after): the search allocates many
     small containers, and a collection would traverse the whole decision tree's objects."""
     was_enabled = gc.isenabled()
@@ -326,7 +317,7 @@ def _gc_paused() -> Iterator[None]:
 
 def espresso(ctx: PlanContext) -> np.ndarray:
     """Algorithm 1, Algorithm 2, then the device refinement; returns option indices."""
-    with _gc_paused():
+    with gc_paused():
         return _espresso(ctx)
 
 

@@ -47,6 +47,17 @@ __all__ = ["Catalogue", "Evaluator", "Task", "Timeline"]
 # resource at the earliest; older gaps are treated as gone (bounds the scan per task).
 BACKFILL_WINDOW = 16
 
+# Scalars the kernels pass to one another. A literal (0, -1, False) in a call between numba
+# functions is typed as that literal value, and each distinct literal compiles the callee once
+# more (_advance was compiled four times, 1-5 s each on a cold cache); these typed values keep
+# one compiled version per callee. The exception is _advance's ``record``: the calls that never
+# record pass a literal False, so that one second version of _advance drops the recording
+# branches from its inner loop (Algorithm 2's branch and bound on BERT ran 1.6x slower with a
+# run-time flag).
+_I0 = np.int64(0)
+_NONE = np.int64(-1)
+_NO = np.bool_(False)
+
 
 @numba.njit(cache=True)
 def _place(starts, ends, count, r, t, d):  # pragma: no cover - compiled  # noqa: PLR0917
@@ -192,32 +203,33 @@ def _simulate(gaps, size_idx, lane, choice, cat_len, cat_res, cat_dur, n_res, re
               task_start, task_end, ready, done):  # pragma: no cover - compiled
     cap = _capacity(choice, cat_len)
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
-    _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, 0, gaps.shape[0], -1, 0,
-             cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, record, task_start, task_end,
-             ready, done)
+    _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, _I0, gaps.shape[0], _NONE,
+             _I0, cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, record, task_start,
+             task_end, ready, done)
     return acc[0], acc[1], acc[2]
 
 
 @numba.njit(cache=True)
 def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
-             tol):  # pragma: no cover - compiled
+             tol, k0, t0, s0):  # pragma: no cover - compiled
     """Best candidate option for tensor i, others fixed: lexicographic (iteration time,
-    sum of done times); the prefix before i is simulated once and copied per candidate."""
+    sum of done times) against the incumbent k0 with its (t0, s0) (k0 = -1, t0 = s0 = inf:
+    none); the prefix before i is simulated once and copied per candidate."""
     cap = _capacity(choice, cat_len)
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     dummy = np.zeros((1, 1))
     dummy1 = np.zeros(1)
     n = gaps.shape[0]
-    _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, 0, i, -1, 0, cat_len, cat_res,
-             cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, dummy1, dummy1)
+    _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, _I0, i, _NONE, _I0, cat_len,
+             cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, dummy1, dummy1)
     width = count.max()
     s2 = np.empty((n_res, cap))
     e2 = np.empty((n_res, cap))
     c2 = np.empty(n_res, dtype=np.int64)
     a2 = np.empty(acc.shape[0])
-    best_k = -1
-    best_t = np.inf
-    best_s = np.inf
+    best_k = k0
+    best_t = t0
+    best_s = s0
     for c in range(cands.shape[0]):
         s2[:, :width] = starts[:, :width]
         e2[:, :width] = ends[:, :width]
@@ -245,8 +257,8 @@ def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, fo
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     dummy = np.zeros((1, 1))
     dummy1 = np.zeros(1)
-    ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, 0, gaps.shape[0], -1, 0,
-                  cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0, False, dummy, dummy,
+    ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, _I0, gaps.shape[0], _NONE,
+                  _I0, cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0, False, dummy, dummy,
                   dummy1, dummy1)
     if ok:
         t = forward + max(acc[0], acc[1])
@@ -305,7 +317,7 @@ def _exhaustive(gaps, size_idx, lane, allowed, n_allowed, cat_len, cat_res, cat_
         for i in range(n):
             choice[i] = allowed[i, digit[i]]
         bwd, last, _ = _simulate(gaps, size_idx, lane, choice, cat_len, cat_res, cat_dur, n_res,
-                                 False, dummy, dummy, dummy1, dummy1)
+                                 _NO, dummy, dummy, dummy1, dummy1)
         t = forward + max(bwd, last)
         if t < best - 1e-9:
             best = t
@@ -399,13 +411,13 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
     dummy = np.zeros((1, 1))
     dummy1 = np.zeros(1)
     q_max = tunit.shape[1]
-    depth = 0
+    depth = _I0
     nodes = 0
-    j0, j1 = 0, nxt[0]
+    j0, j1 = _I0, nxt[0]
     while True:
         # (A) schedule tensors j0..j1-1 (their options fixed), open a level at branch j1
         nodes += 1
-        ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, j1, -1, 0,
+        ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, j1, _NONE, _I0,
                       cat_len, cat_res, cat_dur, forward, best_t, -np.inf, tol, False, dummy,
                       dummy, dummy1, dummy1)
         if ok and j1 == n:
@@ -507,6 +519,8 @@ class Catalogue:
         options / index: the options in catalogue order, and option -> index.
         res (O, L) / dur (O, U, L) / len (O,): each option's task resources, durations per
             distinct size and task count (rows past ``len(options)`` are spare capacity).
+        busy (O, U, R) / total (O, U): each option's busy time per resource and its time
+            alone (:class:`StepTasks`), for the bounds of Algorithm 2.
     """
 
     def __init__(self, pricer: Pricer):
@@ -516,6 +530,8 @@ class Catalogue:
         self.res = np.zeros((0, 1), dtype=np.int64)
         self.dur = np.zeros((0, len(pricer.numels), 1))
         self.len = np.zeros(0, dtype=np.int64)
+        self.busy = np.zeros((0, len(pricer.numels), len(RESOURCES)))
+        self.total = np.zeros((0, len(pricer.numels)))
 
     def add(self, options: Sequence[Option],
             priced: Sequence[StepTasks] | None = None) -> list[int]:
@@ -534,15 +550,22 @@ class Catalogue:
                 res = np.zeros((rows, width), dtype=np.int64)
                 dur = np.zeros((rows, len(self.pricer.numels), width))
                 lens = np.zeros(rows, dtype=np.int64)
+                busy = np.zeros((rows, *self.busy.shape[1:]))
+                total = np.zeros((rows, self.total.shape[1]))
                 res[:n_old, : self.res.shape[1]] = self.res[:n_old]
                 dur[:n_old, :, : self.dur.shape[2]] = self.dur[:n_old]
                 lens[:n_old] = self.len[:n_old]
+                busy[:n_old] = self.busy[:n_old]
+                total[:n_old] = self.total[:n_old]
                 self.res, self.dur, self.len = res, dur, lens
+                self.busy, self.total = busy, total
             for k, (opt, p) in enumerate(zip(new, tasks, strict=True)):
                 row = n_old + k
                 self.res[row, : len(p.resource)] = p.resource
                 self.dur[row, :, : len(p.resource)] = p.duration
                 self.len[row] = len(p.resource)
+                self.busy[row] = p.busy
+                self.total[row] = p.total
                 self.index[opt] = row
                 self.options.append(opt)
         return [self.index[o] for o in options]
@@ -610,10 +633,11 @@ class Evaluator:
         te = np.zeros((n, width)) if record else np.zeros((1, 1))
         ready = np.zeros(n)
         done = np.zeros(n)
-        bwd, last, _ = _simulate(self.gaps, self.size_idx, self.lane, choice, self._len, self._res,
-                                 self._dur, len(RESOURCES), record, ts, te, ready, done)
+        bwd, last, sdone = _simulate(self.gaps, self.size_idx, self.lane, choice, self._len,
+                                     self._res, self._dur, len(RESOURCES), record, ts, te, ready,
+                                     done)
         self.calls += 1
-        return bwd, last, ts, te, ready, done
+        return bwd, last, sdone, ts, te, ready, done
 
     def exhaustive(self, allowed: Sequence[Sequence[int]]) -> tuple[float, np.ndarray]:
         """The fastest combination of per-tensor option indices (every one is simulated)."""
@@ -628,41 +652,45 @@ class Evaluator:
         return float(best), choice
 
     def best_of(self, choice: np.ndarray, i: int, candidates: np.ndarray,
-                tol: float = 1e-6) -> tuple[int, float]:
+                tol: float = 1e-6, current: tuple[float, float] | None = None) \
+            -> tuple[int, float]:
         """The candidate option index for tensor ``i`` (others as in ``choice``) with the
-        lowest (iteration time, sum of synchronized times); put the current choice first so
-        that ties keep it. Returns (index, iteration time)."""
+        lowest (iteration time, sum of synchronized times), earlier candidates winning ties.
+
+        ``current``: ``choice``'s own (iteration time, sum of synchronized times), from
+        :meth:`schedule`; then ``choice[i]`` is the incumbent that every candidate must beat
+        (ties keep it) and is not simulated again. Returns (index, iteration time)."""
         cands = np.asarray(candidates, dtype=np.int64)
-        k, t, _ = _best_of(self.gaps, self.size_idx, self.lane,
-                           np.asarray(choice, dtype=np.int64), i, cands, self._len, self._res,
-                           self._dur, len(RESOURCES), self.forward_us, tol)
+        choice = np.asarray(choice, dtype=np.int64)
+        k0, t0, s0 = -1, np.inf, np.inf
+        if current is not None:
+            k0, (t0, s0) = int(choice[i]), current
+            cands = cands[cands != k0]
+        k, t, _ = _best_of(self.gaps, self.size_idx, self.lane, choice, i, cands, self._len,
+                           self._res, self._dur, len(RESOURCES), self.forward_us, tol, k0,
+                           float(t0), float(s0))
         self.calls += len(cands)
         return int(k), float(t)
 
     @staticmethod
     def warm_up() -> None:
-        """Load (or compile) the numba kernels now, so timings measure the search only."""
+        """Load (or compile) the kernels a plan runs. The exhaustive ones (bruteforce, the
+        check of Algorithm 2) load on first use: a plan never runs them."""
         one = np.zeros(1, dtype=np.int64)
-        no_lane = np.full(1, -1, dtype=np.int64)
+        lane = np.full(1, -1, dtype=np.int64)
         res = np.zeros((1, 1), dtype=np.int64)
         dur = np.ones((1, 1, 1))
-        for lane in (no_lane, one):
-            _simulate(np.ones(1), one, lane, one, np.ones(1, dtype=np.int64), res, dur,
-                      len(RESOURCES), True, np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1),
-                      np.zeros(1))
-            _best_of(np.ones(1), one, lane, one, 0, one, np.ones(1, dtype=np.int64), res, dur,
-                     len(RESOURCES), 0.0, 1e-6)
-            _best_group(np.ones(1), one, lane, one, one, one, np.ones(1, dtype=np.int64), res,
-                        dur, len(RESOURCES), 0.0, np.inf, 1e-6)
-            _best_row(np.ones(1), one, lane, np.zeros((1, 1), dtype=np.int64),
-                      np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0, np.inf, 1e-6)
-            _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
-                            np.ones((1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1,
-                            np.ones(1, dtype=np.int64), res, dur, len(RESOURCES), 0.0, np.inf,
-                            1e-6, 10, np.zeros((2, len(RESOURCES))), np.zeros(2))
-            _exhaustive(np.ones(1), one, lane, np.zeros((1, 1), dtype=np.int64),
-                        np.ones(1, dtype=np.int64), np.ones(1, dtype=np.int64), res, dur,
-                        len(RESOURCES), 0.0)
+        lens = np.ones(1, dtype=np.int64)
+        _simulate(np.ones(1), one, lane, one, lens, res, dur, len(RESOURCES), True,
+                  np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), np.zeros(1))
+        _best_of(np.ones(1), one, lane, one, 0, one, lens, res, dur, len(RESOURCES), 0.0, 1e-6,
+                 -1, np.inf, np.inf)
+        _best_group(np.ones(1), one, lane, one, one, one, lens, res, dur, len(RESOURCES), 0.0,
+                    np.inf, 1e-6)
+        _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
+                        np.ones((1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1,
+                        lens, res, dur, len(RESOURCES), 0.0, np.inf, 1e-6, 10,
+                        np.zeros((2, len(RESOURCES))), np.zeros(2))
 
     def best_group(self, choice: np.ndarray, members: np.ndarray, candidates: np.ndarray,
                    current: float, tol: float = 1e-6) -> tuple[int, float]:
@@ -696,10 +724,8 @@ class Evaluator:
         table[i] (entries >= 0): work_left (n + 1, R) and reach (n + 1,)."""
         n = len(self.gaps)
         rows = np.where(table >= 0, table, table[:, :1])  # (n, M) every candidate option
-        dur = self._dur[rows, self.size_idx[:, None], :]  # (n, M, L)
-        busy = np.zeros((n, rows.shape[1], len(RESOURCES)))
-        for r in range(len(RESOURCES)):
-            busy[:, :, r] = np.where(self._res[rows] == r, dur, 0.0).sum(axis=2)
+        cat = self.catalogue
+        busy = cat.busy[rows, self.size_idx[:, None]]  # (n, M, R)
         work_left = np.zeros((n + 1, len(RESOURCES)))
         work_left[:n] = np.cumsum(busy.min(axis=1)[::-1], axis=0)[::-1]
         # the GPU also runs the backward segments after j's
@@ -707,7 +733,7 @@ class Evaluator:
         # the backward before l, counted from the start of j's segment: cumulative gaps
         before = np.cumsum(self.gaps)
         start = before - self.gaps
-        own = before + dur.sum(axis=2).min(axis=1)
+        own = before + cat.total[rows, self.size_idx[:, None]].min(axis=1)
         reach = np.zeros(n + 1)
         reach[:n] = np.maximum.accumulate(own[::-1])[::-1] - start
         return work_left, reach
@@ -734,13 +760,19 @@ class Evaluator:
 
     def ready_done(self, choice: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
         """(iteration time, gradient ready times, synchronized times) per tensor."""
-        bwd, last, _, _, ready, done = self._run(np.asarray(choice, dtype=np.int64), True)
-        return self.forward_us + max(bwd, last), ready, done
+        t, _, ready, done = self.schedule(choice)
+        return t, ready, done
+
+    def schedule(self, choice: np.ndarray) -> tuple[float, float, np.ndarray, np.ndarray]:
+        """(iteration time, sum of synchronized times, gradient ready times, synchronized
+        times per tensor): the first two are what :meth:`best_of` compares, bit for bit."""
+        bwd, last, sdone, _, _, ready, done = self._run(np.asarray(choice, dtype=np.int64), True)
+        return self.forward_us + max(bwd, last), sdone, ready, done
 
     def timeline(self, choice: np.ndarray) -> Timeline:
         """The full schedule of ``choice`` (for reports and plots)."""
         choice = np.asarray(choice, dtype=np.int64)
-        bwd, last, ts, te, ready, done = self._run(choice, True)
+        bwd, last, _, ts, te, ready, done = self._run(choice, True)
         tasks = []
         for i, o in enumerate(choice):
             priced = self.pricer.tasks(self.options[o])

@@ -35,14 +35,14 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
 from byteps_espresso.strategy.program import RULES, Form, Pairing, closes
 
-__all__ = ["FAMILIES", "ConstraintError", "Constraints", "count_decomposition",
+__all__ = ["FAMILIES", "ConstraintError", "Constraints", "canonical_options", "count_decomposition",
            "enumerate_options", "option_set", "path_of", "validate"]
 
 
@@ -419,6 +419,20 @@ def _option_set(hierarchical: bool, servers: bool, constraints: Constraints) \
 def option_set(cluster: Cluster, constraints: Constraints | None = None) -> frozenset[Option]:
     """The options of :func:`enumerate_options` as a set (cached), for membership tests."""
     return _option_set(cluster.hierarchical, cluster.servers > 0, constraints or Constraints())
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical(hierarchical: bool, servers: bool, constraints: Constraints) \
+        -> dict[Option, Option]:
+    return {o: o for o in _enumerate(hierarchical, servers, constraints)}
+
+
+def canonical_options(cluster: Cluster, constraints: Constraints | None = None) \
+        -> Mapping[Option, Option]:
+    """Each option of :func:`enumerate_options` mapped to itself (cached): the tree's own
+    object for an equal Option (None: not in the tree), so later lookups match by identity.
+    Do not modify the mapping."""
+    return _canonical(cluster.hierarchical, cluster.servers > 0, constraints or Constraints())
 
 
 def count_decomposition(cluster: Cluster, constraints: Constraints | None = None) \

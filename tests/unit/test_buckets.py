@@ -172,3 +172,40 @@ def test_pinned_tensors_stay_uncompressed_and_the_plan_is_priced_so():
     assert all(not pinned.options[n].is_compressed for n in big)
     assert pinned.predicted_ms >= free.predicted_ms - 1e-9  # a constraint cannot help
     assert pinned.baselines["all-gpu"] > free.baselines["all-gpu"]  # baselines pinned too
+
+
+@pytest.mark.parametrize("within", [2.5, None])
+def test_plan_bucketed_equals_planning_every_layout_in_full(monkeypatch, within):
+    """The start-up path picks the layout by the algorithm's plan alone and builds the
+    finalists (or the plan with its baselines) for the kept layout only; the answer is the
+    same as planning every layout in full and keeping the fastest."""
+    from byteps_espresso.strategy import planner
+
+    wl = _many_small_tensors()
+    cluster = Cluster.preset(2, 2, "pcie", 10)
+    params = {"ratio": 0.01}
+    full = {}
+
+    def plan_fully(fused):
+        out = (planner.plan_finalists(fused, cluster, "randomk", params, within=within)
+               if within is not None else [plan(fused, cluster, "randomk", params)])
+        full[tuple(fused.names)] = out
+        return out[0].predicted_ms
+
+    want_buckets, want_tried = plan_fused(wl, plan_fully)
+    want = full[tuple(b.name for b in want_buckets)]
+    calls = []
+    original = planner.plan_finalists
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].names)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_finalists", counted)
+    buckets, tried, got = planner.plan_bucketed(wl, cluster, "randomk", params, within=within)
+    assert buckets == want_buckets and len(want_tried) > 1
+    assert tried == [(cap, pytest.approx(ms, abs=1e-9)) for cap, ms in want_tried]
+    assert [(s.algorithm, s.options, s.baselines) for s in got] == \
+        [(s.algorithm, s.options, s.baselines) for s in want]
+    assert [s.predicted_ms for s in got] == pytest.approx([s.predicted_ms for s in want])
+    assert calls == ([fuse(wl, buckets).names] if within is not None else [])

@@ -167,3 +167,43 @@ def test_priced_model_is_shared_across_plans_and_replans():
     assert w.options == c.options and w.iteration_us == pytest.approx(c.iteration_us)
     other = PlanContext(wl, Cluster.preset(4, 4, "pcie", 10), COMPRESSOR, PARAMS)
     assert other.pricer is not cold.pricer  # another cluster, another model
+
+
+def test_prices_are_shared_across_constraints_and_plans_equal_cold_ones():
+    """The restricted finalists reuse the prices of the plan before them; each plan equals
+    the same plan made from an empty cache."""
+    from byteps_espresso.strategy.context import clear_model_cache
+
+    wl = Workload.builtin("lstm")
+    cluster = Cluster.preset(4, 4, "pcie", 25)
+    kinds = (Constraints(), Constraints(allow_gpu=False), Constraints(allow_cpu=False))
+    clear_model_cache()
+    shared = [PlanContext(wl, cluster, COMPRESSOR, PARAMS, constraints=c) for c in kinds]
+    assert shared[1].pricer is shared[0].pricer and shared[2].pricer is shared[0].pricer
+    got = [baselines.get("espresso").run(ctx) for ctx in shared]
+    for constraints, solution in zip(kinds, got, strict=True):
+        clear_model_cache()
+        alone = baselines.get("espresso").run(
+            PlanContext(wl, cluster, COMPRESSOR, PARAMS, constraints=constraints))
+        assert solution.options == alone.options
+        assert solution.iteration_us == alone.iteration_us
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_of_against_the_incumbent_equals_simulating_it_first(seed):
+    """best_of(current=...) starts from the schedule's own (time, sum of synchronized times)
+    instead of simulating the current option: the same choice and time."""
+    rng = np.random.default_rng(seed)
+    wl = Workload.builtin("bert")
+    ctx = PlanContext(wl, Cluster.preset(8, 8, "pcie", 25), "efsignsgd", {})
+    ctx.prepare()
+    fronts = ctx.fronts(Device.GPU)
+    ev = ctx.evaluator
+    choice = np.array([rng.choice(fronts.index[u]) for u in ev.size_idx], dtype=np.int64)
+    now = ev.schedule(choice)
+    assert now[0] == ev.iteration_us(choice)
+    for i in rng.choice(ctx.n_tensors, size=12, replace=False).tolist():
+        cands = fronts.index[ev.size_idx[i]]
+        keep = int(choice[i])
+        first = np.array([keep, *[k for k in cands.tolist() if k != keep]], dtype=np.int64)
+        assert ev.best_of(choice, i, cands, current=now[:2]) == ev.best_of(choice, i, first)

@@ -264,3 +264,24 @@ def test_per_step_sums_each_step_s_tasks():
     pushpull = tasks.duration[:, tasks.step == 2]  # push, server aggregation, pull
     assert pushpull.shape[1] == 3
     np.testing.assert_allclose(steps[:, 2], pushpull.sum(axis=1))
+
+
+def test_memoized_prices_equal_a_fresh_walk_per_option():
+    """The pricer shares step prefixes and per-step tasks between options; every option of
+    the tree priced that way equals the option priced alone by a new pricer."""
+    from byteps_espresso.strategy.tree import enumerate_options
+
+    cluster = Cluster.preset(4, 2, "pcie", 25, servers=2)
+    numels = [1, 1000, 65_536, 3_000_000]
+    sizes = CompressedSizes("dgc", {"ratio": 0.01})
+    costs = CompressorCosts.default()
+    options = enumerate_options(cluster)
+    shared = Pricer(cluster, "dgc", sizes, costs, numels)
+    order = np.random.default_rng(0).permutation(len(options))
+    memo = {options[k]: shared.tasks(options[k]) for k in order.tolist()}
+    for option in options[::7]:
+        alone = Pricer(cluster, "dgc", sizes, costs, numels).tasks(option)
+        got = memo[option]
+        assert np.array_equal(got.resource, alone.resource)
+        assert np.array_equal(got.step, alone.step)
+        assert np.array_equal(got.duration, alone.duration)
