@@ -169,3 +169,26 @@ def test_killing_the_launcher_outright_leaves_no_process_behind(tmp_path):
     finally:
         _finish(proc)
         _kill_leftovers(tmp_path)
+
+
+def test_stopped_launcher_is_killed_by_its_reaper_with_its_job(tmp_path):
+    proc = _launch(tmp_path, ["3=sleep", "4=sleep", "5=sleep"],
+                   env=_env(ESPRESSO_HEARTBEAT_TIMEOUT="2"))
+    try:
+        _wait_started(tmp_path, 6)
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, err = _finish(proc)
+        took = time.monotonic() - stopped_at
+        assert proc.returncode == -signal.SIGKILL, err
+        last = err.strip().splitlines()[-1]
+        assert f"the launcher (pid {proc.pid}) has not responded for" in last, err
+        assert "it is stopped: SIGSTOP" in last, err
+        # 2 s without a beat, then the reaper's 3 s SIGTERM grace (the workers exit at once).
+        assert took < 10, took
+        deadline = time.monotonic() + 10
+        while [p for p in _pids(tmp_path) if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in _pids(tmp_path) if _alive(p)], "processes survived the launcher"
+    finally:
+        _kill_leftovers(tmp_path)
