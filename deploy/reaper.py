@@ -36,6 +36,8 @@ __all__ = ["BEAT_S", "Reaper"]
 BEAT_S = 0.5
 # Seconds between SIGTERM and SIGKILL when the reaper stops orphaned groups.
 _GRACE_S = 3.0
+# Seconds between two looks at whether the groups are gone.
+_POLL_S = 0.05
 
 
 class Reaper:
@@ -107,15 +109,29 @@ class Reaper:
         self._proc = None
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is left (zombies count until init reaps them)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member that is not ours: still there
+        pass
+    return True
+
+
 def _kill_groups(pgids: list[int]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pgid in pgids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-                if sig == signal.SIGTERM:
-                    os.killpg(pgid, signal.SIGCONT)  # a stopped group handles SIGTERM now
-        if sig == signal.SIGTERM:
-            time.sleep(_GRACE_S)
+    """SIGTERM every group (continuing stopped ones), SIGKILL what is left after the grace."""
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+            os.killpg(pgid, signal.SIGCONT)  # a stopped group handles SIGTERM now
+    deadline = time.monotonic() + _GRACE_S
+    while any(_group_alive(g) for g in pgids) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 def _state(pid: int) -> str:

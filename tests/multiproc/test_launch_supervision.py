@@ -184,7 +184,7 @@ def test_stopped_launcher_is_killed_by_its_reaper_with_its_job(tmp_path):
         last = err.strip().splitlines()[-1]
         assert f"the launcher (pid {proc.pid}) has not responded for" in last, err
         assert "it is stopped: SIGSTOP" in last, err
-        # 2 s without a beat, then the reaper's 3 s SIGTERM grace (the workers exit at once).
+        # 2 s without a beat; the workers then exit at once on the reaper's SIGTERM.
         assert took < 10, took
         deadline = time.monotonic() + 10
         while [p for p in _pids(tmp_path) if _alive(p)] and time.monotonic() < deadline:

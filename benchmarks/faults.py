@@ -1,0 +1,280 @@
+"""Fault matrix: kill -9 and SIGSTOP of each process of a local job, in each phase of training.
+
+Every cell starts a real job, ``espresso-launch --local --machines 2 --workers-per-machine 1
+--servers 1`` running examples/train.py with ``Compression.espresso`` (random-k), injects one
+fault into one process and watches the job end:
+
+    targets  worker 1, server 0, the scheduler, the launcher itself
+    signals  SIGKILL (kill -9) and SIGSTOP
+    phases   start-up   0.5 s after the scheduler listens (workers still import torch)
+             profiling  1 s after rank 0's runtime started (uncompressed profiled steps)
+             trials     0.5 s after the finalists' measured trials began
+             steady     1 s after the trials ended (the kept strategy trains)
+
+Phases are recognised from the job's own log lines; ESPRESSO_PROFILE_STEPS and
+ESPRESSO_TRIAL_STEPS are raised so that each lasts seconds, and the phase the fault actually
+landed in is recorded ("hit"). Per cell: did the job end (the launcher exited within
+``--limit-s``), does the launcher's last line name the culprit, the seconds from the fault to
+that last line (detection plus stopping the others), and what was left behind: processes of
+the job (found by a tag variable in their environment), listening sockets on the job's ports,
+new /dev/shm entries, and the launcher's fault file. Prints the table and writes
+benchmarks/results/faults.json.
+
+    .venv/bin/python benchmarks/faults.py
+    .venv/bin/python benchmarks/faults.py --targets worker --signals STOP --phases steady
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = str(Path(sys.executable).with_name("espresso-launch"))
+TARGETS = {"worker": "worker 1", "server": "server 0", "scheduler": "scheduler",
+           "launcher": "the launcher"}
+SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
+# Phase -> (log line that starts it, seconds after it to inject, line that would end it).
+PHASES = {
+    "start-up": (r"\[scheduler\] .*scheduler listening on", 0.5, r"rank 0/\d+ "),
+    "profiling": (r"\[worker 0\] .*rank 0/\d+ ", 1.0, r"planned in "),
+    "trials": (r"measuring \d+ finalists", 0.5, r"trials \(median"),
+    "steady": (r"trials \(median", 1.0, r"every worker finished"),
+}
+# Uncompressed steps profiled and measured steps per finalist: long enough (seconds each on a
+# 2-core machine) to inject a fault in the middle of the phase.
+PROFILE_STEPS, TRIAL_STEPS = 150, 300
+
+
+@dataclass
+class Cell:
+    target: str
+    signal: str
+    phase: str
+    hit: str = ""  # the phase the fault landed in, from the log lines seen before it
+    ended: bool = False
+    exit_code: int | None = None
+    named: bool = False
+    last_line: str = ""
+    to_last_line_s: float | None = None
+    left_processes: list[int] = field(default_factory=list)
+    left_ports: list[int] = field(default_factory=list)
+    left_shm: list[str] = field(default_factory=list)
+    left_files: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+class _Lines(threading.Thread):
+    """Collects one stream's lines with their arrival time (monotonic)."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(daemon=True)
+        self.stream, self.lines = stream, []
+
+    def run(self) -> None:
+        for line in self.stream:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def first(self, pattern: str) -> float | None:
+        rx = re.compile(pattern)
+        return next((t for t, line in list(self.lines) if rx.search(line)), None)
+
+    def match(self, pattern: str) -> re.Match | None:
+        rx = re.compile(pattern)
+        return next((m for _, line in list(self.lines) if (m := rx.search(line))), None)
+
+
+def _job_command(args: argparse.Namespace) -> list[str]:
+    return [LAUNCHER, "--local", "--machines", "2", "--workers-per-machine", "1",
+            "--servers", "1", "--", sys.executable, str(ROOT / "examples" / "train.py"),
+            "--compression", "espresso", "--compressor", "randomk", "--model", "mlp",
+            "--vocab", "2000", "--dim", "32", "--hidden", "64", "--epochs", "1",
+            "--steps-per-epoch", str(args.steps), "--quiet"]
+
+
+def _environ(tag: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "BYTEPS_", "ESPRESSO_", "CUDA_VISIBLE"))}
+    env.update(FAULT_MATRIX_TAG=tag, OMP_NUM_THREADS="1",
+               ESPRESSO_PROFILE_STEPS=str(PROFILE_STEPS), ESPRESSO_TRIAL_STEPS=str(TRIAL_STEPS))
+    return env
+
+
+def _tagged(tag: str) -> dict[int, dict[bytes, bytes]]:
+    """Live processes carrying ``FAULT_MATRIX_TAG=tag``: pid -> environment."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes()
+                       .split(b"\0") if b"=" in item)
+            if env.get(b"FAULT_MATRIX_TAG") != tag.encode():
+                continue
+            if (entry / "stat").read_text().rsplit(") ", 1)[-1][0] != "Z":
+                found[int(entry.name)] = env
+        except OSError:
+            continue
+    return found
+
+
+def _target_pid(tag: str, target: str, launcher: int) -> int | None:
+    if target == "launcher":
+        return launcher
+    for pid, env in _tagged(tag).items():
+        role = env.get(b"DMLC_ROLE", b"").decode()
+        if target == role == "scheduler" or target == role == "server":
+            return pid
+        if target == role == "worker" and env.get(b"DMLC_WORKER_ID") == b"1":
+            return pid
+    return None
+
+
+def _listening(ports: set[int]) -> list[int]:
+    """Those of ``ports`` with a listening TCP socket on this host."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in f.readlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                port = int(local.rsplit(":", 1)[1], 16)
+                if state == "0A" and port in ports:
+                    found.add(port)
+    return sorted(found)
+
+
+def _shm() -> set[str]:
+    with contextlib.suppress(OSError):
+        return set(os.listdir("/dev/shm"))
+    return set()
+
+
+def _fault_files() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("espresso-faults-*")}
+
+
+def run_cell(target: str, sig: str, phase: str, args: argparse.Namespace) -> Cell:
+    cell = Cell(target, sig, phase)
+    tag = uuid.uuid4().hex
+    shm_before, files_before = _shm(), _fault_files()
+    proc = subprocess.Popen(_job_command(args), env=_environ(tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=ROOT)
+    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    out.start()
+    err.start()
+    start_marker, delay_s, _ = PHASES[phase]
+    injected = None
+    try:
+        deadline = time.monotonic() + args.limit_s
+        while (seen := out.first(start_marker)) is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                cell.note = f"the phase never began (launcher exit {proc.poll()})"
+                return cell
+            time.sleep(0.02)
+        time.sleep(max(0.0, seen + delay_s - time.monotonic()))
+        pid = _target_pid(tag, target, proc.pid)
+        if pid is None:
+            cell.note = f"no {target} process to signal"
+            return cell
+        cell.hit = next((p for p in reversed(PHASES) if out.first(PHASES[p][0]) is not None),
+                        "start-up")
+        os.kill(pid, SIGNALS[sig])
+        injected = time.monotonic()
+        try:
+            proc.wait(timeout=args.limit_s)
+            cell.ended = True
+        except subprocess.TimeoutExpired:
+            cell.note = f"the launcher still ran {args.limit_s:g} s after the fault"
+        # The reaper, when it acts, writes the last line after the launcher is gone.
+        err.join(timeout=15)
+        out.join(timeout=15)
+    finally:
+        cell.exit_code = proc.poll()
+        lines = [(t, line) for t, line in err.lines if line.strip()]
+        if lines:
+            when, cell.last_line = lines[-1]
+            if injected is not None and when >= injected:
+                cell.to_last_line_s = round(when - injected, 2)
+        culprit = TARGETS[target]
+        cell.named = (cell.last_line.startswith(f"espresso-launch: {culprit} ")
+                      or (target == "launcher" and culprit in cell.last_line))
+        ports = {int(m[1]) for m in [out.match(r"scheduler listening on [\d.]+:(\d+)")] if m}
+        ports |= {p + 1 for p in ports}
+        ports |= {int(m[1]) for m in [out.match(r"serving on tcp://[\d.]+:(\d+)")] if m}
+        settle = time.monotonic() + 15  # the reaper's grace period, reaping
+        while _tagged(tag) and time.monotonic() < settle:
+            time.sleep(0.2)
+        cell.left_processes = sorted(_tagged(tag))
+        cell.left_ports = _listening(ports)
+        cell.left_shm = sorted(_shm() - shm_before)
+        cell.left_files = sorted(_fault_files() - files_before)
+        for pid in [*cell.left_processes, *([proc.pid] if proc.poll() is None else [])]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    return cell
+
+
+def _row(c: Cell) -> str:
+    left = [f"{len(c.left_processes)} proc" if c.left_processes else "",
+            f"ports {c.left_ports}" if c.left_ports else "",
+            f"shm {c.left_shm}" if c.left_shm else "",
+            f"files {c.left_files}" if c.left_files else ""]
+    left_text = ", ".join(x for x in left if x) or "none"
+    took = "-" if c.to_last_line_s is None else f"{c.to_last_line_s:.1f}"
+    hit = c.hit if c.hit == c.phase else f"{c.hit or '-'}!"
+    return (f"| {c.target} | {c.signal} | {c.phase} | {hit} | {'yes' if c.ended else 'NO'} | "
+            f"{'yes' if c.named else 'NO'} | {took} | {left_text} | {c.last_line[:150]} |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    p.add_argument("--signals", nargs="+", default=list(SIGNALS), choices=list(SIGNALS))
+    p.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
+    p.add_argument("--steps", type=int, default=4000,
+                   help="training steps of the job (it must still train when the fault comes)")
+    p.add_argument("--limit-s", type=float, default=240.0,
+                   help="seconds a phase may take to begin, and the job to end after the fault")
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "faults.json"))
+    args = p.parse_args()
+    cells = []
+    print("| target | signal | phase | hit | ended | culprit named | fault to last line (s) | "
+          "left behind | launcher's last line |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    for phase in args.phases:
+        for target in args.targets:
+            for sig in args.signals:
+                cell = run_cell(target, sig, phase, args)
+                cells.append(cell)
+                print(_row(cell), flush=True)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({
+        "command": " ".join(_job_command(args)),
+        "profile_steps": PROFILE_STEPS, "trial_steps": TRIAL_STEPS,
+        "host": platform.node(), "cpus": os.cpu_count(),
+        "cells": [asdict(c) for c in cells]}, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    bad = [c for c in cells if not (c.ended and c.named) or c.left_processes or c.left_ports
+           or c.left_shm or c.left_files]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
