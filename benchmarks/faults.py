@@ -17,8 +17,15 @@ landed in is recorded ("hit"). Per cell: did the job end (the launcher exited wi
 ``--limit-s``), does the launcher's last line name the culprit, the seconds from the fault to
 that last line (detection plus stopping the others), and what was left behind: processes of
 the job (found by a tag variable in their environment), listening sockets on the job's ports,
-new /dev/shm entries, and the launcher's fault file. Prints the table and writes
+new /dev/shm entries, and any file in the job's own TMPDIR (the launcher's fault file lives
+there). Prints the table and writes
 benchmarks/results/faults.json.
+
+In that matrix the launcher itself also watches its children for the stopped state, so a
+second table measures the heartbeats alone: a scheduler, a server and two workers pushing and
+pulling in a loop, started without the launcher; one of them is stopped, and the time to the
+first report in ESPRESSO_FAULT_FILE (written by whoever found it, before anything else) is
+the detection time of the heartbeats (``--repeats`` times per target).
 
     .venv/bin/python benchmarks/faults.py
     .venv/bin/python benchmarks/faults.py --targets worker --signals STOP --phases steady
@@ -32,6 +39,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +65,24 @@ PHASES = {
 # Uncompressed steps profiled and measured steps per finalist: long enough (seconds each on a
 # 2-core machine) to inject a fault in the middle of the phase.
 PROFILE_STEPS, TRIAL_STEPS = 150, 300
+
+
+# A worker of the heartbeat-only jobs: push and pull one key in a loop until it is killed.
+LOOP = r"""
+import pathlib, sys, time
+import numpy as np
+from byteps_espresso.config import Config
+from byteps_espresso.server.client import PSClient
+
+cfg = Config.from_env()
+client = PSClient(cfg, rank=cfg.rank)
+client.declare("k", 1024, pushers=list(range(cfg.world_size)))
+for round_ in range(10**9):
+    client.push_pull("k", np.ones(1024, np.float32), round_)
+    if round_ == 0:
+        pathlib.Path(sys.argv[1], f"ready{cfg.rank}").touch()
+    time.sleep(0.01)
+"""
 
 
 @dataclass
@@ -105,10 +131,10 @@ def _job_command(args: argparse.Namespace) -> list[str]:
             "--steps-per-epoch", str(args.steps), "--quiet"]
 
 
-def _environ(tag: str) -> dict[str, str]:
+def _environ(tag: str, tmp: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DMLC_", "BYTEPS_", "ESPRESSO_", "CUDA_VISIBLE"))}
-    env.update(FAULT_MATRIX_TAG=tag, OMP_NUM_THREADS="1",
+    env.update(FAULT_MATRIX_TAG=tag, OMP_NUM_THREADS="1", TMPDIR=tmp,
                ESPRESSO_PROFILE_STEPS=str(PROFILE_STEPS), ESPRESSO_TRIAL_STEPS=str(TRIAL_STEPS))
     return env
 
@@ -162,15 +188,12 @@ def _shm() -> set[str]:
     return set()
 
 
-def _fault_files() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("espresso-faults-*")}
-
-
 def run_cell(target: str, sig: str, phase: str, args: argparse.Namespace) -> Cell:
     cell = Cell(target, sig, phase)
     tag = uuid.uuid4().hex
-    shm_before, files_before = _shm(), _fault_files()
-    proc = subprocess.Popen(_job_command(args), env=_environ(tag), stdout=subprocess.PIPE,
+    tmp = tempfile.mkdtemp(prefix="fault-matrix-")  # the job's own TMPDIR
+    shm_before = _shm()
+    proc = subprocess.Popen(_job_command(args), env=_environ(tag, tmp), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             cwd=ROOT)
     out, err = _Lines(proc.stdout), _Lines(proc.stderr)
@@ -221,14 +244,59 @@ def run_cell(target: str, sig: str, phase: str, args: argparse.Namespace) -> Cel
         cell.left_processes = sorted(_tagged(tag))
         cell.left_ports = _listening(ports)
         cell.left_shm = sorted(_shm() - shm_before)
-        cell.left_files = sorted(_fault_files() - files_before)
+        cell.left_files = sorted(p.name for p in Path(tmp).iterdir())
         for pid in [*cell.left_processes, *([proc.pid] if proc.poll() is None else [])]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
     return cell
+
+
+def heartbeat_cell(target: str, tmp: Path) -> dict:
+    """Stop ``target`` (``worker``, ``server``, ``scheduler``) of a job started without the
+    launcher; the first fault report, its delay from the SIGSTOP in seconds."""
+    from byteps_espresso.deploy.launch import free_port_pair
+    from byteps_espresso.server import faults
+
+    fault_file = tmp / "faults.jsonl"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "BYTEPS_", "ESPRESSO_"))}
+    env.update(DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
+               DMLC_PS_ROOT_PORT=str(free_port_pair()), ESPRESSO_FAULT_FILE=str(fault_file),
+               ESPRESSO_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1")
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    procs = {role: subprocess.Popen([sys.executable, "-m", "byteps_espresso.server"],
+                                    env={**env, "DMLC_ROLE": role}, **quiet)
+             for role in ("scheduler", "server")}
+    for rank in range(2):
+        procs[f"worker{rank}"] = subprocess.Popen(
+            [sys.executable, "-c", LOOP, str(tmp)],
+            env={**env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(rank)}, **quiet)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp / f"ready{r}").exists() for r in range(2)):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+                return {"target": target, "note": "the job did not start"}
+            time.sleep(0.05)
+        time.sleep(1.0)
+        stopped_at = time.time()
+        os.kill(procs["worker1" if target == "worker" else target].pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while (first := faults.first(str(fault_file))) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if first is None:
+            return {"target": target, "note": "no report within 60 s"}
+        return {"target": target, "culprit": first.culprit, "reporter": first.reporter,
+                "detected_s": round(first.time - stopped_at, 2)}
+    finally:
+        for proc in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait()
 
 
 def _row(c: Cell) -> str:
@@ -252,8 +320,21 @@ def main() -> int:
                    help="training steps of the job (it must still train when the fault comes)")
     p.add_argument("--limit-s", type=float, default=240.0,
                    help="seconds a phase may take to begin, and the job to end after the fault")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="stops per target in the heartbeat-only table (0: skip it)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "faults.json"))
     args = p.parse_args()
+    beats = []
+    if args.repeats:
+        print("| stopped | culprit named | found by | detected after (s) |")
+        print("| --- | --- | --- | --- |", flush=True)
+    for target in ("worker", "server", "scheduler"):
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory(prefix="fault-beats-") as tmp:
+                beat = heartbeat_cell(target, Path(tmp))
+            beats.append(beat)
+            print(f"| {target} | {beat.get('culprit', '-')} | {beat.get('reporter', '-')} | "
+                  f"{beat.get('detected_s', beat.get('note'))} |", flush=True)
     cells = []
     print("| target | signal | phase | hit | ended | culprit named | fault to last line (s) | "
           "left behind | launcher's last line |")
@@ -269,11 +350,13 @@ def main() -> int:
         "command": " ".join(_job_command(args)),
         "profile_steps": PROFILE_STEPS, "trial_steps": TRIAL_STEPS,
         "host": platform.node(), "cpus": os.cpu_count(),
-        "cells": [asdict(c) for c in cells]}, indent=1) + "\n")
+        "heartbeats": beats, "cells": [asdict(c) for c in cells]}, indent=1) + "\n")
     print(f"wrote {args.json}")
     bad = [c for c in cells if not (c.ended and c.named) or c.left_processes or c.left_ports
            or c.left_shm or c.left_files]
-    return 1 if bad else 0
+    culprits = {"worker": "worker 1", "server": "server 0", "scheduler": "scheduler"}
+    bad_beats = [b for b in beats if b.get("culprit") != culprits[b["target"]]]
+    return 1 if bad or bad_beats else 0
 
 
 if __name__ == "__main__":

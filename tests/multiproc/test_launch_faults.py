@@ -20,21 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 DETECT_S = 10.0
 
 # Every worker pushes and pulls one key until the launcher stops it.
-LOOP = r'''
-import time
-import numpy as np
-from byteps_espresso.config import Config
-from byteps_espresso.server.client import PSClient
-
-cfg = Config.from_env()
-client = PSClient(cfg, rank=cfg.rank)
-client.declare("grad", 4096, pushers=list(range(cfg.world_size)))
-for round_ in range(10**9):
-    client.push_pull("grad", np.ones(4096, np.float32), round_)
-    if round_ == 0:
-        print("running", flush=True)
-    time.sleep(0.01)
-'''
+LOOP_WORKER = REPO / "tests" / "multiproc" / "ps" / "ps_worker.py"
 
 
 def _env(tag: str, **extra: str) -> dict[str, str]:
@@ -118,21 +104,20 @@ def _wait_for(predicate, limit_s: float, what: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("target", ["worker 1", "server 0"])
 def test_stopped_worker_or_server_ends_the_job_naming_it(tmp_path, target):
-    script = tmp_path / "loop.py"
-    script.write_text(LOOP)
     tag = uuid.uuid4().hex
     proc = _launch(["--machines", "1", "--workers-per-machine", "2", "--servers", "1"],
-                   [sys.executable, str(script)], _env(tag))
+                   [sys.executable, str(LOOP_WORKER), "loop", str(tmp_path)], _env(tag))
     try:
-        # Rounds run once every worker has a client; give torch imports on a loaded machine time.
-        _wait_for(lambda: len(_job_pids(tag)) == 4 and proc.poll() is None, 60, "the job")
+        # Give torch imports on a loaded machine time.
+        _wait_for(lambda: all((tmp_path / f"ready{r}").exists() for r in range(2))
+                  or proc.poll() is not None, 60, "the first round")
         time.sleep(1.0)  # a few rounds in
         os.kill(_job_pids(tag)[target], signal.SIGSTOP)
         stopped_at = time.monotonic()
         _wait_for(lambda: proc.poll() is not None, DETECT_S + 20, "the launcher to end")
         took = time.monotonic() - stopped_at
     finally:
-        out, err, survivors = _finish(proc, tag, 30)
+        _, err, survivors = _finish(proc, tag, 30)
     last = err.strip().splitlines()[-1]
     assert proc.returncode != 0, err[-3000:]
     assert last.startswith(f"espresso-launch: {target} "), err[-3000:]

@@ -80,6 +80,11 @@ def test_stopped_worker_or_server_is_found_by_heartbeats_and_named(tmp_path, ps_
     assert f"aborting the job: {name}" in ps_tools.read_log(tmp_path, "scheduler"), logs
     # The surviving worker fails with the scheduler's reason, which names the culprit.
     assert f"the scheduler aborted the job: {name}" in ps_tools.read_log(tmp_path, "worker0")
+    if target == "worker1":  # the nodes relay it (for launchers on other machines)
+        relays = {r.reporter for r in faults.read(str(fault_file))
+                  if r.culprit == name and "relaying" in r.reporter}
+        assert relays == {"worker 0 (relaying the scheduler's ABORT)",
+                          "server 0 (relaying the scheduler's ABORT)"}, relays
 
 
 @pytest.mark.timeout(150)
