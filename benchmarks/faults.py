@@ -50,6 +50,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from byteps_espresso.deploy.supervisor import tagged_processes
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = str(Path(sys.executable).with_name("espresso-launch"))
 TARGETS = {"worker": "worker 1", "server": "server 0", "scheduler": "scheduler",
@@ -139,32 +141,18 @@ def _environ(tag: str, tmp: str) -> dict[str, str]:
     return env
 
 
-def _tagged(tag: str) -> dict[int, dict[bytes, bytes]]:
-    """Live processes carrying ``FAULT_MATRIX_TAG=tag``: pid -> environment."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes()
-                       .split(b"\0") if b"=" in item)
-            if env.get(b"FAULT_MATRIX_TAG") != tag.encode():
-                continue
-            if (entry / "stat").read_text().rsplit(") ", 1)[-1][0] != "Z":
-                found[int(entry.name)] = env
-        except OSError:
-            continue
-    return found
+def _tagged(tag: str) -> dict[int, dict[str, str]]:
+    return tagged_processes("FAULT_MATRIX_TAG", tag)
 
 
 def _target_pid(tag: str, target: str, launcher: int) -> int | None:
     if target == "launcher":
         return launcher
     for pid, env in _tagged(tag).items():
-        role = env.get(b"DMLC_ROLE", b"").decode()
+        role = env.get("DMLC_ROLE", "")
         if target == role == "scheduler" or target == role == "server":
             return pid
-        if target == role == "worker" and env.get(b"DMLC_WORKER_ID") == b"1":
+        if target == role == "worker" and env.get("DMLC_WORKER_ID") == "1":
             return pid
     return None
 
@@ -255,7 +243,7 @@ def run_cell(target: str, sig: str, phase: str, args: argparse.Namespace) -> Cel
     return cell
 
 
-def heartbeat_cell(target: str, tmp: Path) -> dict:
+def heartbeat_cell(target: str, tmp: Path, tag: str) -> dict:
     """Stop ``target`` (``worker``, ``server``, ``scheduler``) of a job started without the
     launcher; the first fault report, its delay from the SIGSTOP in seconds."""
     from byteps_espresso.deploy.launch import free_port_pair
@@ -266,7 +254,7 @@ def heartbeat_cell(target: str, tmp: Path) -> dict:
            if not k.startswith(("DMLC_", "BYTEPS_", "ESPRESSO_"))}
     env.update(DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
                DMLC_PS_ROOT_PORT=str(free_port_pair()), ESPRESSO_FAULT_FILE=str(fault_file),
-               ESPRESSO_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1")
+               ESPRESSO_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1", FAULT_MATRIX_TAG=tag)
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs = {role: subprocess.Popen([sys.executable, "-m", "byteps_espresso.server"],
                                     env={**env, "DMLC_ROLE": role}, **quiet)
@@ -324,6 +312,8 @@ def main() -> int:
                    help="stops per target in the heartbeat-only table (0: skip it)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "faults.json"))
     args = p.parse_args()
+    # Stopped by SIGTERM: unwind, so that each cell's clean-up stops the job it started.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     beats = []
     if args.repeats:
         print("| stopped | culprit named | found by | detected after (s) |")
@@ -331,7 +321,7 @@ def main() -> int:
     for target in ("worker", "server", "scheduler"):
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory(prefix="fault-beats-") as tmp:
-                beat = heartbeat_cell(target, Path(tmp))
+                beat = heartbeat_cell(target, Path(tmp), uuid.uuid4().hex)
             beats.append(beat)
             print(f"| {target} | {beat.get('culprit', '-')} | {beat.get('reporter', '-')} | "
                   f"{beat.get('detected_s', beat.get('note'))} |", flush=True)

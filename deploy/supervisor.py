@@ -39,7 +39,8 @@ from byteps_espresso.server import faults
 if TYPE_CHECKING:
     from byteps_espresso.deploy.reaper import Reaper
 
-__all__ = ["JobResult", "ProcessSpec", "Supervisor", "process_state", "stop_process_groups"]
+__all__ = ["JobResult", "ProcessSpec", "Supervisor", "process_state", "stop_process_groups",
+           "tagged_processes"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,26 @@ def process_state(pid: int) -> str | None:
             return f.read().rsplit(") ", 1)[-1][:1] or None
     except OSError:
         return None
+
+
+def tagged_processes(variable: str, value: str) -> dict[int, dict[str, str]]:
+    """Live processes of this user (not zombies, not this one) whose environment has
+    ``variable=value``, with their environments: how tests and the fault matrix find what
+    a job left behind, by a tag every process of the job inherits."""
+    needle = f"{variable}={value}".encode()
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                items = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in items and process_state(int(entry.name)) not in (None, "Z"):
+            found[int(entry.name)] = dict(item.decode(errors="replace").split("=", 1)
+                                          for item in items if b"=" in item)
+    return found
 
 
 def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float) -> None:

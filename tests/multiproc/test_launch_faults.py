@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from byteps_espresso.deploy.supervisor import tagged_processes
 
 REPO = Path(__file__).resolve().parents[2]
 # What issue 16 asks for: a stopped process found within 10 s at default settings.
@@ -30,45 +31,24 @@ def _env(tag: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def _tagged(tag: str) -> dict[int, dict[str, str]]:
+    return tagged_processes("FAULT_TEST_TAG", tag)
+
+
 def _job_pids(tag: str) -> dict[str, int]:
-    """Live processes of the job by role name (``worker 1``, ``server 0``, ``scheduler``)."""
+    """Processes of the job by role name (``worker 1``, ``server 0``, ``scheduler``)."""
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes()
-                       .split(b"\0") if b"=" in item)
-            state = (entry / "stat").read_text().rsplit(") ", 1)[-1][0]
-        except OSError:
-            continue
-        if env.get(b"FAULT_TEST_TAG") != tag.encode() or state == "Z" or b"DMLC_ROLE" not in env:
-            continue
-        role = env[b"DMLC_ROLE"].decode()
+    for pid, env in _tagged(tag).items():
+        role = env.get("DMLC_ROLE", "")
         if role == "worker":
-            rank = (int(env[b"DMLC_WORKER_ID"]) * int(env[b"BYTEPS_LOCAL_SIZE"])
-                    + int(env[b"BYTEPS_LOCAL_RANK"]))
-            found[f"worker {rank}"] = int(entry.name)
+            rank = (int(env["DMLC_WORKER_ID"]) * int(env["BYTEPS_LOCAL_SIZE"])
+                    + int(env["BYTEPS_LOCAL_RANK"]))
+            found[f"worker {rank}"] = pid
         elif role == "server":
-            found["server 0"] = int(entry.name)
-        else:
-            found[role] = int(entry.name)
+            found["server 0"] = pid
+        elif role:
+            found[role] = pid
     return found
-
-
-def _tagged_alive(tag: str) -> list[int]:
-    needle = f"FAULT_TEST_TAG={tag}".encode()
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                if (entry / "stat").read_text().rsplit(") ", 1)[-1][0] != "Z":
-                    alive.append(int(entry.name))
-        except OSError:
-            continue
-    return alive
 
 
 def _launch(args: list[str], command: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -86,9 +66,9 @@ def _finish(proc: subprocess.Popen, tag: str, timeout: float) -> tuple[str, str,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     deadline = time.monotonic() + 10  # the kernel may take a moment to reap
-    while _tagged_alive(tag) and time.monotonic() < deadline:
+    while _tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
-    survivors = _tagged_alive(tag)
+    survivors = list(_tagged(tag))
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     return out, err, survivors
