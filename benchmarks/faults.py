@@ -64,6 +64,9 @@ PHASES = {
     "trials": (r"measuring \d+ finalists", 0.5, r"trials \(median"),
     "steady": (r"trials \(median", 1.0, r"every worker finished"),
 }
+# Entries of the job's TMPDIR that are caches kept across runs by design, not leftovers:
+# torch's per-user compile cache (torch._inductor's default cache_dir).
+CACHES = ("torchinductor_",)
 # Uncompressed steps profiled and measured steps per finalist: long enough (seconds each on a
 # 2-core machine) to inject a fault in the middle of the phase.
 PROFILE_STEPS, TRIAL_STEPS = 150, 300
@@ -232,7 +235,8 @@ def run_cell(target: str, sig: str, phase: str, args: argparse.Namespace) -> Cel
         cell.left_processes = sorted(_tagged(tag))
         cell.left_ports = _listening(ports)
         cell.left_shm = sorted(_shm() - shm_before)
-        cell.left_files = sorted(p.name for p in Path(tmp).iterdir())
+        cell.left_files = sorted(p.name for p in Path(tmp).iterdir()
+                                 if not p.name.startswith(CACHES))
         for pid in [*cell.left_processes, *([proc.pid] if proc.poll() is None else [])]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
