@@ -25,7 +25,10 @@ In that matrix the launcher itself also watches its children for the stopped sta
 second table measures the heartbeats alone: a scheduler, a server and two workers pushing and
 pulling in a loop, started without the launcher; one of them is stopped, and the time to the
 first report in ESPRESSO_FAULT_FILE (written by whoever found it, before anything else) is
-the detection time of the heartbeats (``--repeats`` times per target).
+the detection time of the heartbeats (``--repeats`` times per target). A third table runs
+the same job as on a cluster, one ``bpslaunch`` per role and worker machine (each with its
+own fault file), stops a process under another launcher, and reads the last line of worker
+0's launcher, which can only learn the culprit through the reports of its own worker.
 
     .venv/bin/python benchmarks/faults.py
     .venv/bin/python benchmarks/faults.py --targets worker --signals STOP --phases steady
@@ -250,15 +253,10 @@ def run_cell(target: str, sig: str, phase: str, args: argparse.Namespace) -> Cel
 def heartbeat_cell(target: str, tmp: Path, tag: str) -> dict:
     """Stop ``target`` (``worker``, ``server``, ``scheduler``) of a job started without the
     launcher; the first fault report, its delay from the SIGSTOP in seconds."""
-    from byteps_espresso.deploy.launch import free_port_pair
     from byteps_espresso.server import faults
 
     fault_file = tmp / "faults.jsonl"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DMLC_", "BYTEPS_", "ESPRESSO_"))}
-    env.update(DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
-               DMLC_PS_ROOT_PORT=str(free_port_pair()), ESPRESSO_FAULT_FILE=str(fault_file),
-               ESPRESSO_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1", FAULT_MATRIX_TAG=tag)
+    env = {**_ps_env(tag), "ESPRESSO_FAULT_FILE": str(fault_file)}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs = {role: subprocess.Popen([sys.executable, "-m", "byteps_espresso.server"],
                                     env={**env, "DMLC_ROLE": role}, **quiet)
@@ -289,6 +287,70 @@ def heartbeat_cell(target: str, tmp: Path, tag: str) -> dict:
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.kill()
             proc.wait()
+
+
+def _ps_env(tag: str) -> dict[str, str]:
+    from byteps_espresso.deploy.launch import free_port_pair
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "BYTEPS_", "ESPRESSO_"))}
+    env.update(DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
+               DMLC_PS_ROOT_PORT=str(free_port_pair()), ESPRESSO_LOG_LEVEL="ERROR",
+               OMP_NUM_THREADS="1", FAULT_MATRIX_TAG=tag)
+    return env
+
+
+def cluster_cell(target: str, tmp: Path, tag: str) -> dict:
+    """Stop ``target``'s process, each role under its own ``bpslaunch`` as on a cluster; the
+    last line of worker 0's launcher and its delay from the SIGSTOP in seconds."""
+    env = {**_ps_env(tag), "TMPDIR": str(tmp)}
+    bpslaunch = str(Path(sys.executable).with_name("bpslaunch"))
+    roles = {"scheduler": {"DMLC_ROLE": "scheduler"}, "server": {"DMLC_ROLE": "server"},
+             **{f"worker{r}": {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(r)}
+                for r in range(2)}}
+    launchers = {name: subprocess.Popen(
+        [bpslaunch, *([sys.executable, "-c", LOOP, str(tmp)] if "worker" in name else [])],
+        env={**env, **role}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True) for name, role in roles.items()}
+    err = _Lines(launchers["worker0"].stderr)
+    err.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp / f"ready{r}").exists() for r in range(2)):
+            if time.monotonic() > deadline or any(p.poll() is not None
+                                                  for p in launchers.values()):
+                return {"target": target, "note": "the job did not start"}
+            time.sleep(0.05)
+        time.sleep(1.0)
+        name = "worker1" if target == "worker" else target
+        want = roles[name]
+        # The role's own process: not its launcher, nor the launcher's reaper (both carry
+        # the same environment).
+        pid = next(pid for pid, penv in _tagged(tag).items()
+                   if pid not in {p.pid for p in launchers.values()}
+                   and b"deploy.reaper" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+                   and all(penv.get(k) == v for k, v in want.items()))
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            launchers["worker0"].wait(timeout=60)
+        err.join(timeout=10)
+        lines = [(t, line) for t, line in err.lines if line.strip()]
+        if not lines:
+            return {"target": target, "note": "worker 0's launcher wrote nothing"}
+        when, last = lines[-1]
+        return {"target": target, "last_line": last, "to_last_line_s": round(when - stopped_at, 2),
+                "named": last.startswith(f"bpslaunch: {TARGETS[target]} ")}
+    finally:
+        for proc in launchers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=15)
+        for pid in _tagged(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
 
 
 def _row(c: Cell) -> str:
@@ -329,6 +391,18 @@ def main() -> int:
             beats.append(beat)
             print(f"| {target} | {beat.get('culprit', '-')} | {beat.get('reporter', '-')} | "
                   f"{beat.get('detected_s', beat.get('note'))} |", flush=True)
+    remote = []
+    if args.repeats:
+        print("| stopped (another launcher's) | worker 0's launcher's last line names it | "
+              "stop to that line (s) | the line |")
+        print("| --- | --- | --- | --- |", flush=True)
+        for target in ("worker", "server", "scheduler"):
+            with tempfile.TemporaryDirectory(prefix="fault-cluster-") as tmp:
+                row = cluster_cell(target, Path(tmp), uuid.uuid4().hex)
+            remote.append(row)
+            print(f"| {target} | {'yes' if row.get('named') else 'NO'} | "
+                  f"{row.get('to_last_line_s', '-')} | "
+                  f"{row.get('last_line', row.get('note', ''))[:200]} |", flush=True)
     cells = []
     print("| target | signal | phase | hit | ended | culprit named | fault to last line (s) | "
           "left behind | launcher's last line |")
@@ -344,13 +418,15 @@ def main() -> int:
         "command": " ".join(_job_command(args)),
         "profile_steps": PROFILE_STEPS, "trial_steps": TRIAL_STEPS,
         "host": platform.node(), "cpus": os.cpu_count(),
-        "heartbeats": beats, "cells": [asdict(c) for c in cells]}, indent=1) + "\n")
+        "heartbeats": beats, "cluster": remote,
+        "cells": [asdict(c) for c in cells]}, indent=1) + "\n")
     print(f"wrote {args.json}")
     bad = [c for c in cells if not (c.ended and c.named) or c.left_processes or c.left_ports
            or c.left_shm or c.left_files]
     culprits = {"worker": "worker 1", "server": "server 0", "scheduler": "scheduler"}
     bad_beats = [b for b in beats if b.get("culprit") != culprits[b["target"]]]
-    return 1 if bad or bad_beats else 0
+    bad_remote = [r for r in remote if not r.get("named")]
+    return 1 if bad or bad_beats or bad_remote else 0
 
 
 if __name__ == "__main__":
