@@ -503,9 +503,10 @@ class Scheduler:
         if failed:
             # A worker that lost a server is its victim: the report names the server.
             blamed = body.get("culprit")
-            servers = {s.name for s in self.servers}
-            self._abort(f"{node.describe()} failed: {failed}",
-                        culprit=blamed if blamed in servers else node.name)
+            if blamed in {s.name for s in self.servers}:
+                self._abort(f"{blamed} is lost: {node.describe()} reports: {failed}",
+                            culprit=blamed)
+            self._abort(f"{node.describe()} failed: {failed}", culprit=node.name)
 
 
 _HANDLERS = {
