@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["UNSUPPORTED", "VARIABLES", "Address", "Config", "ConfigError", "Role", "Secret",
-           "Unsupported", "Variable", "interface_address", "interfaces", "markdown_table"]
+           "Unsupported", "Variable", "interface_address", "interfaces", "markdown_table",
+           "variable"]
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +256,16 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ESPRESSO_TIMEOUT", "op_timeout_s", _float(0.0), 60.0,
              "Seconds any single push/pull or collective may wait before it fails "
              "naming the key, round and peer."),
+    Variable("ESPRESSO_HEARTBEAT_TIMEOUT", "heartbeat_timeout_s", _float(1.0), 5.0,
+             "Seconds without a heartbeat after which a stopped or unreachable scheduler, "
+             "server or worker is declared lost and the job ends naming it. ZeroMQ's I/O "
+             "thread sends and answers these heartbeats, so a worker whose Python code holds "
+             "the GIL for longer stays alive; `espresso-launch` also ends a job one of whose "
+             "processes (or itself) has been stopped this long."),
+    Variable("ESPRESSO_FAULT_FILE", "fault_file", _optional, None,
+             "File to which a process that finds another one lost appends one JSON line "
+             "naming it (`espresso-launch` sets it, so that its last line names the culprit "
+             "rather than the first process that exited because of it)."),
     Variable("ESPRESSO_MAX_MESSAGE_BYTES", "max_message_bytes", _int(1024), 1 << 30,
              "Largest wire message accepted, in bytes; bigger ones are rejected before "
              "anything is allocated."),
@@ -397,6 +408,8 @@ class Config:
     bind_all: bool = False
     start_timeout_s: float = 60.0
     op_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = 5.0
+    fault_file: str | None = None
     max_message_bytes: int = 1 << 30
     compressor: str | None = None
     strategy_path: str | None = None
@@ -573,6 +586,22 @@ class Config:
             else:
                 out[var.name] = str(value)
         return out
+
+
+def variable(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """One declared variable's parsed value in ``env`` (default ``os.environ``), or its default,
+    for a process that has no role of its own (the launcher).
+
+    Raises:
+        KeyError: ``name`` is not declared in :data:`VARIABLES`.
+        ConfigError: the value is malformed.
+    """
+    env = os.environ if env is None else env
+    var = next((v for v in VARIABLES if v.name == name), None)
+    if var is None:
+        raise KeyError(f"{name} is not a declared variable")
+    raw = next((env[n] for n in (var.name, *var.fallbacks) if env.get(n)), None)
+    return var.default if raw is None else _parse_one(var, raw)
 
 
 def _parse_one(var: Variable, raw: str | None, name: str | None = None) -> Any:

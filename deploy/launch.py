@@ -23,13 +23,19 @@ Two ways to use it:
   (see :mod:`byteps_espresso.deploy.emulate`).
 
 Either way output lines carry a ``[role rank]`` prefix, the first process to fail stops the
-others and the launcher exits non-zero naming it, and Ctrl-C stops everything.
+others and the launcher exits non-zero naming it, and Ctrl-C stops everything. The name is
+the culprit's, not that of the first victim to exit: processes report the process they lost
+to a fault file (``ESPRESSO_FAULT_FILE``), and a process stopped for
+``ESPRESSO_HEARTBEAT_TIMEOUT`` fails the job too. ``--max-restarts N`` (torchrun's flag)
+starts the whole job again after a failure, up to N times, logging each cause; the training
+script resumes from its own checkpoints (``examples/train.py --checkpoint-dir``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -38,13 +44,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
 from byteps_espresso.deploy.emulate import EmulationError, Placement, check_host
 from byteps_espresso.deploy.reaper import Reaper
 from byteps_espresso.deploy.supervisor import DEFAULT_GRACE_S, ProcessSpec, Supervisor
 
-from byteps_espresso.config import Config, ConfigError, Role
+from byteps_espresso.config import Config, ConfigError, Role, variable
 
 __all__ = [
     "PS_COMMAND",
@@ -286,6 +293,9 @@ def build_parser(prog: str = "espresso-launch") -> argparse.ArgumentParser:
     emu.add_argument("--inter-latency-ms", type=float, default=0.0,
                      help="one-way latency between two machines, ms (default 0; needs "
                           "the kernel's netem qdisc)")
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="N",
+                        help="after a failure, start the whole job again, up to N times "
+                             "(default 0); the script resumes from its checkpoints")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="seconds between SIGTERM and SIGKILL when stopping (default "
                              f"{DEFAULT_GRACE_S:g})")
@@ -298,33 +308,71 @@ def build_parser(prog: str = "espresso-launch") -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace, environ: Mapping[str, str], prog: str,
          reaper: Reaper) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not (args.local or args.emulate):
-        return _supervise(machine_specs(command, environ), args, prog, reaper)
+        return _supervise(lambda: machine_specs(command, environ), args, prog, reaper)
     if not args.emulate:
-        port = args.port or free_port_pair()
-        specs = cluster_specs(command, machines=args.machines,
-                              workers_per_machine=args.workers_per_machine,
-                              servers=args.servers, base_env=environ, root_port=port,
-                              auth=args.auth)
-        return _supervise(specs, args, prog, reaper)
+        def local_specs() -> list[ProcessSpec]:  # fresh ports for every (re)start
+            port = args.port or free_port_pair()
+            return cluster_specs(command, machines=args.machines,
+                                 workers_per_machine=args.workers_per_machine,
+                                 servers=args.servers, base_env=environ, root_port=port,
+                                 auth=args.auth)
+
+        return _supervise(local_specs, args, prog, reaper)
     from byteps_espresso.deploy.emulate import EmulatedCluster
 
     with EmulatedCluster(args.machines, args.servers, args.inter_gbps,
                          args.inter_latency_ms, reaper=reaper) as cluster:
-        specs = cluster_specs(command, machines=args.machines,
-                              workers_per_machine=args.workers_per_machine,
-                              servers=args.servers, base_env=environ,
-                              root_port=args.port or _EMULATED_PORT, place=cluster.placement,
-                              auth=args.auth)
-        return _supervise(specs, args, prog, reaper)
+        return _supervise(lambda: cluster_specs(
+            command, machines=args.machines, workers_per_machine=args.workers_per_machine,
+            servers=args.servers, base_env=environ, root_port=args.port or _EMULATED_PORT,
+            place=cluster.placement, auth=args.auth), args, prog, reaper)
 
 
-def _supervise(specs: list[ProcessSpec], args: argparse.Namespace, prog: str,
-               reaper: Reaper) -> int:
-    result = Supervisor(specs, grace_s=args.grace_s, reaper=reaper).run()
+def _supervise(make_specs: Callable[[], list[ProcessSpec]], args: argparse.Namespace,
+               prog: str, reaper: Reaper) -> int:
+    """Run the job, and again after a failure up to ``--max-restarts`` times.
+
+    Every process gets ``ESPRESSO_FAULT_FILE`` (a file of this launcher's unless the
+    environment names one), where the culprit of a failure is reported.
+    """
+    fault_file, own = _fault_file(make_specs())
+    if own:
+        reaper.watch_path(fault_file)
+    try:
+        for attempt in range(args.max_restarts + 1):
+            specs = [dataclasses.replace(s, env={**s.env, "ESPRESSO_FAULT_FILE": fault_file})
+                     for s in make_specs()]
+            stopped_after_s = Config.from_env(specs[0].env).heartbeat_timeout_s
+            result = Supervisor(specs, grace_s=args.grace_s, reaper=reaper,
+                                fault_file=fault_file, stopped_after_s=stopped_after_s).run()
+            interrupted = result.exit_code > 128 and result.failed is None
+            if result.exit_code == 0 or interrupted or attempt == args.max_restarts:
+                break
+            log.warning("restart %d of %d: %s", attempt + 1, args.max_restarts, result.message)
+    finally:
+        if own:
+            with contextlib.suppress(OSError):
+                os.unlink(fault_file)
+    message = result.message
+    if args.max_restarts and result.exit_code:
+        message += f" (after {attempt} restart(s) of at most {args.max_restarts})"
     stream = sys.stderr if result.exit_code else sys.stdout
-    print(f"{prog}: {result.message}", file=stream, flush=True)
+    print(f"{prog}: {message}", file=stream, flush=True)
     return result.exit_code
+
+
+def _fault_file(specs: Sequence[ProcessSpec]) -> tuple[str, bool]:
+    """The job's ``ESPRESSO_FAULT_FILE``: the one the environment names (kept), else a new
+    empty file of this launcher's (deleted at the end); and whether it is the launcher's."""
+    given = specs[0].env.get("ESPRESSO_FAULT_FILE") if specs else None
+    if given:
+        return given, False
+    fd, path = tempfile.mkstemp(prefix="espresso-faults-", suffix=".jsonl")
+    os.close(fd)
+    return path, True
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
@@ -351,11 +399,17 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     def terminate(signum, _frame):  # SIGTERM outside supervision: unwind and clean up
         raise SystemExit(128 + signum)
 
+    def suspend(_signum, _frame):  # the job runs in other sessions: Ctrl-Z would stop only us
+        log.warning("Ctrl-Z ignored: the job's processes cannot be suspended with the "
+                    "launcher; Ctrl-C stops the job")
+
     previous = signal.signal(signal.SIGTERM, terminate)
+    previous_tstp = signal.signal(signal.SIGTSTP, suspend)
     try:
         if args.emulate:
             check_host()  # refuse before anything starts
-        with Reaper() as reaper:
+        timeout_s = variable("ESPRESSO_HEARTBEAT_TIMEOUT", environ)
+        with Reaper(timeout_s, prog) as reaper:
             return _run(args, environ, prog, reaper)
     except (ConfigError, ValueError, EmulationError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
@@ -366,6 +420,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     finally:
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTSTP, previous_tstp)
 
 
 def bpslaunch() -> int:

@@ -4,7 +4,13 @@ Every launched process gets its own session (so its whole process group, includi
 children it forks, can be signalled at once) and dies with the launcher if the launcher is
 killed outright (``PR_SET_PDEATHSIG``). The supervisor copies each process's output line by
 line with a ``[role rank]`` prefix, waits until every *worker* has exited successfully, and
-stops the whole job as soon as any process fails or the launcher is interrupted.
+stops the whole job as soon as any process fails, one has been stopped (SIGSTOP) for
+``stopped_after_s``, or the launcher is interrupted.
+
+The process that fails first is often a victim: a worker whose push failed because a server
+stopped. The result names the culprit instead when there is one: the earliest report in the
+job's fault file (``ESPRESSO_FAULT_FILE``, see :mod:`byteps_espresso.server.faults`), or else
+a process of the job that is stopped.
 
 Example:
     >>> import sys
@@ -28,10 +34,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
+from byteps_espresso.server import faults
+
 if TYPE_CHECKING:
     from byteps_espresso.deploy.reaper import Reaper
 
-__all__ = ["JobResult", "ProcessSpec", "Supervisor", "stop_process_groups"]
+__all__ = ["JobResult", "ProcessSpec", "Supervisor", "process_state", "stop_process_groups",
+           "tagged_processes"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,8 @@ DEFAULT_GRACE_S = 5.0
 DEFAULT_LINGER_S = 10.0
 # Seconds between two polls of the children's exit status.
 _POLL_S = 0.05
+# Seconds between two looks at whether a child is stopped (one /proc read per child).
+_STOPPED_CHECK_S = 0.5
 # Progress-bar updates (segments ending in '\r', as tqdm writes) are copied at most this
 # often per process, in seconds; full lines are always copied.
 _PROGRESS_EVERY_S = 1.0
@@ -97,14 +108,46 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``T`` for
+    stopped, ``Z``, ...), or None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[-1][:1] or None
+    except OSError:
+        return None
+
+
+def tagged_processes(variable: str, value: str) -> dict[int, dict[str, str]]:
+    """Live processes of this user (not zombies, not this one) whose environment has
+    ``variable=value``, with their environments: how tests and the fault matrix find what
+    a job left behind, by a tag every process of the job inherits."""
+    needle = f"{variable}={value}".encode()
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                items = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in items and process_state(int(entry.name)) not in (None, "Z"):
+            found[int(entry.name)] = dict(item.decode(errors="replace").split("=", 1)
+                                          for item in items if b"=" in item)
+    return found
+
+
 def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM every process group, wait up to ``grace_s``, then SIGKILL what is left.
 
     Each process must lead its own group (``start_new_session=True``). Groups are signalled
-    even after their leader exited, so grandchildren it left behind are stopped too.
+    even after their leader exited, so grandchildren it left behind are stopped too. Stopped
+    groups are continued after the SIGTERM, so that they end now rather than at the SIGKILL.
     """
     for proc in procs:
         _signal_group(proc, signal.SIGTERM)
+        _signal_group(proc, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -166,6 +209,10 @@ class Supervisor:
             worker finished, before they are stopped.
         reaper: told every process group, so that they are stopped even if this process is
             killed outright.
+        fault_file: the job's ``ESPRESSO_FAULT_FILE``; reports in it written after
+            :meth:`run` began name the culprit of a failure.
+        stopped_after_s: a process stopped (SIGSTOP, state ``T``) this long fails the job
+            (None: never; the launcher passes ``ESPRESSO_HEARTBEAT_TIMEOUT``).
 
     Raises:
         ValueError: ``specs`` is empty.
@@ -173,13 +220,19 @@ class Supervisor:
 
     def __init__(self, specs: Sequence[ProcessSpec], out: IO[str] | None = None,
                  grace_s: float = DEFAULT_GRACE_S, linger_s: float = DEFAULT_LINGER_S,
-                 reaper: Reaper | None = None):
+                 reaper: Reaper | None = None, *, fault_file: str | None = None,
+                 stopped_after_s: float | None = None):
         if not specs:
             raise ValueError("nothing to supervise: no process given")
         self.specs = list(specs)
         self.out = out if out is not None else sys.stdout
         self.grace_s, self.linger_s = grace_s, linger_s
         self.reaper = reaper
+        self.fault_file = fault_file
+        self.stopped_after_s = stopped_after_s
+        self._stopped_since: dict[int, float] = {}  # spec index -> first seen stopped
+        self._next_stopped_check = 0.0
+        self._started_at = time.time()  # reports older than this belong to another run
         self.procs: list[subprocess.Popen] = []
         self._interrupt: int | None = None
         self._lock = threading.Lock()
@@ -196,6 +249,7 @@ class Supervisor:
         """
         restore = self._install_signal_handlers()
         pumps: list[_Pump] = []
+        self._started_at = time.time()
         try:
             self._start_all()
             pumps = [_Pump(p.stdout, s.name, self.out, self._lock)
@@ -247,6 +301,9 @@ class Supervisor:
             for i, code in enumerate(codes):
                 if code is not None and code != 0:
                     return self._failure(i, code)
+            stopped = self._long_stopped()
+            if stopped is not None:
+                return stopped
             if all(codes[i] == 0 for i in workers):
                 if all(codes[i] is not None for i in others):
                     return self._result(0, None, f"every {what} finished")
@@ -257,6 +314,27 @@ class Supervisor:
                                         "scheduler and servers")
             time.sleep(_POLL_S)
 
+    def _long_stopped(self) -> JobResult | None:
+        """A failure when a child has been stopped for ``stopped_after_s``; checked every
+        ``_STOPPED_CHECK_S``."""
+        now = time.monotonic()
+        if self.stopped_after_s is None or now < self._next_stopped_check:
+            return None
+        self._next_stopped_check = now + _STOPPED_CHECK_S
+        for i, proc in enumerate(self.procs):
+            if process_state(proc.pid) != "T":
+                self._stopped_since.pop(i, None)
+                continue
+            since = self._stopped_since.setdefault(i, now)
+            if now - since >= self.stopped_after_s:
+                name = self.specs[i].name
+                running = sum(p.poll() is None for p in self.procs) - 1
+                return self._result(1, name, f"{name} has been stopped (SIGSTOP, or a debugger) "
+                                    f"for {now - since:.1f} s (ESPRESSO_HEARTBEAT_TIMEOUT="
+                                    f"{self.stopped_after_s:g}); stopping it and the other "
+                                    f"{running} running process(es)")
+        return None
+
     def _failure(self, index: int, code: int) -> JobResult:
         name = self.specs[index].name
         if code < 0:
@@ -264,8 +342,30 @@ class Supervisor:
         else:
             why = f"exited with code {code}"
         running = sum(p.poll() is None for p in self.procs)
-        return self._result(code if code > 0 else 1, name,
-                            f"{name} {why}; stopping the other {running} running process(es)")
+        stop = f"stopping the other {running} running process(es)"
+        culprit = None if code < 0 else self._culprit(name)
+        if culprit is None:
+            return self._result(code if code > 0 else 1, name, f"{name} {why}; {stop}")
+        blamed, cause = culprit
+        return self._result(code if code > 0 else 1, blamed,
+                            f"{cause}; then {name} {why}; {stop}")
+
+    def _culprit(self, failed: str) -> tuple[str, str] | None:
+        """Another process to blame for ``failed``'s exit, and why: the earliest fault report
+        of this run, else a process of the job that is stopped."""
+        report = next((f for f in faults.read(self.fault_file) if f.time >= self._started_at),
+                      None)
+        stopped = [s.name for s, p in zip(self.specs, self.procs, strict=True)
+                   if process_state(p.pid) == "T"]
+        if report is not None and report.culprit != failed:
+            cause = (report.reason if report.reason.startswith(report.culprit)
+                     else f"{report.culprit} was lost: {report.reason}")
+            if report.culprit in stopped:
+                cause += " (it is stopped: SIGSTOP or a debugger)"
+            return report.culprit, cause
+        if stopped and failed not in stopped:
+            return stopped[0], f"{stopped[0]} is stopped (SIGSTOP or a debugger)"
+        return None
 
     def _result(self, exit_code: int, failed: str | None, message: str) -> JobResult:
         codes = {s.name: p.poll() for s, p in zip(self.specs, self.procs, strict=True)}

@@ -22,6 +22,11 @@ writes them as JSON.
 With GPUs it trains on ``cuda:<local rank>`` as BytePS scripts do: every process of a machine
 sees all of its GPUs and ``torch.cuda.set_device(bps.local_rank())`` picks one (a local job
 with more workers per machine than GPUs shares them round-robin).
+
+With ``--checkpoint-dir DIR --checkpoint-every K`` every rank saves its model, optimizer
+(``optimizer.state_dict()``), data generator and history every K steps, and a job started
+again resumes from the latest step every rank saved, e.g. under ``espresso-launch
+--max-restarts 3``: the resumed run takes the same steps as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ import argparse
 import json
 import logging
 import math
+import os
+import re
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -147,6 +155,66 @@ class HeldOut:
 # ---- end held-out loss ----
 
 
+class Checkpoints:
+    """Every rank's state every ``--checkpoint-every`` steps, one file per rank and step.
+
+    Each rank saves its own optimizer state (with compression it holds per-rank state such as
+    error-feedback residuals), written to a temporary file and renamed, so a process killed
+    while saving leaves the previous checkpoint intact. The latest step is the last one every
+    rank saved; rank 0 chooses it and the others follow, so the directory needs to be shared
+    only when ranks run on different machines.
+    """
+
+    KEEP = 2  # checkpoints kept per rank: ranks are at most one step apart, so one is complete
+    _NAME = re.compile(r"step(\d+)\.rank(\d+)\.pt")
+
+    def __init__(self, directory: str, rank: int, world: int) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world = rank, world
+
+    def _path(self, step: int, rank: int) -> Path:
+        return self.dir / f"step{step:08d}.rank{rank}.pt"
+
+    def _steps(self, rank: int | None = None) -> dict[int, set[int]]:
+        found: dict[int, set[int]] = {}
+        for path in self.dir.iterdir():
+            match = self._NAME.fullmatch(path.name)
+            if match and (rank is None or int(match[2]) == rank):
+                found.setdefault(int(match[1]), set()).add(int(match[2]))
+        return found
+
+    def latest(self) -> int | None:
+        """The last step for which every rank's file exists, or None."""
+        complete = [s for s, ranks in self._steps().items() if ranks >= set(range(self.world))]
+        return max(complete, default=None)
+
+    def save(self, step: int, state: dict) -> None:
+        path = self._path(step, self.rank)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"step": step, "world": self.world, **state}, tmp)
+        os.replace(tmp, path)
+        for old in sorted(self._steps(self.rank))[:-self.KEEP]:
+            self._path(old, self.rank).unlink(missing_ok=True)
+
+    def load(self, step: int) -> dict:
+        """This rank's state at ``step`` (tensors on the CPU).
+
+        Raises:
+            SystemExit: the file is missing or was saved by a job of another size.
+        """
+        path = self._path(step, self.rank)
+        if not path.exists():
+            raise SystemExit(f"rank {self.rank}: no checkpoint {path} for step {step}, which "
+                             "rank 0 resumes from; give every rank the same --checkpoint-dir "
+                             "(a shared directory when ranks run on several machines)")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["world"] != self.world:
+            raise SystemExit(f"{path} was saved by a job of {state['world']} workers; this "
+                             f"one has {self.world}: use another --checkpoint-dir")
+        return state
+
+
 def compression(args: argparse.Namespace) -> bps.CompressionSpec:
     if args.compression == "fp32":
         return bps.Compression.none
@@ -188,7 +256,14 @@ def parse_args() -> argparse.Namespace:
                    help="every N steps (and before the first and after the last) evaluate the "
                         "loss on a fixed held-out batch; 0: never")
     p.add_argument("--eval-batch", type=int, default=64, help="held-out sequences")
-    return p.parse_args()
+    p.add_argument("--checkpoint-dir", help="save checkpoints here, and resume from the latest")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--params-out", help="rank 0 saves the final parameters here (torch.save)")
+    args = p.parse_args()
+    if args.checkpoint_every and not args.checkpoint_dir:
+        p.error("--checkpoint-every needs --checkpoint-dir")
+    return args
 
 
 def main() -> None:
@@ -210,27 +285,76 @@ def training_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@dataclass
+class Run:
+    """The state a training run carries from step to step, and what resumes it."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    gen: torch.Generator
+    ckpt: Checkpoints | None
+    history: list[dict] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # this epoch's, so far
+    step: int = 0
+
+    def checkpoint(self, args: argparse.Namespace, epoch_done: bool) -> None:
+        """Save every ``--checkpoint-every`` steps; a step that ends an epoch is saved once
+        the epoch's row is in the history (``epoch_done``)."""
+        if (self.ckpt and self.step % args.checkpoint_every == 0
+                and epoch_done == (self.step % args.steps_per_epoch == 0)):
+            self.ckpt.save(self.step, {
+                "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "generator": self.gen.get_state(), "history": self.history,
+                "losses": self.losses})
+
+
+def start(args: argparse.Namespace, device: torch.device) -> Run:
+    """Model, optimizer and data generator: fresh (rank 0's initial parameters everywhere), or
+    every rank's own state from the latest checkpoint."""
+    rank, world = bps.rank(), bps.size()
+    model = MODELS[args.model](args.vocab, args.dim, args.hidden).to(device)
+    ckpt = Checkpoints(args.checkpoint_dir, rank, world) if args.checkpoint_dir else None
+    resumed = bps.broadcast_object(ckpt.latest() if ckpt and rank == 0 else None, root_rank=0,
+                                   name="checkpoint.step")
+    state = ckpt.load(resumed) if ckpt and resumed is not None else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=compression(args))
+    run = Run(model, opt, torch.Generator().manual_seed(args.seed * 1000 + rank + 1), ckpt)
+    if state is None:
+        bps.broadcast_optimizer_state(opt, root_rank=0)
+        return run
+    # Every rank its own optimizer state: with compression it holds per-rank state.
+    opt.load_state_dict(state["optimizer"])
+    run.gen.set_state(state["generator"])
+    run.history, run.losses, run.step = state["history"], state["losses"], state["step"]
+    if rank == 0:
+        logging.info("resumed from step %d of %s", run.step, args.checkpoint_dir)
+    return run
+
+
 def train(args: argparse.Namespace) -> None:
     rank, world = bps.rank(), bps.size()
     device = training_device()
     torch.manual_seed(args.seed)
     task = MarkovTask(args.vocab, args.determinism, args.seed)
-    model = MODELS[args.model](args.vocab, args.dim, args.hidden).to(device)
-    bps.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=compression(args))
-    bps.broadcast_optimizer_state(opt, root_rank=0)
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
+    run = start(args, device)
+    model, opt, gen = run.model, run.opt, run.gen
     loss_fn = nn.CrossEntropyLoss()
-    history = []
     clock = HeldOut(task, model, loss_fn, args)
-    clock.evaluate(0)
-    for epoch in range(args.epochs):
-        losses, iter_s = [], []
-        bar = tqdm(range(args.steps_per_epoch), desc=f"epoch {epoch}",
+    clock.steps = run.step
+    clock.evaluate(run.step)
+    for epoch in range(run.step // args.steps_per_epoch, args.epochs):
+        iter_s: list[float] = []
+        first = run.step - epoch * args.steps_per_epoch
+        if first == 0:
+            run.losses = []
+        bar = tqdm(range(first, args.steps_per_epoch), desc=f"epoch {epoch}",
                    disable=rank != 0 or args.quiet)
-        start = time.perf_counter()
+        start_s = time.perf_counter()
         for _ in bar:
             t0 = time.perf_counter()
             x, y = (t.to(device) for t in task.batch(args.batch_size, args.seq, gen))
@@ -239,33 +363,37 @@ def train(args: argparse.Namespace) -> None:
             loss.backward()
             opt.step()
             iter_s.append(time.perf_counter() - t0)
-            losses.append(loss.item())
+            run.losses.append(loss.item())
             clock.step_done()
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        elapsed = time.perf_counter() - start
-        mean_loss = bps.push_pull(torch.tensor([statistics.fmean(losses)], device=device),
+            bar.set_postfix(loss=f"{run.losses[-1]:.3f}")
+            run.step += 1
+            run.checkpoint(args, epoch_done=False)
+        elapsed = time.perf_counter() - start_s
+        mean_loss = bps.push_pull(torch.tensor([statistics.fmean(run.losses)], device=device),
                                   name="epoch.loss")
         row = {"epoch": epoch, "loss": float(mean_loss.item()),
-               "samples_per_s": args.batch_size * world * args.steps_per_epoch / elapsed,
+               "samples_per_s": args.batch_size * world * len(iter_s) / elapsed,
                "iteration_ms_median": statistics.median(iter_s) * 1e3}
-        history.append(row)
+        run.history.append(row)
         if rank == 0:
             logging.info("epoch %d on %s: loss %.4f (best possible %.4f), %.0f samples/s, "
                          "%.2f ms/iteration", epoch, device, row["loss"], task.entropy(),
                          row["samples_per_s"], row["iteration_ms_median"])
+        run.checkpoint(args, epoch_done=True)
     if clock.steps % max(1, args.eval_every) != 0:
         clock.evaluate(clock.steps)  # the final held-out loss
+    if rank == 0 and args.params_out:
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.params_out)
     if rank == 0 and args.metrics_out:
         strategy = bps.planned_strategy()
         Path(args.metrics_out).write_text(json.dumps({
             "compression": args.compression, "compressor": args.compressor,
-            "world_size": world, "history": history, "entropy": task.entropy(),
+            "world_size": world, "history": run.history, "entropy": task.entropy(),
             "predicted_ms": strategy.predicted_ms if strategy is not None else None,
             "algorithm": strategy.algorithm if strategy is not None else None,
             "baselines_ms": dict(strategy.baselines) if strategy is not None else None,
             **clock.metrics(),
         }, indent=1) + "\n")
-
 
 if __name__ == "__main__":
     main()

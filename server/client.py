@@ -442,10 +442,11 @@ class PSClient:
             return
         self._closing = True
         if _SCHEDULER not in self._dead:
-            failed = next(iter(self._dead.values()), None)
+            lost = next(iter(self._dead), None)
+            body = {"failed": self._dead.get(lost),
+                    "culprit": None if lost is None else f"server {lost}"}
             try:
-                self._call(_SCHEDULER, P.encode_json(P.MsgType.DONE, {"failed": failed},
-                                                     sender=self.rank),
+                self._call(_SCHEDULER, P.encode_json(P.MsgType.DONE, body, sender=self.rank),
                            P.MsgType.DONE, 0, "close")
             except PSError as exc:
                 log.warning("worker %d: closing without the scheduler's acknowledgement: %s",
@@ -667,11 +668,12 @@ class PSClient:
                 self._on_scheduler_message()
         for i, watch in enumerate(self._watches):
             if watch.socket in events and watch.lost():
-                self._lose(i, f"lost the connection to server {i} at {self.servers[i]} "
-                              "(process exited or network failed)")
+                self._lose(i, f"lost the connection to server {i} at {self.servers[i]}: it "
+                              "exited, was stopped or became unreachable (no heartbeat answer "
+                              "within ESPRESSO_HEARTBEAT_TIMEOUT="
+                              f"{self.cfg.heartbeat_timeout_s:g} s)", report=f"server {i}")
         if self._link.watch.socket in events and self._link.watch.lost():
-            self._lose(_SCHEDULER, f"lost the connection to the scheduler at "
-                                   f"{self._link.endpoint}")
+            self._lose(_SCHEDULER, self._link.lost_reason(), report="scheduler")
 
     def _drain_commands(self) -> bool:
         try:
@@ -858,13 +860,17 @@ class PSClient:
                                             f"{self._where(call.target)} within "
                                             f"{call.wait_s:g} s"))
 
-    def _lose(self, target: int, why: str) -> None:
+    def _lose(self, target: int, why: str, report: str | None = None) -> None:
+        """Fail everything waiting on ``target``; ``report``: the process to name in
+        ESPRESSO_FAULT_FILE as lost."""
         if target in self._dead:
             return
         if self._closing:  # servers and the scheduler exit once every worker is done
             why = f"{why} after this worker closed"
         else:
             log.error("worker %d: %s", self.rank, why)
+            if report is not None:
+                self._link.report_lost(report, f"worker {self.rank} {why}")
         self._dead[target] = why
         if target == _SCHEDULER:
             self._lose_all(PSError(f"worker {self.rank}: {why}"))

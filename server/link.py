@@ -3,8 +3,18 @@
 Servers and workers hold one :class:`SchedulerLink`. ``register`` blocks until the scheduler
 has heard from every expected node (it answers ACCEPT with this node's rank and the server
 addresses) or aborts the start-up; afterwards the owner's loop calls :meth:`tick` to send
-heartbeats and polls :attr:`sock` and :attr:`monitor` for control messages and a dropped
+heartbeats and polls :attr:`sock` and :attr:`watch` for control messages and a dropped
 connection.
+
+Liveness has two layers. HEARTBEAT messages, sent by the owner's Python loop every
+``HEARTBEAT_INTERVAL_S``, tell the scheduler that the node's code is making progress (silence
+for ``ESPRESSO_TIMEOUT`` loses the node). Under them, every scheduler and server connection
+runs ZeroMQ (ZMTP) heartbeats: libzmq's I/O thread pings the peer every
+``HEARTBEAT_INTERVAL_S`` and answers its pings, without the GIL, so a worker busy in Python or
+in a native call that holds the GIL keeps its connections, while a stopped process (SIGSTOP),
+a frozen machine or a cut network drops them after ``ESPRESSO_HEARTBEAT_TIMEOUT``. The
+scheduler then finds the node that went silent; a node whose scheduler or server connection
+drops fails at once, and reports it (:mod:`byteps_espresso.server.faults`).
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import time
 from typing import Any
 
 import zmq
+from byteps_espresso.server import faults
 from byteps_espresso.server import protocol as P
 from byteps_espresso.server.auth import Authenticator, AuthError, warn_if_unauthenticated
 from zmq.utils.monitor import recv_monitor_message
@@ -27,12 +38,14 @@ __all__ = [
     "RendezvousError",
     "SchedulerLink",
     "dealer",
+    "heartbeats",
 ]
 
 log = logging.getLogger(__name__)
 
-# Seconds between heartbeats to the scheduler. Chosen so a lost node is noticed within a few
-# seconds after its TCP connection drops (see scheduler.DISCONNECT_GRACE_S).
+# Seconds between heartbeats (HEARTBEAT messages to the scheduler and ZMTP pings on every
+# connection). Chosen so a lost node is noticed within a few seconds after its TCP connection
+# drops (see scheduler.DISCONNECT_GRACE_S), at a cost of a few bytes per second.
 HEARTBEAT_INTERVAL_S = 0.5
 # Seconds a node waits for ACCEPT beyond ESPRESSO_START_TIMEOUT: the scheduler's own deadline
 # fires first and sends ABORT; this only matters when the scheduler is unreachable.
@@ -43,12 +56,22 @@ class RendezvousError(RuntimeError):
     """Start-up failed: the scheduler aborted it or could not be reached."""
 
 
+def heartbeats(sock: zmq.Socket, cfg: Config) -> None:
+    """Turn on ZMTP heartbeats (set before ``bind``/``connect``): ping the peer every
+    ``HEARTBEAT_INTERVAL_S`` and drop a connection that carried nothing for
+    ``ESPRESSO_HEARTBEAT_TIMEOUT``. libzmq's I/O thread does both, never holding the GIL."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, round(HEARTBEAT_INTERVAL_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(cfg.heartbeat_timeout_s * 1000))
+
+
 def dealer(ctx: zmq.Context, endpoint: str, cfg: Config, identity: bytes | None = None
            ) -> zmq.Socket:
     """A DEALER connected to ``endpoint`` with the job's limits: frames above
     ``cfg.max_message_bytes`` are refused by ZeroMQ before allocation, nothing is dropped
-    at a high-water mark, and unsent messages are discarded at close."""
+    at a high-water mark, unsent messages are discarded at close, and a peer silent for
+    ``ESPRESSO_HEARTBEAT_TIMEOUT`` (stopped, or unreachable) drops the connection."""
     sock = ctx.socket(zmq.DEALER)
+    heartbeats(sock, cfg)
     sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -93,6 +116,8 @@ class SchedulerLink:
         self.watch = ConnectionWatch(self.sock)
         self._body = {"role": role, **body}
         self._sender = int(body.get("rank", -1))
+        # How this node is named in fault reports (a server learns its rank at ACCEPT).
+        self.name = f"{role} {self._sender}" if self._sender >= 0 else role
         self._next_beat = 0.0
         self.secret = cfg.secret()
         warn_if_unauthenticated(self.secret, role, log)
@@ -116,6 +141,9 @@ class SchedulerLink:
         wait_s = self.cfg.start_timeout_s + REGISTER_GRACE_S
         since = time.monotonic()
         while True:
+            # Registered nodes beat while they wait for the others, so that the scheduler
+            # can tell a node stopped during start-up from one that is waiting.
+            self.tick()
             self.watch.lost()
             started = self.watch.connected_at or since
             left = started + wait_s - time.monotonic()
@@ -127,7 +155,7 @@ class SchedulerLink:
                     f"{wait_s:.1f} s (ESPRESSO_START_TIMEOUT={self.cfg.start_timeout_s:g} + "
                     f"{REGISTER_GRACE_S:g}): {state}; is DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT "
                     "right and the scheduler running?")
-            if not self.sock.poll(min(left, HEARTBEAT_INTERVAL_S) * 1000):
+            if not self.sock.poll(min(left, self.tick()) * 1000):
                 continue
             msg = self.recv()
             if msg is None:
@@ -139,6 +167,8 @@ class SchedulerLink:
                     raise RendezvousError(f"{self.role}: ACCEPT without a job id")
                 self.auth = self.auth.for_job(self.secret, job)
                 self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+                if self.role == "server":
+                    self.name = f"server {body.get('rank')}"
                 return body
             if msg.header.type is P.MsgType.ABORT:
                 raise RendezvousError(f"{self.role}: start-up aborted by the scheduler: "
@@ -154,7 +184,7 @@ class SchedulerLink:
 
     def recv(self) -> P.Message | None:
         """The next message from the scheduler, or None when it failed authentication
-        (dropped and counted)."""
+        (dropped and counted). An ABORT's culprit is relayed to ``ESPRESSO_FAULT_FILE``."""
         frames = self.sock.recv_multipart()
         try:
             frames = self.auth.verify(frames)
@@ -163,7 +193,24 @@ class SchedulerLink:
             log.warning("%s: dropped an unauthenticated message from %s (#%d): %s",
                         self.role, self.endpoint, self.dropped, exc)
             return None
-        return P.decode(frames, self.cfg.max_message_bytes)
+        msg = P.decode(frames, self.cfg.max_message_bytes)
+        if msg.header.type is P.MsgType.ABORT:
+            body = P.decode_json(msg)
+            culprit, reason = body.get("culprit"), body.get("reason")
+            if isinstance(culprit, str) and isinstance(reason, str):
+                faults.report(self.cfg.fault_file, culprit, reason,
+                              f"{self.name} (relaying the scheduler's ABORT)")
+        return msg
+
+    def report_lost(self, culprit: str, reason: str) -> None:
+        """Report that this node lost ``culprit`` (``scheduler`` or ``server N``)."""
+        faults.report(self.cfg.fault_file, culprit, reason, self.name)
+
+    def lost_reason(self) -> str:
+        """Why a dropped scheduler connection is lost, for messages and reports."""
+        return (f"lost the connection to the scheduler at {self.endpoint}: it exited, was "
+                f"stopped or became unreachable (no heartbeat answer within "
+                f"ESPRESSO_HEARTBEAT_TIMEOUT={self.cfg.heartbeat_timeout_s:g} s)")
 
     def tick(self, now: float | None = None) -> float:
         """Send a heartbeat when one is due; returns seconds until the next one."""

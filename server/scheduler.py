@@ -10,8 +10,12 @@ Lifecycle:
     2. Running: PLACE assigns a tensor's partitions to servers, balanced by bytes (first
        declarer decides; later declarers of the same name must describe it identically and
        get the same answer); BARRIER releases once every worker arrived; HEARTBEAT keeps nodes
-       alive. A node silent for ``ESPRESSO_TIMEOUT`` (or for ``DISCONNECT_GRACE_S`` after a
-       connection dropped) is lost: everyone gets ABORT naming it, and the scheduler exits 1.
+       alive. A node is lost when it is silent for ``ESPRESSO_TIMEOUT``, or when a connection
+       drops (its process exited, or it was stopped or unreachable for
+       ``ESPRESSO_HEARTBEAT_TIMEOUT``: ZMTP heartbeats, see :mod:`.link`) and the node had
+       been silent since before the drop; everyone gets ABORT naming it (also in
+       ``ESPRESSO_FAULT_FILE``), and the scheduler exits 1. Registered nodes beat during
+       start-up too, so this holds before every node is in.
     3. Shutdown: when every worker sent DONE, servers get SHUTDOWN, and the scheduler exits 0
        once each acknowledged it (1 if one did not). A worker whose PS client saw a lost
        server reports it with DONE; the scheduler then aborts the job for everyone.
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from byteps_espresso.server import faults
 from byteps_espresso.server import protocol as P
 from byteps_espresso.server.auth import (
     Authenticator,
@@ -42,7 +47,7 @@ from byteps_espresso.server.auth import (
     warn_if_unauthenticated,
 )
 from byteps_espresso.server.keys import MAX_PUSHERS, KeySpec
-from byteps_espresso.server.link import HEARTBEAT_INTERVAL_S, REGISTER_GRACE_S
+from byteps_espresso.server.link import HEARTBEAT_INTERVAL_S, REGISTER_GRACE_S, heartbeats
 from byteps_espresso.server.store_gate import StoreGate, loopback_listener
 from zmq.utils.monitor import recv_monitor_message
 
@@ -55,6 +60,11 @@ log = logging.getLogger(__name__)
 # After some node's TCP connection drops, nodes silent for this many seconds since the drop
 # are declared lost (6 heartbeat intervals: tolerates a busy machine, still fails fast).
 DISCONNECT_GRACE_S = 6 * HEARTBEAT_INTERVAL_S
+# A connection dropped by the heartbeat time-out belongs to a node silent for about
+# ESPRESSO_HEARTBEAT_TIMEOUT; one silent for more than this many heartbeat intervals when a
+# connection drops is lost at once (live nodes beat every interval; 4 leaves room for a
+# loaded machine, and stays below the smallest time-out accepted, 1 s, plus one interval).
+SILENT_AT_DROP_INTERVALS = 4
 # Seconds the scheduler waits for servers to acknowledge SHUTDOWN before exiting anyway.
 SHUTDOWN_WAIT_S = 5.0
 # Poll period of the event loop, in seconds.
@@ -87,9 +97,14 @@ class _Node:
     last_seen: float = field(default_factory=time.monotonic)
     done: bool = False
 
+    @property
+    def name(self) -> str:
+        """As the launcher names the process: ``server 0``, ``worker 3``."""
+        return f"{self.role} {self.rank}"
+
     def describe(self) -> str:
         where = f" at {self.address}" if self.address else ""
-        return f"{self.role} {self.rank}{where}"
+        return f"{self.name}{where}"
 
 
 class Scheduler:
@@ -107,6 +122,7 @@ class Scheduler:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, not drops
         self.sock.setsockopt(zmq.RCVHWM, RECEIVE_CAP)
         self.sock.setsockopt(zmq.LINGER, 2000)
+        heartbeats(self.sock, cfg)
         endpoint = f"tcp://{cfg.bind_host()}:{cfg.root_port}"
         try:
             self.sock.bind(endpoint)
@@ -206,15 +222,18 @@ class Scheduler:
                 while self.monitor.poll(0):
                     recv_monitor_message(self.monitor)
                     self.dropped_at = time.monotonic()
+                    self._check_drop(self.dropped_at)
             now = time.monotonic()
             if self.store_error:
                 self._abort(self.store_error)
             if not self.started and now > deadline:
+                missing = self._missing()
                 self._abort(f"start-up timed out after ESPRESSO_START_TIMEOUT="
-                            f"{self.cfg.start_timeout_s:g} s; missing: {self._missing()}",
-                            linger_s=max(REGISTER_GRACE_S, self.cfg.start_timeout_s))
+                            f"{self.cfg.start_timeout_s:g} s; missing: {missing}",
+                            linger_s=max(REGISTER_GRACE_S, self.cfg.start_timeout_s),
+                            culprit=self._first_missing())
+            self._check_liveness(now)
             if self.started:
-                self._check_liveness(now)
                 if self.workers and all(w.done for w in self.workers.values()):
                     self._shutdown_servers()
                     return 0
@@ -235,25 +254,54 @@ class Scheduler:
                              "registered")
         return "; ".join(parts) or "nothing"
 
+    def _first_missing(self) -> str | None:
+        """The first node that never registered, named as the launcher names it."""
+        if len(self.servers) < self.cfg.num_servers:
+            return f"server {len(self.servers)}"
+        if self.expected_workers is None:
+            return "worker 0"
+        absent = sorted(set(range(self.expected_workers)) - set(self.workers))
+        return f"worker {absent[0]}" if absent else None
+
+    def _live_nodes(self) -> list[_Node]:
+        return [n for n in self.by_identity.values() if not n.done and n.role != "late"]
+
+    def _check_drop(self, now: float) -> None:
+        """A connection dropped: the node that had gone silent is the one whose connection
+        the heartbeat time-out (or a dead process) closed."""
+        threshold = SILENT_AT_DROP_INTERVALS * HEARTBEAT_INTERVAL_S
+        silent = sorted(self._live_nodes(), key=lambda n: n.last_seen)
+        if silent and now - silent[0].last_seen > threshold:
+            node = silent[0]
+            self._abort(f"{node.describe()} is lost: its connection dropped after "
+                        f"{now - node.last_seen:.1f} s without a heartbeat (stopped, hung "
+                        f"outside Python, or unreachable; ESPRESSO_HEARTBEAT_TIMEOUT="
+                        f"{self.cfg.heartbeat_timeout_s:g} s)", culprit=node.name)
+
     def _check_liveness(self, now: float) -> None:
-        for node in self.by_identity.values():
-            if node.done:
-                continue
+        for node in self._live_nodes():
             silent = now - node.last_seen
             if silent > self.cfg.op_timeout_s:
                 self._abort(f"{node.describe()} is lost: no heartbeat for {silent:.1f} s "
-                            f"(ESPRESSO_TIMEOUT={self.cfg.op_timeout_s:g})")
+                            f"(ESPRESSO_TIMEOUT={self.cfg.op_timeout_s:g})", culprit=node.name)
             if (self.dropped_at is not None and node.last_seen < self.dropped_at
                     and now - self.dropped_at > DISCONNECT_GRACE_S):
                 self._abort(f"{node.describe()} is lost: its connection dropped and it has "
-                            f"been silent for {silent:.1f} s")
+                            f"been silent for {silent:.1f} s", culprit=node.name)
         if self.dropped_at is not None and now - self.dropped_at > DISCONNECT_GRACE_S:
             self.dropped_at = None
 
-    def _abort(self, reason: str, linger_s: float = REGISTER_GRACE_S) -> None:
-        """Send ABORT to every node, answer late comers with ABORT for ``linger_s``, raise."""
+    def _abort(self, reason: str, linger_s: float = REGISTER_GRACE_S,
+               culprit: str | None = None) -> None:
+        """Report ``culprit`` (a process name, as the launcher names it) to
+        ``ESPRESSO_FAULT_FILE``, send ABORT naming it to every node, answer late comers
+        with ABORT for ``linger_s``, raise."""
         log.error("aborting the job: %s", reason)
-        abort = P.encode_json(P.MsgType.ABORT, {"reason": reason})
+        body: dict[str, Any] = {"reason": reason}
+        if culprit is not None:
+            faults.report(self.cfg.fault_file, culprit, reason, "scheduler")
+            body["culprit"] = culprit
+        abort = P.encode_json(P.MsgType.ABORT, body)
         for identity in self.by_identity:
             self._send(identity, abort)
         linger_until = time.monotonic() + linger_s
@@ -482,14 +530,20 @@ class Scheduler:
 
     def _on_done(self, identity: bytes, node: _Node | None, msg: P.Message) -> None:
         node = self._require_worker(node, "DONE")
-        failed = P.decode_json(msg).get("failed") if msg.frames else None
+        body = P.decode_json(msg) if msg.frames else {}
+        failed = body.get("failed")
         if failed is not None and not isinstance(failed, str):
             raise P.ProtocolError(P.ErrorCode.BAD_FIELD, "DONE's failed must be null or a "
                                   f"string, not {type(failed).__name__}")
         node.done = True
         self._send(identity, P.encode(P.MsgType.DONE_OK))
         if failed:
-            self._abort(f"{node.describe()} failed: {failed}")
+            # A worker that lost a server is its victim: the report names the server.
+            blamed = body.get("culprit")
+            if blamed in {s.name for s in self.servers}:
+                self._abort(f"{blamed} is lost: {node.describe()} reports: {failed}",
+                            culprit=blamed)
+            self._abort(f"{node.describe()} failed: {failed}", culprit=node.name)
 
 
 _HANDLERS = {

@@ -258,8 +258,9 @@ class Server:
             if self.link.watch.socket in events and self.link.watch.lost():
                 if self.link.sock.poll(REGISTER_GRACE_S * 100) and self._control():
                     return 0
-                raise ServerError(f"server {self.rank}: lost the connection to the scheduler "
-                                  f"at {self.link.endpoint}; exiting")
+                why = self.link.lost_reason()
+                self.link.report_lost("scheduler", f"server {self.rank} {why}")
+                raise ServerError(f"server {self.rank}: {why}; exiting")
 
     def _control(self) -> bool:
         """Handle scheduler messages; True when told to shut down."""

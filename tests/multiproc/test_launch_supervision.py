@@ -88,6 +88,14 @@ def _wait_started(out: Path, count: int):
     assert len(_pids(out)) == count, "workers did not start"
 
 
+def _survivors(out: Path, limit_s: float) -> list[int]:
+    """Processes of the job still alive after up to ``limit_s`` (the kernel reaps them)."""
+    deadline = time.monotonic() + limit_s
+    while [p for p in _pids(out) if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in _pids(out) if _alive(p)]
+
+
 def _kill_leftovers(out: Path):
     for pid in _pids(out):
         if _alive(pid):
@@ -162,10 +170,27 @@ def test_killing_the_launcher_outright_leaves_no_process_behind(tmp_path):
         _wait_started(tmp_path, 6)
         proc.kill()  # no cleanup code runs in the launcher
         proc.wait()
-        deadline = time.monotonic() + 20
-        while [p for p in _pids(tmp_path) if _alive(p)] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in _pids(tmp_path) if _alive(p)], "orphans survived"
+        assert not _survivors(tmp_path, 20), "orphans survived"
     finally:
         _finish(proc)
+        _kill_leftovers(tmp_path)
+
+
+def test_stopped_launcher_is_killed_by_its_reaper_with_its_job(tmp_path):
+    proc = _launch(tmp_path, ["3=sleep", "4=sleep", "5=sleep"],
+                   env=_env(ESPRESSO_HEARTBEAT_TIMEOUT="2"))
+    try:
+        _wait_started(tmp_path, 6)
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, err = _finish(proc)
+        took = time.monotonic() - stopped_at
+        assert proc.returncode == -signal.SIGKILL, err
+        last = err.strip().splitlines()[-1]
+        assert f"the launcher (pid {proc.pid}) has not responded for" in last, err
+        assert "it is stopped: SIGSTOP" in last, err
+        # 2 s without a beat; the workers then exit at once on the reaper's SIGTERM.
+        assert took < 10, took
+        assert not _survivors(tmp_path, 10), "processes survived the launcher"
+    finally:
         _kill_leftovers(tmp_path)

@@ -6,11 +6,16 @@ Usage: ps_worker.py MODE OUTDIR
     killed     run round 0 of a key spread over every server, write OUTDIR/ready<rank>; rank 0
                then starts round 1 at once, other ranks wait for OUTDIR/go first
     connect    only register (start-up tests)
+    loop       push/pull one key round after round until OUTDIR/stop exists, writing
+               OUTDIR/ready<rank> after the first round; a file OUTDIR/hold<rank> holding a
+               number of seconds makes the worker hold the GIL that long once, in a native
+               call, as a busy training step can
 Errors propagate: a failed PS call ends the process with a traceback and status 1.
 """
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
 from pathlib import Path
@@ -67,7 +72,28 @@ def killed(client: PSClient, out: Path) -> None:
     raise SystemExit("round 1 unexpectedly completed")
 
 
-MODES = {"roundtrip": roundtrip, "killed": killed, "connect": lambda client, out: None}
+def loop(client: PSClient, out: Path) -> None:
+    client.declare("k", 1024, pushers=list(range(client.num_workers)))
+    x = np.ones(1024, np.float32)
+    hold = out / f"hold{client.rank}"
+    round_ = 0
+    while not (out / "stop").exists():
+        total = client.push_pull("k", x, round_)
+        assert total[0] == client.num_workers, total[:4]
+        if round_ == 0:
+            (out / f"ready{client.rank}").touch()
+        if hold.exists():
+            seconds = float(hold.read_text())
+            hold.unlink()
+            # A PyDLL call keeps the GIL for its whole duration: no Python thread runs.
+            ctypes.PyDLL(None).sleep(ctypes.c_uint(round(seconds)))
+            (out / f"held{client.rank}").touch()
+        round_ += 1
+        time.sleep(0.01)
+
+
+MODES = {"roundtrip": roundtrip, "killed": killed, "loop": loop,
+         "connect": lambda client, out: None}
 
 
 def main() -> None:
