@@ -1,8 +1,8 @@
 """``espresso compressors``: list the registered compressors, wire ids and sizes.
 
-``espresso compressors --warm-up`` runs every compressor's numba kernels once, so that
-``NUMBA_CACHE_DIR`` holds their compiled code (the Docker images do this at build time and
-their pods start without compiling).
+``espresso compressors --warm-up`` runs every compressor's numba kernels, and the planner's
+simulator kernels, once, so that ``NUMBA_CACHE_DIR`` holds their compiled code (the Docker
+images and ``make setup`` do this, and jobs start without compiling).
 """
 
 from __future__ import annotations
@@ -93,8 +93,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"espresso compressors: unknown compressor(s) {', '.join(unknown)}; "
                   f"known: {', '.join(names())}", file=sys.stderr)
             return 2
+        from byteps_espresso.strategy.context import load_kernels
+
         start = time.perf_counter()
         counts = warm_up(args.warm_up)
+        load_kernels()  # the planner's simulator too: a first plan then compiles nothing
         counts["seconds"] = round(time.perf_counter() - start, 1)
         if args.json:
             print(json.dumps(counts))
