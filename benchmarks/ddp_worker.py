@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -36,9 +37,12 @@ VOCAB, SEQ = 1000, 16  # Markov-chain token task of examples/train.py
 
 
 def _example():  # examples/train.py, by path: it is a script, not a package
+    if "espresso_example_train" in sys.modules:
+        return sys.modules["espresso_example_train"]
     spec = importlib.util.spec_from_file_location("espresso_example_train",
                                                   ROOT / "examples" / "train.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it runs
     spec.loader.exec_module(module)
     return module
 

@@ -16,6 +16,7 @@ keeps 5%, like test_convergence.py.
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from byteps_espresso.kernels.dgc import recipe
 _SPEC = importlib.util.spec_from_file_location(
     "espresso_example_train", Path(__file__).resolve().parents[2] / "examples" / "train.py")
 example = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = example  # its dataclasses look their module up while it runs
 _SPEC.loader.exec_module(example)
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ, LR, MOMENTUM = 500, 32, 64, 16, 8, 0.5, 0.9
