@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from phases import local_job, write_result  # noqa: E402  (a script beside this one)
+
 SIZES_MB = (1.2, 5.4, 13.7)  # benchmarks/ddp.py's models: lstm, mlp, transformer (MB float32)
 PATHS = ("Allreduce(flat)", "Reduce(intra) -> PushPull(inter) -> Broadcast(intra)",
          "ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)", "PushPull(flat)",
@@ -84,14 +83,7 @@ def main() -> int:
         worker(Path(args.worker), args.iters)
         return 0
     started = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        subprocess.run([sys.executable, "-m", "byteps_espresso.deploy.launch", "--local",
-                        "--machines", "2", "--workers-per-machine", "2", "--servers", "1", "--",
-                        sys.executable, __file__, "--iters", str(args.iters), "--worker",
-                        str(out)], check=True, timeout=900, cwd=ROOT,
-                       env=dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING"))
-        rows = json.loads(out.read_text())
+    rows = local_job(__file__, ["--iters", str(args.iters)])
     for mb in SIZES_MB:
         ref = next(r["ms"] for r in rows if r["mb"] == mb and r["path"] == "gloo all-reduce")
         for r in rows:
@@ -101,14 +93,7 @@ def main() -> int:
     for r in rows:
         mark = "  <- fp32" if r["fp32"] else ""
         print(f"{r['mb']:5.1f} {r['path']:62} {r['ms']:7.2f} {r['vs_gloo']:7.2f}x{mark}")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({
-        "benchmark": "fp32_paths", "host": platform.node(), "cpus": os.cpu_count(),
-        "commit": commit, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "iters": args.iters, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    write_result(args.json, "fp32_paths", started, iters=args.iters, rows=rows)
     return 0
 
 

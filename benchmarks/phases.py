@@ -79,6 +79,31 @@ def worker(out: Path, iters: int, profile: bool) -> None:
         bps.shutdown()
 
 
+def local_job(script: str, args: list[str]) -> dict:
+    """Run ``script --worker OUT *args`` as the workers of an ``espresso-launch --local`` job
+    of 2 machines x 2 workers + 1 server; returns what rank 0 wrote to OUT (JSON)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rank0.json"
+        subprocess.run([sys.executable, "-m", "byteps_espresso.deploy.launch", "--local",
+                        "--machines", "2", "--workers-per-machine", "2", "--servers", "1", "--",
+                        sys.executable, script, "--worker", str(out), *args],
+                       check=True, timeout=900, cwd=ROOT,
+                       env=dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING"))
+        return json.loads(out.read_text())
+
+
+def write_result(path: str, benchmark: str, started: float, **fields: object) -> None:
+    """Write a benchmark's JSON with the host, commit and start time."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({
+        "benchmark": benchmark, "host": platform.node(), "cpus": os.cpu_count(),
+        "commit": commit, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        **fields}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=60)
@@ -90,24 +115,10 @@ def main() -> int:
         worker(Path(args.worker), args.iters, args.profile)
         return 0
     started = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "phases.json"
-        subprocess.run([sys.executable, "-m", "byteps_espresso.deploy.launch", "--local",
-                        "--machines", "2", "--workers-per-machine", "2", "--servers", "1", "--",
-                        sys.executable, __file__, "--iters", str(args.iters), "--worker",
-                        str(out), *(["--profile"] if args.profile else [])],
-                       check=True, timeout=900, cwd=ROOT,
-                       env=dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING"))
-        phases = json.loads(out.read_text())
+    phases = local_job(__file__, ["--iters", str(args.iters),
+                                  *(["--profile"] if args.profile else [])])
     print(" ".join(f"{p}={phases[p]:.2f} ms" for p in PHASES))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({
-        "benchmark": "phases", "host": platform.node(), "cpus": os.cpu_count(),
-        "commit": commit, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "iters": args.iters, "phases_ms": phases}, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    write_result(args.json, "phases", started, iters=args.iters, phases_ms=phases)
     return 0
 
 
