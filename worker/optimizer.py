@@ -474,7 +474,7 @@ class _Sync:
             every = self.session.runtime.cfg.compression_error_every
             self.codec.measuring = bool(self.options is not None and self.trials is None
                                         and every and self.iteration % every == 0)
-        option = self.options[bucket.name] if self.options is not None else self.session.fp32
+        option = self._option(bucket)
         flat = self._corrected(bucket, option) if self.momentum is not None \
             else self._gathered(bucket)
         if self.predivide != 1.0:  # the buffer is ours; a bucket of one is the user's .grad
@@ -497,6 +497,10 @@ class _Sync:
         if (self.submitted + 1 == len(self.buckets) and self.options is None
                 and self.probes is not None):
             self.probes.issue(self.engine, self.iteration)
+
+    def _option(self, bucket: _Bucket) -> Option:
+        """The bucket's Option this iteration (the fp32 one while profiling)."""
+        return self.options[bucket.name] if self.options is not None else self.session.fp32
 
     def _gathered(self, bucket: _Bucket) -> torch.Tensor:
         """The bucket's gradients: its buffer filled, or a bucket of one's own ``.grad``."""
@@ -572,7 +576,6 @@ class _Sync:
         self.passes = passes
 
     def synchronize(self) -> None:
-        compression = self.compression
         if self.synced:  # nothing arrived since the last synchronize(): already averaged
             return
         if self.next < len(self.order):  # parameters without (enough) gradients
@@ -600,7 +603,7 @@ class _Sync:
                 self._apply_plan(StartupProfile(
                     self.ready_times, self.starts, self.probes,
                     {b.name: sum(b.numels) for b in self.buckets},
-                    compression.excluded(self.session, self.params)))
+                    self.compression.excluded(self.session, self.params)))
         elif self.trials is not None:
             self._trial_step()
         self.ended = time.perf_counter()
@@ -630,7 +633,7 @@ class _Sync:
         if not results:  # no parameter to synchronize
             return
         last, total = results[-1]
-        option = self.options[last.name] if self.options is not None else self.session.fp32
+        option = self._option(last)
         if not option.is_compressed and not float(total[-1]):
             return
         first = float(min(local)) if local else -1.0
