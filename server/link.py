@@ -39,6 +39,7 @@ __all__ = [
     "SchedulerLink",
     "dealer",
     "heartbeats",
+    "stop_monitor",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class ConnectionWatch:
     """Reports when a connected DEALER's only peer goes away (its TCP connection drops)."""
 
     def __init__(self, sock: zmq.Socket) -> None:
+        self._watched = sock
         self.socket = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.connected_at: float | None = None
 
@@ -102,7 +104,21 @@ class ConnectionWatch:
         return lost
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        """Stop monitoring, then close the monitor; before the watched socket closes."""
+        stop_monitor(self._watched, self.socket)
+
+
+def stop_monitor(watched: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Detach ``monitor`` from ``watched`` and close it, in the only safe order.
+
+    Closing the monitor's PAIR alone leaves libzmq sending ``watched``'s next events to a
+    peer that is gone, and that send blocks for ever (zeromq/libzmq#3575): a node whose
+    scheduler was stopped closed its sockets in the middle of reconnecting, and
+    ``Context.term`` then never returned. ``disable_monitor`` must come first
+    (zeromq/pyzmq#1554).
+    """
+    watched.disable_monitor()
+    monitor.close(linger=0)
 
 
 class SchedulerLink:

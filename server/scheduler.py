@@ -47,7 +47,12 @@ from byteps_espresso.server.auth import (
     warn_if_unauthenticated,
 )
 from byteps_espresso.server.keys import MAX_PUSHERS, KeySpec
-from byteps_espresso.server.link import HEARTBEAT_INTERVAL_S, REGISTER_GRACE_S, heartbeats
+from byteps_espresso.server.link import (
+    HEARTBEAT_INTERVAL_S,
+    REGISTER_GRACE_S,
+    heartbeats,
+    stop_monitor,
+)
 from byteps_espresso.server.store_gate import StoreGate, loopback_listener
 from zmq.utils.monitor import recv_monitor_message
 
@@ -336,10 +341,11 @@ class Scheduler:
         log.info("every worker is done; job finished")
 
     def close(self) -> None:
-        for attr in ("monitor", "sock"):
-            sock = getattr(self, attr, None)
-            if sock is not None:
-                sock.close()
+        monitor, sock = getattr(self, "monitor", None), getattr(self, "sock", None)
+        if monitor is not None:
+            stop_monitor(sock, monitor)
+        if sock is not None:
+            sock.close()
         self.ctx.term()
         for attr in ("store_gate", "_store_socket"):  # absent when the bind above failed
             part = getattr(self, attr, None)

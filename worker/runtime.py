@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -195,6 +196,9 @@ class Runtime:
             self.ps_client, self.ps = None, None
         if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()
+        for transport in self.transports:
+            transport.close()
+        gc.collect()  # the groups' last works, held in reference cycles, go now too
         if self._store_socket is not None:
             self._store_socket.close()
             self._store, self._store_socket = None, None

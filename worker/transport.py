@@ -172,6 +172,20 @@ class DistTransport:
     def _ctx(self, scope: Scope) -> tuple[Any, tuple[int, ...], int]:
         return self._ctxs[scope]
 
+    def close(self) -> None:
+        """Drop this lane's process groups (after ``destroy_process_group``).
+
+        Executors, and through them the user's optimizer, keep this object alive until the
+        interpreter exits. A group still referenced then is destroyed during finalization,
+        where releasing the tensors of its last works takes an interpreter lock that is
+        being torn down, and the process aborts with "terminate called without an active
+        exception" (pytorch/pytorch#179291; a rank of a finished job here exited -6 with
+        that line). Dropping the references here destroys the groups while the interpreter
+        still runs.
+        """
+        self.groups = {}
+        self._ctxs = {}
+
     def _to_comm(self, x: torch.Tensor) -> torch.Tensor:
         return x.detach().to(self.comm_device).contiguous()
 
