@@ -4,8 +4,11 @@ secret (or with another one) can neither read nor overwrite the job's rendezvous
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -47,6 +50,33 @@ try:
 except Exception as exc:
     print("refused", type(exc).__name__, flush=True)
 '''
+
+
+def _lines_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> str:
+    """What ``proc`` printed up to its line containing ``marker`` (or everything it printed
+    by ``timeout_s`` or its exit). A rank may print other lines first (torch warns while its
+    store client retries a store not listening yet), and after the marker it keeps running,
+    so neither one ``readline`` nor a ``read`` to the end would do."""
+    lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    said, deadline = [], time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        said.append(line)
+        if marker in line:
+            break
+    return "".join(said)
 
 
 def _probe(port: int, secret: str, env: dict[str, str]) -> str:
@@ -109,8 +139,8 @@ def test_rank_zero_hosts_a_gated_store_without_servers(tmp_path, ps_tools):
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
         for proc in ranks:
-            line = proc.stdout.readline()
-            assert "world ok" in line, line + proc.stdout.read()
+            said = _lines_until(proc, "world ok", timeout_s=150)
+            assert "world ok" in said, said
         assert "refused" in _probe(port, "", env)
         seen = _probe(port, SECRET, env)
         assert "address0 worker 0" in seen, seen
