@@ -62,11 +62,20 @@ log = logging.getLogger(__name__)
 # Fixes SignSGD", ICML 2019; Stich et al., "Sparsified SGD with Memory", NeurIPS 2018).
 _NEEDS_EF = frozenset({"topk", "dgc", "efsignsgd", "onebit", "randomk"})
 
-# Link probe sizes in float32 elements: a latency-bound and a bandwidth-bound message.
+# Link probe sizes in float32 elements: a latency-bound and a bandwidth-bound message (the
+# large one as probed with training paused).
 _PROBE_SMALL, _PROBE_LARGE = 256, 1 << 20
+# The lanes' bandwidth-bound probe: 1 MiB, 8.4 ms at 1 Gbit/s (0.34 ms at 25 Gbit/s), ten
+# times the latencies probed on the emulated links here. At 4 MiB the probes were most of the
+# start-up on slow links (the main job at 1 Gbit/s: 9.1 s of profiling for 5 iterations of
+# 87 ms, BENCHMARKS.md "End-to-end"). Sizing it to a time budget from the warm-up round
+# failed: that round's first collectives are slow, so the probes shrank to 16 KiB, which the
+# latency drowned (a 1 Gbit/s link read as 120 Tbit/s).
+_PROBE_LANES = 1 << 18
 _PROBE_REPS = 5
 # Timed calls per probe in each profiled iteration (the lanes' probes; medians are taken).
-_LANE_REPS = 3
+# Each follows an untimed small call, so a round is 4 x _LANE_REPS calls per path.
+_LANE_REPS = 2
 # Compressor timing repetitions per size (median taken); sizes capped to keep start-up short.
 _TIMING_REPS = 3
 _MAX_TIMED_SIZES = 6
@@ -174,12 +183,14 @@ def _time(fn: Any, reps: int) -> float:
     return statistics.median(samples) * 1e6
 
 
-def _invert(t_small: float, t_large: float, steps: float, volume: float) -> tuple[float, float]:
-    """(latency us, Gbit/s) from t = steps*a + volume*n*4 bytes/B at the two probe sizes."""
-    extra_bits = volume * (_PROBE_LARGE - _PROBE_SMALL) * 4 * 8
+def _invert(t_small: float, t_large: float, steps: float, volume: float, *,
+            n_small: int = _PROBE_SMALL, n_large: int = _PROBE_LARGE) -> tuple[float, float]:
+    """(latency us, Gbit/s) from t = steps*a + volume*n*4 bytes/B at the two probe sizes
+    (``n_small`` and ``n_large`` float32 elements took ``t_small`` and ``t_large`` us)."""
+    extra_bits = volume * (n_large - n_small) * 4 * 8
     dt = max(t_large - t_small, 1e-3)
     gbps = extra_bits / dt / 1e3
-    latency = max(0.0, (t_small - volume * _PROBE_SMALL * 32 / (gbps * 1e3)) / max(steps, 1.0))
+    latency = max(0.0, (t_small - volume * n_small * 32 / (gbps * 1e3)) / max(steps, 1.0))
     return latency, gbps
 
 
@@ -205,11 +216,18 @@ def _paused_link_times(session: Session) -> dict[tuple[str, int], float]:
     return times
 
 
+def _two_sizes(times: Mapping[tuple[str, int], float], path: str) -> tuple[float, float, int, int]:
+    """(t_small, t_large, n_small, n_large): ``path``'s smallest and largest probe."""
+    sizes = sorted(n for p, n in times if p == path)
+    small, large = sizes[0], sizes[-1]
+    return times[(path, small)], times[(path, large)], small, large
+
+
 def _cluster(topo: Any, servers: int, cpu_threads: int, times: Mapping[tuple[str, int], float],
              h2d_gbps: float, *, lanes: int) -> Any:
-    """``strategy.Cluster`` from probe times per (path, size), inverted through the ring
-    all-reduce model per scope and the push/pull model for the servers; ``lanes``: the
-    executor's lanes per worker."""
+    """``strategy.Cluster`` from probe times per (path, size in elements), each path's
+    smallest and largest probe inverted through the ring all-reduce model per scope and the
+    push/pull model for the servers; ``lanes``: the executor's lanes per worker."""
     from byteps_espresso.strategy import Cluster
 
     lat: dict[str, float] = {}
@@ -219,13 +237,14 @@ def _cluster(topo: Any, servers: int, cpu_threads: int, times: Mapping[tuple[str
         if k < 2:  # a group of one: nothing crosses a link
             lat[scope.value], gbps[scope.value] = 0.0, 1e4
             continue
+        t_small, t_large, n_small, n_large = _two_sizes(times, scope.value)
         lat[scope.value], gbps[scope.value] = _invert(
-            times[(scope.value, _PROBE_SMALL)], times[(scope.value, _PROBE_LARGE)],
-            2 * (k - 1), 2 * (k - 1) / k)
+            t_small, t_large, 2 * (k - 1), 2 * (k - 1) / k, n_small=n_small, n_large=n_large)
     server_gbps, server_lat = 0.0, None
     if servers:
-        server_lat, per_worker = _invert(times[("ps", _PROBE_SMALL)],
-                                         times[("ps", _PROBE_LARGE)], 2, 2)
+        t_small, t_large, n_small, n_large = _two_sizes(times, "ps")
+        server_lat, per_worker = _invert(t_small, t_large, 2, 2, n_small=n_small,
+                                         n_large=n_large)
         # Every worker pushes and pulls through the servers at once.
         server_gbps = per_worker * topo.world_size / servers
     return Cluster(machines=topo.machines, gpus_per_machine=topo.local_size,
@@ -397,8 +416,8 @@ class LaneProbes:
         self.compressor: dict[tuple[str, str, int], list[float]] = {}
         self.handles: list[Any] = []
         self.rounds = 0
-        self._probe = {n: torch.ones(n, device=rt.device) for n in (_PROBE_SMALL, _PROBE_LARGE)}
-        self._host = {n: np.ones(n, dtype=np.float32) for n in (_PROBE_SMALL, _PROBE_LARGE)}
+        self._probe = {n: torch.ones(n, device=rt.device) for n in (_PROBE_SMALL, _PROBE_LANES)}
+        self._host = {n: np.ones(n, dtype=np.float32) for n in (_PROBE_SMALL, _PROBE_LANES)}
         self._timed = {n: torch.randn(n, generator=torch.Generator().manual_seed(n)).to(rt.device)
                        for n in (_timed_sizes(numels) if codec is not None else [])}
         # The profiled iterations' own steps, timed where they run (see in_training_latency).
@@ -464,13 +483,18 @@ class LaneProbes:
                     if keep:
                         self.links.setdefault((scope.value, n), []).append(us)
         if self.servers and ex.ps is not None:
+            def key(n: int) -> str:  # a lane's rounds follow its own order
+                return f"espresso.probe.lane{lane}.{n}"
+
+            for n in self._host:
+                ex.ps.declare(key(n), n, list(range(self.topology.world_size)))
+            tiny = self._host[_PROBE_SMALL]
             for n, x in self._host.items():
-                key = f"espresso.probe.lane{lane}.{n}"  # a lane's rounds follow its own order
-                ex.ps.declare(key, n, list(range(self.topology.world_size)))
                 for _ in range(_LANE_REPS):
-                    ex.ps.push_pull(key, x, ex.ps.next_probe_round(key))
-                    _, us = self._timed_call(
-                        lambda key=key, x=x: ex.ps.push_pull(key, x, ex.ps.next_probe_round(key)))
+                    ex.ps.push_pull(key(_PROBE_SMALL), tiny,
+                                    ex.ps.next_probe_round(key(_PROBE_SMALL)))
+                    _, us = self._timed_call(lambda n=n, x=x: ex.ps.push_pull(
+                        key(n), x, ex.ps.next_probe_round(key(n))))
                     if keep:
                         self.links.setdefault(("ps", n), []).append(us)
 

@@ -140,3 +140,23 @@ def test_in_training_latency_ignores_unmeasured_steps_and_never_goes_negative():
     faster = np.zeros((len(_NUMELS), 3))  # steps faster than their bandwidth part alone
     fitted, factors = _fit(probed, option, faster)
     assert factors == {"exchange": 0.0, "ps": 0.0} and fitted.exchange_latency == 0.0
+
+
+@pytest.mark.parametrize("sizes", [(256, 1 << 20), (256, 1 << 13), (1 << 10, 1 << 16)])
+def test_probe_times_at_any_two_sizes_invert_to_the_link_that_made_them(sizes):
+    from byteps_espresso.worker.profiler import _cluster
+    from byteps_espresso.worker.topology import Topology
+
+    topo = Topology(2, 2, 0, 0)  # 2 machines x 2 workers: groups of 2 on both scopes
+    truth = {"intra": (30.0, 40.0), "inter": (120.0, 1.0)}  # (latency us, Gbit/s)
+    server_lat, per_worker_gbps = 200.0, 0.5
+    times = {}
+    for n in sizes:
+        for path, (a, gbps) in truth.items():  # ring all-reduce of 2: 2 hops, n/2 x 2 each
+            times[(path, n)] = 2 * a + n * 32 / (gbps * 1e3)
+        times[("ps", n)] = 2 * server_lat + 2 * n * 32 / (per_worker_gbps * 1e3)
+    c = _cluster(topo, 1, 2, times, 10.0, lanes=2)
+    assert (c.intra_latency_us, c.intra_gbps) == pytest.approx(truth["intra"])
+    assert (c.inter_latency_us, c.inter_gbps) == pytest.approx(truth["inter"])
+    assert c.server_latency_us == pytest.approx(server_lat)
+    assert c.server_gbps == pytest.approx(per_worker_gbps * 4)  # 4 workers through 1 server
