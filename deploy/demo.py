@@ -107,7 +107,7 @@ class RunResult:
         trials = profile / "trials.json" if profile is not None else None
         if trials is not None and trials.exists():
             data = json.loads(trials.read_text())
-            trial_steps = len(data["finalists"]) * data["steps"]
+            trial_steps = sum(len(f["iteration_ms"]) for f in data["finalists"])
         kept_at = ends[min(profile_steps + trial_steps, len(ends)) - 1]
         return Startup(planned_at - planning, planning, kept_at - planned_at)
 
@@ -372,9 +372,11 @@ def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compre
     trials = profile / "trials.json"
     if trials.exists():
         data = json.loads(trials.read_text())
-        print(f"\n== measured trials ({data['steps']} iterations each, the first a warm-up) ==")
+        print(f"\n== measured trials (up to {data['steps']} iterations each, the first a "
+              "warm-up) ==")
         print(table([(f["algorithm"], f["predicted_ms"], f["measured_ms"])
-                     for f in data["finalists"]], data["kept"]))
+                     for f in data["finalists"]], data["kept"],
+                    {f["algorithm"] for f in data["finalists"] if f.get("stopped_early")}))
     picture = draw_predicted_timeline(profile, out.resolve() / "timeline.png", compressor,
                                       params)
     compressed, tensors = compressed_tensors(profile)

@@ -708,7 +708,7 @@ class _Sync:
         """Record the finalist's iteration; move to the next one, or keep the fastest."""
         trials = self.trials
         assert trials is not None
-        trials.record(time.perf_counter() - self.ended)
+        trials.record(time.perf_counter() - self.ended, self.session)
         if not trials.done:
             self._use_strategy(trials.current)
             return

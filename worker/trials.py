@@ -17,6 +17,13 @@ exchange their medians, take the slowest rank's per finalist (an iteration is ov
 last worker's gradients are in) and all keep the same one: the first minimum, so a tie keeps
 the planned strategy. Rank 0 logs the measured table and, with ``ESPRESSO_PROFILE_OUT``,
 writes ``trials.json`` and replaces ``strategy.json`` with the strategy kept.
+
+A finalist that is clearly slower stops early, as a race drops its laggards: after its first
+``_RACE_TIMED`` timed iterations the ranks exchange that median and the medians of the
+finalists already measured (the same collective ``choose`` uses, at the same iteration on
+every rank) and, when it is over ``_RACE_FACTOR`` times the fastest of them, every rank moves
+on to the next finalist. The trials were most of the start-up once the link probes shrank
+(the main job at 1 Gbit/s: 3.1-3.8 s of 5.8-6.6, 5 finalists x 6 iterations).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +44,22 @@ __all__ = ["Trials", "table"]
 
 log = logging.getLogger(__name__)
 
+# Timed iterations after which a finalist may be stopped, and by how much it must trail the
+# fastest finalist measured so far. Trial iterations run 11-33% above the same strategy's
+# steady state, and vary more (BENCHMARKS.md, "End-to-end"); 1.3x keeps a finalist within
+# that noise of the best in the race.
+_RACE_TIMED = 2
+_RACE_FACTOR = 1.3
 
-def table(rows: Sequence[tuple[str, float, float]], kept: str) -> str:
-    """The trials as text: (algorithm, predicted ms, measured ms) per finalist."""
+
+def table(rows: Sequence[tuple[str, float, float]], kept: str,
+          stopped: Collection[str] = ()) -> str:
+    """The trials as text: (algorithm, predicted ms, measured ms) per finalist; ``stopped``:
+    the finalists that lost the race and stopped early."""
     lines = [f"{'finalist':<16} {'predicted':>10} {'measured':>9}"]
     for algorithm, predicted, measured in rows:
-        mark = "  <- kept" if algorithm == kept else ""
+        mark = ("  <- kept" if algorithm == kept
+                else "  (stopped early)" if algorithm in stopped else "")
         lines.append(f"{algorithm:<16} {predicted:>8.2f}ms {measured:>7.2f}ms{mark}")
     return "\n".join(lines)
 
@@ -67,6 +84,7 @@ class Trials:
         self.finalists = list(finalists)
         self.steps = steps
         self.times_ms: list[list[float]] = [[] for _ in self.finalists]
+        self.stopped: set[int] = set()  # finalists stopped early (see the module docstring)
         self.index = 0
 
     @property
@@ -79,13 +97,33 @@ class Trials:
         """Whether every finalist has had its iterations."""
         return self.index >= len(self.finalists)
 
-    def record(self, seconds: float) -> None:
-        """One iteration of :attr:`current` took ``seconds``; moves on after ``steps`` of them."""
+    def record(self, seconds: float, session: Session | None = None) -> None:
+        """One iteration of :attr:`current` took ``seconds``; moves on after ``steps`` of them,
+        or earlier when ``session`` is given and the finalist lost the race (every rank must
+        then pass its session, at the same iterations)."""
         if self.done:
             raise RuntimeError("every finalist has been measured; call choose()")
-        self.times_ms[self.index].append(seconds * 1e3)
-        if len(self.times_ms[self.index]) == self.steps:
+        times = self.times_ms[self.index]
+        times.append(seconds * 1e3)
+        if len(times) == self.steps or (session is not None and self._outpaced(session)):
             self.index += 1
+
+    def _outpaced(self, session: Session) -> bool:
+        """Whether the current finalist, at its ``_RACE_TIMED``-th timed iteration, trails the
+        fastest finished one by over ``_RACE_FACTOR`` (slowest ranks' medians)."""
+        times = self.times_ms[self.index]
+        if self.index == 0 or len(times) != 1 + _RACE_TIMED or self.steps <= 1 + _RACE_TIMED:
+            return False
+        medians = [statistics.median(t[1:]) for t in self.times_ms[:self.index + 1]]
+        slowest = slowest_across_ranks(session, np.array(medians))
+        if slowest[-1] <= _RACE_FACTOR * slowest[:-1].min():
+            return False
+        self.stopped.add(self.index)
+        if session.runtime.topology.rank == 0:
+            log.info("trials: %s stopped after %d iterations, %.1f ms against %.1f ms of the "
+                     "fastest so far", self.current.algorithm, len(times), slowest[-1],
+                     slowest[:-1].min())
+        return True
 
     def medians_ms(self) -> np.ndarray:
         """Per finalist, the median iteration time after the warm-up (once :attr:`done`)."""
@@ -114,14 +152,17 @@ class Trials:
     def table(self, measured: np.ndarray, kept: int) -> str:
         return table([(s.algorithm, s.predicted_ms, float(ms))
                       for s, ms in zip(self.finalists, measured, strict=True)],
-                     self.finalists[kept].algorithm)
+                     self.finalists[kept].algorithm,
+                     {self.finalists[i].algorithm for i in self.stopped})
 
     def _write(self, out: Path, measured: np.ndarray, kept: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
         entries = [{"algorithm": s.algorithm, "predicted_ms": s.predicted_ms,
                     "measured_ms": float(ms), "iteration_ms": times,
+                    "stopped_early": i in self.stopped,
                     "options": {name: str(o) for name, o in s.options.items()}}
-                   for s, ms, times in zip(self.finalists, measured, self.times_ms, strict=True)]
+                   for i, (s, ms, times) in enumerate(zip(self.finalists, measured,
+                                                          self.times_ms, strict=True))]
         atomic_write_text(out / "trials.json", json.dumps(
             {"steps": self.steps, "kept": self.finalists[kept].algorithm,
              "finalists": entries}, indent=1) + "\n")

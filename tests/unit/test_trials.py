@@ -152,6 +152,43 @@ def test_every_rank_keeps_the_finalist_fastest_on_its_slowest_rank(tmp_path, eve
     assert saved.options == finalists[1].options and saved.algorithm == finalists[1].algorithm
 
 
+def test_a_finalist_trailing_on_any_rank_stops_early_on_every_rank(tmp_path, every):
+    finalists = every[:3]
+    # ms after a 1 s warm-up, per finalist: the plan 10 ms on every rank; finalist 1 at
+    # 10 ms except on rank 2 (20 ms: over 1.3 x 10 on the slowest rank, so it stops after
+    # its 2nd timed iteration everywhere); finalist 2 at 12 ms (within 1.3x: all 5 run).
+    def ms(rank, finalist):
+        return {0: 10.0, 1: 20.0 if rank == 2 else 10.0, 2: 12.0}[finalist]
+
+    def run(hub, rank):
+        session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
+        trials = Trials(finalists, steps=6)
+        seen = []
+        while not trials.done:
+            finalist = trials.index
+            first = not trials.times_ms[finalist]
+            trials.record(1.0 if first else ms(rank, finalist) / 1e3, session)
+            seen.append(finalist)
+        return seen, trials.choose(session).algorithm
+
+    runs = _on_every_rank(run)
+    assert {tuple(seen) for seen, _ in runs.values()} == {(0,) * 6 + (1,) * 3 + (2,) * 6}
+    assert {kept for _, kept in runs.values()} == {finalists[0].algorithm}
+    written = json.loads((tmp_path / "trials.json").read_text())
+    assert [f["stopped_early"] for f in written["finalists"]] == [False, True, False]
+    assert [len(f["iteration_ms"]) for f in written["finalists"]] == [6, 3, 6]
+
+
+def test_trials_of_two_timed_iterations_are_never_cut_short(every):
+    def run(hub, rank):
+        trials = Trials(every[:2], steps=3)  # 2 timed iterations: nothing left to save
+        for s in (1.0, 0.01, 0.01, 1.0, 0.5, 0.5):  # finalist 1 trails 50x
+            trials.record(s, _session(hub, rank, None))
+        return trials.done, trials.stopped
+
+    assert set(map(repr, _on_every_rank(run).values())) == {repr((True, set()))}
+
+
 def test_a_tie_keeps_the_planned_strategy(every):
     def run(hub, rank):
         trials = Trials(every[:2], steps=2)
