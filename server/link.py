@@ -111,11 +111,10 @@ class ConnectionWatch:
 def stop_monitor(watched: zmq.Socket, monitor: zmq.Socket) -> None:
     """Detach ``monitor`` from ``watched`` and close it, in the only safe order.
 
-    Closing the monitor's PAIR alone leaves libzmq sending ``watched``'s next events to a
-    peer that is gone, and that send blocks for ever (zeromq/libzmq#3575): a node whose
-    scheduler was stopped closed its sockets in the middle of reconnecting, and
-    ``Context.term`` then never returned. ``disable_monitor`` must come first
-    (zeromq/pyzmq#1554).
+    Closing the monitor's PAIR alone can leave libzmq sending ``watched``'s next events
+    (its connection dropping as it closes, say) to a peer that is gone, a send that blocks
+    for ever and ``Context.term`` with it (zeromq/libzmq#3575); ``disable_monitor`` must
+    come first (zeromq/pyzmq#1554).
     """
     watched.disable_monitor()
     monitor.close(linger=0)

@@ -198,7 +198,7 @@ class Runtime:
             dist.destroy_process_group()
         for transport in self.transports:
             transport.close()
-        gc.collect()  # the groups' last works, held in reference cycles, go now too
+        gc.collect()  # and whatever still holds them in a reference cycle
         if self._store_socket is not None:
             self._store_socket.close()
             self._store, self._store_socket = None, None
