@@ -45,7 +45,7 @@ import zmq
 from byteps_espresso.server import protocol as P
 from byteps_espresso.server.auth import AuthError
 from byteps_espresso.server.keys import KeySpec, part_names, split
-from byteps_espresso.server.link import ConnectionWatch, RendezvousError, SchedulerLink, dealer
+from byteps_espresso.server.link import RendezvousError, SchedulerLink, dealer
 
 from byteps_espresso.config import Config
 
@@ -215,8 +215,9 @@ class PSClient:
         self._auth = self._link.auth  # the job key (server/auth.py)
         self.servers: list[str] = list(accept["servers"])
         self.num_workers = int(accept["num_workers"])
-        self._socks = [dealer(self._ctx, addr, cfg) for addr in self.servers]
-        self._watches = [ConnectionWatch(s) for s in self._socks]
+        connected = [dealer(self._ctx, addr, cfg) for addr in self.servers]
+        self._socks = [sock for sock, _ in connected]
+        self._watches = [watch for _, watch in connected]
         self._tensors: dict[str, _Tensor] = {}
         self._dead: dict[int, str] = {}  # target -> why it is unusable
         self._closed = False

@@ -66,11 +66,19 @@ def heartbeats(sock: zmq.Socket, cfg: Config) -> None:
 
 
 def dealer(ctx: zmq.Context, endpoint: str, cfg: Config, identity: bytes | None = None
-           ) -> zmq.Socket:
-    """A DEALER connected to ``endpoint`` with the job's limits: frames above
-    ``cfg.max_message_bytes`` are refused by ZeroMQ before allocation, nothing is dropped
-    at a high-water mark, unsent messages are discarded at close, and a peer silent for
-    ``ESPRESSO_HEARTBEAT_TIMEOUT`` (stopped, or unreachable) drops the connection."""
+           ) -> tuple[zmq.Socket, ConnectionWatch]:
+    """A DEALER connected to ``endpoint`` with the job's limits, and the watch on its
+    connection: frames above ``cfg.max_message_bytes`` are refused by ZeroMQ before
+    allocation, nothing is dropped at a high-water mark, unsent messages are discarded at
+    close, and a peer silent for ``ESPRESSO_HEARTBEAT_TIMEOUT`` (stopped, or unreachable)
+    drops the connection.
+
+    The watch is attached before ``connect``: a watch attached after it misses the
+    connection's CONNECTED event whenever ZeroMQ's I/O thread connects first, and then
+    ignores its DISCONNECTED (a node must have been connected to lose its peer). On a busy
+    host that happened: a server whose scheduler was killed, and workers whose scheduler was
+    stopped, served on without noticing until ESPRESSO_TIMEOUT or for ever.
+    """
     sock = ctx.socket(zmq.DEALER)
     heartbeats(sock, cfg)
     sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
@@ -79,8 +87,9 @@ def dealer(ctx: zmq.Context, endpoint: str, cfg: Config, identity: bytes | None 
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
+    watch = ConnectionWatch(sock)
     sock.connect(endpoint)
-    return sock
+    return sock, watch
 
 
 class ConnectionWatch:
@@ -127,8 +136,7 @@ class SchedulerLink:
         self.cfg = cfg
         self.role = role
         self.endpoint = f"tcp://{cfg.root_uri}:{cfg.root_port}"
-        self.sock = dealer(ctx, self.endpoint, cfg)
-        self.watch = ConnectionWatch(self.sock)
+        self.sock, self.watch = dealer(ctx, self.endpoint, cfg)
         self._body = {"role": role, **body}
         self._sender = int(body.get("rank", -1))
         # How this node is named in fault reports (a server learns its rank at ACCEPT).

@@ -42,13 +42,16 @@ def test_the_default_target_is_fp32s_final_loss_times_the_factor(tmp_path):
 
 def test_startup_splits_profiling_planning_and_trials(tmp_path):
     # 3 profiled steps (the third plans: 0.25 s in the log), 2 finalists x 2 trial steps
+    # (counted from trials.json's iterations, as a finalist may stop early)
     ends = [1.0, 2.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.2]
     log = ["[worker 1] x: planned in 99.0 ms:", "[worker 0] 2026 profiler: planned in 250.0 ms:"]
     run = _run(tmp_path, "e", [], ends, log)
     profile = tmp_path / "profile"
     profile.mkdir()
     (profile / "trials.json").write_text(json.dumps(
-        {"steps": 2, "kept": "espresso", "finalists": [{}, {}]}))
+        {"steps": 2, "kept": "espresso", "finalists": [
+            {"iteration_ms": [500.0, 500.0], "stopped_early": False},
+            {"iteration_ms": [500.0, 500.0], "stopped_early": False}]}))
     s = run.startup(3, profile)
     # steps 0-2 profile (the last one plans), steps 3-6 are the trials, step 7 runs the kept
     assert s == Startup(3.25, 0.25, 2.0)
