@@ -99,9 +99,7 @@ def test_stopped_scheduler_is_found_by_every_node(tmp_path, ps_tools):
         try:
             procs = _start(ps_tools, job, tmp_path)
             first = _stop(job.procs["scheduler"], fault_file)
-            # A node whose own connection does not drop in time still ends through
-            # ESPRESSO_TIMEOUT (20 s here): its push/pull, then close's wait for DONE's answer.
-            codes = {n: p.wait(timeout=60) for n, p in [*procs.items(),
+            codes = {n: p.wait(timeout=30) for n, p in [*procs.items(),
                                                           ("server0", job.procs["server0"])]}
         finally:
             (tmp_path / "stop").touch()
