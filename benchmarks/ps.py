@@ -342,22 +342,37 @@ def main(argv: list[str] | None = None) -> int:
 
 def mac_speeds(reps: int = 9) -> int:
     """Median time of each MAC in server/auth.py over one 64 MB frame (the choice of
-    auth.ALGORITHM); the MACs take turns in every repetition, so load affects each alike."""
+    auth.ALGORITHM), and the wall time of two threads tagging one 64 MB frame each over the
+    time of one tag (about 1.0 with a second idle core: the MAC releases the interpreter lock
+    and threads hash in parallel; about 2.0: it holds the lock, so a lane thread hashing also
+    stalls the training thread). The MACs take turns in every repetition, so load affects
+    each alike."""
+    import threading
+
     from byteps_espresso.server.auth import MACS, Authenticator
 
     x = np.random.default_rng(0).standard_normal(64 * MB // 4, dtype=np.float32)
     times: dict[str, list[float]] = {name: [] for name in MACS}
+    pairs: dict[str, list[float]] = {name: [] for name in MACS}
     for _ in range(reps):
         for name in MACS:
             auth = Authenticator(bytes(32), name)
             start = time.perf_counter()
             auth.tag([x])
             times[name].append(time.perf_counter() - start)
+            threads = [threading.Thread(target=auth.tag, args=([x],)) for _ in range(2)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            pairs[name].append(time.perf_counter() - start)
     fastest = min(float(np.median(t)) for t in times.values())
+    print(f"{'MAC':>17} {'ms/64MB':>8} {'GB/s':>6} {'vs fastest':>10} {'2 threads / 1':>13}")
     for name, t in times.items():
         median = float(np.median(t))
-        print(f"{name:>12}: {median * 1e3:8.1f} ms per 64 MB, {64 * MB / median / 1e9:5.2f} GB/s, "
-              f"{median / fastest:5.1f}x the fastest")
+        print(f"{name:>17} {median * 1e3:8.1f} {64 * MB / median / 1e9:6.2f} "
+              f"{median / fastest:9.1f}x {float(np.median(pairs[name])) / median:13.2f}")
     return 0
 
 

@@ -255,7 +255,7 @@ def _signed_push(auth):
                               numel=64, frames=[x]))
 
 
-@pytest.mark.parametrize("algorithm", ["blake2b", "hmac-sha256"])
+@pytest.mark.parametrize("algorithm", ["chacha20-poly1305", "poly1305", "blake2b", "hmac-sha256"])
 def test_mac_round_trips_and_any_altered_byte_fails(algorithm):
     from byteps_espresso.server.auth import Authenticator, AuthError
 
@@ -271,6 +271,26 @@ def test_mac_round_trips_and_any_altered_byte_fails(algorithm):
             bad[index][offset] ^= 0x01
             with pytest.raises(AuthError):
                 auth.verify([bytes(b) for b in bad])
+
+
+@pytest.mark.parametrize("piece", [None, 2])
+def test_mac_binds_frame_order_and_boundaries(monkeypatch, piece):
+    """Moving bytes between frames, swapping or dropping frames fails, also when frames are
+    hashed in pieces (the AEAD's length limit; ``piece`` shrinks it to reach that path)."""
+    from byteps_espresso.server import auth as A
+
+    if piece is not None:
+        monkeypatch.setattr(A, "_PIECE", piece)
+    auth = A.Authenticator(bytes(range(32)))
+    assert auth.algorithm == "chacha20-poly1305"
+    head = P.encode(P.MsgType.PULL, key=3, round=7, sender=1)[0]
+    signed = auth.sign([head, b"abcd", b"e", b""])
+    assert auth.verify(signed)[1:] == [b"abcd", b"e", b""]
+    head, tag = signed[0], signed[-1]
+    for frames in ([b"abc", b"de", b""], [b"e", b"abcd", b""], [b"abcd", b"e"],
+                   [b"abcd", b"", b"e"], [b"abcde", b""], [b"abcd", b"e", b"", b""]):
+        with pytest.raises(A.AuthError):
+            auth.verify([head, *frames, tag])
 
 
 def test_mac_binds_the_job_and_refuses_unsigned_messages():
