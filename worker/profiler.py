@@ -53,8 +53,8 @@ from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
-           "in_training_latency", "measure_cluster", "measure_costs", "read_profile",
-           "ready_offsets", "workload_from_offsets", "workload_from_ready_times"]
+           "in_training_latency", "measure_cluster", "measure_costs", "probe_lanes",
+           "read_profile", "ready_offsets", "workload_from_offsets", "workload_from_ready_times"]
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,13 @@ _PROBE_SMALL, _PROBE_LARGE = 256, 1 << 20
 # latency drowned (a 1 Gbit/s link read as 120 Tbit/s).
 _PROBE_LANES = 1 << 18
 _PROBE_REPS = 5
-# Timed calls per probe in each profiled iteration (the lanes' probes; medians are taken).
-# Each follows an untimed small call, so a round is 4 x _LANE_REPS calls per path.
+# Profiled iterations after the warm-up that run probes: at least one per lane (the lanes take
+# turns), at least two in all; the later profiled iterations only record ready times and the
+# fp32 steps' times. Probing in every profiled iteration made each cost 0.3-0.7 s on the
+# emulated 1 Gbit/s cluster, against fp32 iterations of 0.11 s (the main job).
+_PROBE_ROUNDS = 2
+# Timed calls per probe size in each probing iteration (medians over all of them are taken).
+# A round is 1 + 2 x _LANE_REPS calls per path, the first an untimed small call.
 _LANE_REPS = 2
 # Compressor timing repetitions per size (median taken); sizes capped to keep start-up short.
 _TIMING_REPS = 3
@@ -387,6 +392,21 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def probe_lanes(iteration: int, lanes: int) -> tuple[int, ...]:
+    """The lanes that run the link probes in profiled iteration ``iteration`` (none: that
+    iteration runs no probes).
+
+    One lane per timed round, the lanes taking turns, for ``max(_PROBE_ROUNDS, lanes)``
+    rounds after the warm-up: probes on several lanes at once would split the links between
+    them and read as less bandwidth. The warm-up round (iteration 0) warms every lane (its
+    groups' first collectives, its PS keys; 0.15-0.5 s on the emulated 1 Gbit/s cluster):
+    warming only lane 0 left lane 1's first use, and its time, in the first timed round.
+    """
+    if iteration == 0:
+        return tuple(range(lanes))
+    return (iteration % lanes,) if iteration <= max(_PROBE_ROUNDS, lanes) else ()
+
+
 class LaneProbes:
     """Link and compressor probes run in the engine's lanes during profiled iterations.
 
@@ -438,13 +458,14 @@ class LaneProbes:
     # ---- issuing -----------------------------------------------------------------------------
     def issue(self, engine: Any, iteration: int) -> None:
         """Queue one round of probes in the lanes (same call on every rank)."""
+        lanes = probe_lanes(iteration, engine.lanes)
+        if not lanes:
+            return
         keep = iteration > 0
         self.rounds += keep
-        # One lane probes per round (the lanes take turns): probes on several lanes at once
-        # would split the links between them and read as less bandwidth.
-        lane = iteration % engine.lanes
-        self.handles.append(engine.call(lane, lambda ex: self._links(ex, lane, keep),
-                                        "espresso.probe.links"))
+        for lane in lanes:
+            self.handles.append(engine.call(
+                lane, lambda ex, lane=lane: self._links(ex, lane, keep), "espresso.probe.links"))
         if self.codec is not None:
             self.handles.append(engine.call(iteration + 1, lambda ex: self._codec(ex, keep),
                                             "espresso.probe.codec"))
@@ -469,15 +490,16 @@ class LaneProbes:
         return out, (time.perf_counter() - t0) * 1e6
 
     def _links(self, ex: Any, lane: int, keep: bool) -> None:
-        # Each timed call follows an untimed small one on the same path: that one absorbs the
-        # members' skew (how far apart they reached this point), which is not a link cost.
+        # An untimed small call on each path absorbs the members' skew (how far apart they
+        # reached this point, which is not a link cost); the timed calls that follow it start
+        # together, since each collective ends at about the same time on every member.
         small = self._probe[_PROBE_SMALL]
         for scope in (Scope.INTRA, Scope.INTER):
             if self.topology.size(scope) < 2:
                 continue
-            for n, x in self._probe.items():
-                for _ in range(_LANE_REPS):
-                    ex.transport.allreduce(scope, small)
+            ex.transport.allreduce(scope, small)
+            for _ in range(_LANE_REPS):
+                for n, x in self._probe.items():
                     _, us = self._timed_call(
                         lambda x=x, scope=scope: ex.transport.allreduce(scope, x))
                     if keep:
@@ -489,10 +511,9 @@ class LaneProbes:
             for n in self._host:
                 ex.ps.declare(key(n), n, list(range(self.topology.world_size)))
             tiny = self._host[_PROBE_SMALL]
-            for n, x in self._host.items():
-                for _ in range(_LANE_REPS):
-                    ex.ps.push_pull(key(_PROBE_SMALL), tiny,
-                                    ex.ps.next_probe_round(key(_PROBE_SMALL)))
+            ex.ps.push_pull(key(_PROBE_SMALL), tiny, ex.ps.next_probe_round(key(_PROBE_SMALL)))
+            for _ in range(_LANE_REPS):
+                for n, x in self._host.items():
                     _, us = self._timed_call(lambda n=n, x=x: ex.ps.push_pull(
                         key(n), x, ex.ps.next_probe_round(key(n))))
                     if keep:
@@ -501,7 +522,7 @@ class LaneProbes:
     def _codec(self, ex: Any, keep: bool) -> None:
         codec = self.codec
         assert codec is not None
-        for n, x in self._timed.items():
+        for n, x in [*self._timed.items()] * (_LANE_REPS if keep else 1):
             for dev in (Device.GPU, Device.CPU):
                 pool = ex.cpu_pool if dev is Device.CPU else None
                 payload, comp = self._timed_call(
@@ -607,7 +628,9 @@ class EspressoSpec(CompressionSpec):
         in_lanes = probes is not None and probes.complete
         # Paused probes are collectives too: every rank takes them, or none does.
         cluster = probes.cluster(_copy_gbps(rt.device)) if in_lanes else measure_cluster(session)
-        cluster = cluster.with_(shared_host=rt.shared_host)  # the fp32 baseline's path
+        # shared_host: the fp32 baseline's path; host_device: cpu steps share the cores of
+        # the training device.
+        cluster = cluster.with_(shared_host=rt.shared_host, host_device=rt.device.type == "cpu")
         # The profiled iterations ran the fp32 path per bucket (every gradient's own when the
         # profile names none).
         profiled = dict(profile.buckets) if profile is not None and profile.buckets else numel

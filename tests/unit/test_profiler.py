@@ -160,3 +160,15 @@ def test_probe_times_at_any_two_sizes_invert_to_the_link_that_made_them(sizes):
     assert (c.inter_latency_us, c.inter_gbps) == pytest.approx(truth["inter"])
     assert c.server_latency_us == pytest.approx(server_lat)
     assert c.server_gbps == pytest.approx(per_worker_gbps * 4)  # 4 workers through 1 server
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_the_warm_up_round_warms_every_lane_and_timed_rounds_take_turns(lanes):
+    from byteps_espresso.worker.profiler import _PROBE_ROUNDS, probe_lanes
+
+    assert probe_lanes(0, lanes) == tuple(range(lanes))
+    rounds = max(_PROBE_ROUNDS, lanes)
+    timed = [probe_lanes(it, lanes) for it in range(1, rounds + 1)]
+    assert all(len(t) == 1 for t in timed)  # one lane at a time: the links are not split
+    assert {t[0] for t in timed} == set(range(lanes))  # every lane is timed
+    assert [probe_lanes(it, lanes) for it in range(rounds + 1, rounds + 4)] == [()] * 3
