@@ -112,6 +112,12 @@ class Cluster:
         shared_host: every worker machine runs on one host (``espresso-launch --local``):
             there is no inter-machine link for a hierarchy to spare, and the uncompressed
             path is flat (:func:`~byteps_espresso.strategy.baselines.fp32_option`).
+        host_device: the workers train on the host's CPU (no accelerator): ``cpu``
+            Comp/Decomp run on the cores that also run the backward pass and the ``gpu``
+            ones, so the timeline places them on the ``gpu`` resource instead of a host pool
+            of their own. Without it, a strategy mixing both devices was predicted to overlap
+            them and measured 1.3-1.9x its prediction, the slowest compressed finalist in
+            every run of the main job (BENCHMARKS.md, "End-to-end").
     """
 
     machines: int
@@ -130,6 +136,7 @@ class Cluster:
     lanes: int | None = None
     exchange_latency: float = 1.0
     shared_host: bool = False
+    host_device: bool = False
 
     def __post_init__(self) -> None:
         for name in ("machines", "gpus_per_machine", "cpu_threads", "server_threads"):
@@ -141,6 +148,10 @@ class Cluster:
             _check(name, getattr(self, name), low=0)
         _check("server_latency_us", self.server_latency_us, low=0, optional=True)
         _check("lanes", self.lanes, integer=True, low=1, optional=True)
+        for name in ("shared_host", "host_device"):
+            if not isinstance(getattr(self, name), bool):
+                raise ClusterError(f"field {name!r} must be true or false, not "
+                                   f"{getattr(self, name)!r}")
         if self.servers and not self.server_gbps > 0:
             raise ClusterError("field 'server_gbps' must be > 0 when 'servers' > 0")
 

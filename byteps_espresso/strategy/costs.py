@@ -34,7 +34,9 @@ explicitly on the shared NIC.
 Compute steps use the :class:`CompressorCosts` profile. GPU steps run on the training device.
 CPU steps add a device->host copy of the dense input (Comp) or a host->device copy of the
 dense result (Decomp) over ``h2d_gbps``, and share the machine's ``cpu_threads`` among the
-``k`` local workers doing the same step at once (one thread's time x k / threads).
+``k`` local workers doing the same step at once (one thread's time x k / threads). When the
+workers train on the host's CPU (``Cluster.host_device``) CPU steps occupy the ``gpu``
+resource, whose cores they share.
 
 Each step becomes one task on one resource (PushPull: push on the NIC, aggregation on the
 servers, pull on the NIC). Durations are vectors over the workload's distinct tensor sizes.
@@ -287,10 +289,12 @@ class Pricer:
         copy = extent * FLOAT32_BYTES / self._b_h2d
         if op.device is Device.GPU:
             return GPU, work
+        # Without an accelerator the host pool shares its cores with the training device.
+        host = GPU if self.cluster.host_device else CPU
         if self.free_compression:
-            return CPU, work
+            return host, work
         share = self._active(prog, op) / self.cluster.cpu_threads
-        return CPU, work * share + copy
+        return host, work * share + copy
 
     def _comm(self, prog: Program, op: Op) -> list[_Task]:
         scope = op.scope

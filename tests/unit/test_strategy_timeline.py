@@ -87,6 +87,24 @@ def test_cpu_offload_overlaps_communication():
     assert tl.iteration_us == pytest.approx(F + comp_end + 4.0 + copy)
 
 
+def test_without_an_accelerator_cpu_compression_shares_the_training_device():
+    """On a host that trains on its CPU, the host pool's Comp/Decomp run on the cores of the
+    backward pass: they occupy the gpu resource and delay the next gradient, as GPU
+    compression does, instead of overlapping it."""
+    from dataclasses import replace
+
+    copy = 4 * 1000 / (8000.0 * 125)
+    tl = timeline([(1000, 10.0), (250, 1.0)], [CPU_COMP, DENSE],
+                  cluster=replace(CLUSTER, host_device=True))
+    comp_end = 10.0 + 3.0 + copy
+    assert spans(tl, 0) == [("gpu", 10.0, round(comp_end, 6)),
+                            ("inter", round(comp_end, 6), round(comp_end + 2.0, 6)),
+                            ("gpu", round(comp_end + 2.0, 6), round(comp_end + 4.0 + copy, 6))]
+    assert tl.ready_us[1] == pytest.approx(comp_end + 1.0)  # not 11: the cores were busy
+    with pytest.raises(Exception, match="host_device"):
+        replace(CLUSTER, host_device="yes")
+
+
 def test_later_tensor_backfills_an_idle_gap():
     # tensor 0: its AllgatherC waits for a 2 us Comp; tensor 1's 1 us Allreduce is ready at 11
     # and fits in the link's idle time before 12.

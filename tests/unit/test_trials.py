@@ -38,13 +38,16 @@ def every(inputs):
 
 def test_finalists_start_with_the_plan_then_the_alternatives_fastest_first(inputs, every):
     planned = plan(*inputs, "randomk", {"ratio": 0.01})
-    assert every[0].algorithm == "espresso"
-    assert every[0].options == planned.options
-    assert every[0].predicted_ms == pytest.approx(planned.predicted_ms)
     rest = every[1:]
     restricted = {f"espresso/{label}": plan(*inputs, "randomk", {"ratio": 0.01},
                                             constraints=Constraints.parse([label]))
                   for label in RESTRICTED}
+    # The plan: the search's, or a restricted run's where that predicts faster.
+    fastest = min([planned, *restricted.values()], key=lambda s: s.predicted_ms)
+    assert every[0].algorithm == "espresso"
+    assert every[0].options == fastest.options
+    assert every[0].predicted_ms == pytest.approx(fastest.predicted_ms)
+    assert every[0].predicted_ms <= planned.predicted_ms
     assert {s.algorithm for s in rest} <= set(RUNNABLE_BASELINES) | set(restricted)
     assert [s.predicted_ms for s in rest] == sorted(s.predicted_ms for s in rest)
     for s in rest:  # each priced as the plan reports it, with its own options
