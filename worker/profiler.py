@@ -1,7 +1,7 @@
 """Profiling at start-up and planning: from measured iterations to a per-tensor Strategy.
 
 For the first ``ESPRESSO_PROFILE_STEPS`` iterations the optimizer synchronizes uncompressed
-and its hooks record when each gradient becomes ready. During the same iterations
+and its hooks record when each gradient becomes ready. During the first of them
 :class:`LaneProbes` measures every cost the planner needs *inside the engine's lanes, during
 the synchronization of every rank*: right after the last gradient of an iteration is handed
 over, one lane queues a round of link probes (all-reduces of two sizes on the intra and inter
@@ -12,8 +12,9 @@ alone and the ready times stay clean. The costs are measured under the same cont
 the Options that will run there: other workers sharing the host and still finishing their
 backward, the interpreter lock. (Probes taken while training is paused saw 0.4-0.8 ms per
 collective where training saw 1-7 ms on a host whose cores the local workers share; see
-BENCHMARKS.md, "Worker runtime".) The first profiled iteration warms the probes up (numba
-compilation, PS keys) and is not used.
+BENCHMARKS.md, "Worker runtime".) The first profiled iteration warms the probes up on every
+lane (numba compilation, the lanes' first collectives, PS keys) and is not used; the next
+``max(_PROBE_ROUNDS, lanes)`` are timed (:func:`probe_lanes`).
 
 After the last profiled iteration every rank calls :meth:`EspressoSpec.plan`, which
 
@@ -75,8 +76,11 @@ _PROBE_LANES = 1 << 18
 _PROBE_REPS = 5
 # Profiled iterations after the warm-up that run probes: at least one per lane (the lanes take
 # turns), at least two in all; the later profiled iterations only record ready times and the
-# fp32 steps' times. Probing in every profiled iteration made each cost 0.3-0.7 s on the
-# emulated 1 Gbit/s cluster, against fp32 iterations of 0.11 s (the main job).
+# fp32 steps' times, free of probes beside them. Probing in every profiled iteration made
+# each cost 0.3-0.7 s on the emulated 1 Gbit/s cluster against fp32 iterations of 0.11 s
+# (the main job); with two timed rounds the profiling as a whole took as long (2.4-3.6 s
+# against 2.4-3.0 s, BENCHMARKS.md "End-to-end"): the heavier rounds spend what the later
+# iterations save.
 _PROBE_ROUNDS = 2
 # Timed calls per probe size in each probing iteration (medians over all of them are taken).
 # A round is 1 + 2 x _LANE_REPS calls per path, the first an untimed small call.
@@ -413,8 +417,8 @@ class LaneProbes:
     :meth:`issue` is called by the optimizer right after it hands over the last gradient of
     each profiled iteration, so the probes run behind and next to the fp32 synchronization,
     on every rank at the same point of the lanes' order (collectives must be issued in the
-    same order everywhere). Iteration 0 is a warm-up: its timings are
-    dropped. The planner uses the medians over the later iterations.
+    same order everywhere), in the iterations :func:`probe_lanes` names. Iteration 0 is a
+    warm-up: its timings are dropped. The planner uses the medians over the timed rounds.
 
     Args:
         session: the process's session (topology, servers, device, host pool).
@@ -522,16 +526,18 @@ class LaneProbes:
     def _codec(self, ex: Any, keep: bool) -> None:
         codec = self.codec
         assert codec is not None
-        for n, x in [*self._timed.items()] * (_LANE_REPS if keep else 1):
-            for dev in (Device.GPU, Device.CPU):
-                pool = ex.cpu_pool if dev is Device.CPU else None
-                payload, comp = self._timed_call(
-                    lambda dev=dev, x=x: codec.compress(dev, x, "espresso.probe", 0), pool)
-                _, dec = self._timed_call(lambda dev=dev, p=payload, n=n: codec.decompress(
-                    dev, p, n, "espresso.probe", 0), pool)
-                if keep:
-                    self.compressor.setdefault((dev.value, "compress", n), []).append(comp)
-                    self.compressor.setdefault((dev.value, "decompress", n), []).append(dec)
+        for _ in range(_LANE_REPS if keep else 1):  # the warm-up calls each kernel once
+            for n, x in self._timed.items():
+                for dev in (Device.GPU, Device.CPU):
+                    pool = ex.cpu_pool if dev is Device.CPU else None
+                    payload, comp = self._timed_call(
+                        lambda dev=dev, x=x: codec.compress(dev, x, "espresso.probe", 0), pool)
+                    _, dec = self._timed_call(lambda dev=dev, p=payload, n=n: codec.decompress(
+                        dev, p, n, "espresso.probe", 0), pool)
+                    if keep:
+                        self.compressor.setdefault((dev.value, "compress", n), []).append(comp)
+                        self.compressor.setdefault((dev.value, "decompress", n),
+                                                   []).append(dec)
 
     # ---- results -----------------------------------------------------------------------------
     def step_times(self, names: Sequence[str], steps: int) -> np.ndarray:

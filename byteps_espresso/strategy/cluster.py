@@ -115,9 +115,9 @@ class Cluster:
         host_device: the workers train on the host's CPU (no accelerator): ``cpu``
             Comp/Decomp run on the cores that also run the backward pass and the ``gpu``
             ones, so the timeline places them on the ``gpu`` resource instead of a host pool
-            of their own. Without it, a strategy mixing both devices was predicted to overlap
-            them and measured 1.3-1.9x its prediction, the slowest compressed finalist in
-            every run of the main job (BENCHMARKS.md, "End-to-end").
+            of their own: without an accelerator, compression cannot overlap the backward
+            pass, as the timeline's CPU offloading assumes. The worker runtime sets it when
+            it trains on the CPU.
     """
 
     machines: int

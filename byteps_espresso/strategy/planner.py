@@ -160,6 +160,7 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
     alternatives = [(name, _options(workload, sol),
                      sol.iteration_us / 1e3, base)
                     for name, sol in others.items() if name in RUNNABLE_BASELINES]
+    restricted_runs = []
     for label, change in RESTRICTED.items():
         if all(getattr(base, k) == v for k, v in change.items()):
             continue  # the plan itself is restricted so
@@ -171,11 +172,13 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
         except ValueError as exc:  # nothing left to plan with under the restriction
             log.info("finalist %s/%s skipped: %s", algorithm, label, exc)
             continue
-        alternatives.append((f"{algorithm}/{label}", alt.options, alt.predicted_ms, restricted))
+        restricted_runs.append((f"{algorithm}/{label}", alt.options, alt.predicted_ms,
+                                restricted))
+    alternatives += restricted_runs
     # A restricted run searches a subset of the same tree, so where it predicts faster than
     # the unrestricted search (whose greedy steps missed it: on the 2 x 2 CPU workers of the
     # main job, espresso/no-gpu at 72.3 ms against espresso's 76.2) its options are the plan.
-    best = min((a for a in alternatives if a[3] is not base), key=lambda a: a[2], default=None)
+    best = min(restricted_runs, key=lambda a: a[2], default=None)
     if best is not None and best[2] < strategy.predicted_ms:
         strategy = replace(strategy, options=best[1], predicted_ms=best[2])
     out = [strategy]

@@ -93,6 +93,8 @@ def test_without_an_accelerator_cpu_compression_shares_the_training_device():
     compression does, instead of overlapping it."""
     from dataclasses import replace
 
+    from byteps_espresso.strategy import ClusterError
+
     copy = 4 * 1000 / (8000.0 * 125)
     tl = timeline([(1000, 10.0), (250, 1.0)], [CPU_COMP, DENSE],
                   cluster=replace(CLUSTER, host_device=True))
@@ -101,7 +103,7 @@ def test_without_an_accelerator_cpu_compression_shares_the_training_device():
                             ("inter", round(comp_end, 6), round(comp_end + 2.0, 6)),
                             ("gpu", round(comp_end + 2.0, 6), round(comp_end + 4.0 + copy, 6))]
     assert tl.ready_us[1] == pytest.approx(comp_end + 1.0)  # not 11: the cores were busy
-    with pytest.raises(Exception, match="host_device"):
+    with pytest.raises(ClusterError, match="host_device"):
         replace(CLUSTER, host_device="yes")
 
 
