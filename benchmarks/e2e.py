@@ -116,7 +116,8 @@ def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
             "predicted_ms": predicted_ms, "prediction_error": error,
             "startup_s": _median([s.total_s for s in startups]),
             "startup_runs": [{"profiling_s": s.profiling_s, "planning_s": s.planning_s,
-                              "trials_s": s.trials_s} for s in startups],
+                              "trials_s": s.trials_s, "before_first_step_s": s.before_s,
+                              "steps": s.steps} for s in startups],
             # per run: (tensors compressed, tensors) by the strategy it ended with
             "compressed_tensors": [compressed_tensors(p) if p is not None else None
                                    for p in profiles],

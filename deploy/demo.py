@@ -38,6 +38,8 @@ __all__ = ["TARGET_FACTOR", "RunResult", "Startup", "compressed_tensors", "main"
 TARGET_FACTOR = 1.05
 # Rank 0's log line for the planner's search (worker/profiler.py), in milliseconds.
 _PLANNED = re.compile(r"^\[worker 0\].*planned in ([0-9.]+) ms")
+# Rank 0's log line for loading the planner's kernels before the first step, in seconds.
+_LOADED = re.compile(r"^\[worker 0\].*loaded the planner's kernels in ([0-9.]+) s")
 
 # Lines of the launcher's output shown live: rank 0's progress bar and per-epoch summary,
 # and the launcher's own verdict. Everything is also written to the run's log file.
@@ -97,19 +99,23 @@ class RunResult:
         ends = self.metrics.get("steps_elapsed_s") or []
         if profile_steps == 0 or not ends:
             return Startup(0.0, 0.0, 0.0)
-        planning = 0.0
+        planning = before = 0.0
         for line in self.log.read_text(errors="replace").splitlines():
             match = _PLANNED.match(line)
             if match:
                 planning = float(match.group(1)) / 1e3
+            match = _LOADED.match(line)
+            if match:
+                before = float(match.group(1))
         planned_at = ends[min(profile_steps, len(ends)) - 1]  # the last profiled step plans
         trial_steps = 0
         trials = profile / "trials.json" if profile is not None else None
         if trials is not None and trials.exists():
             data = json.loads(trials.read_text())
             trial_steps = sum(len(f["iteration_ms"]) for f in data["finalists"])
-        kept_at = ends[min(profile_steps + trial_steps, len(ends)) - 1]
-        return Startup(planned_at - planning, planning, kept_at - planned_at)
+        steps = min(profile_steps + trial_steps, len(ends))
+        return Startup(planned_at - planning, planning, ends[steps - 1] - planned_at,
+                       before_s=before, steps=steps)
 
 
 @dataclass(frozen=True)
@@ -120,22 +126,44 @@ class Startup:
         profiling_s: the profiled (uncompressed) iterations, planning left out.
         planning_s: the planner's search (rank 0's "planned in" log line).
         trials_s: the finalists' trial iterations (0 without trials).
+        before_s: before the first step, outside the training clock: rank 0 loading the
+            planner's kernels (once per process).
+        steps: the steps until the first under the kept strategy (profiled + trials).
     """
 
     profiling_s: float
     planning_s: float
     trials_s: float
+    before_s: float = 0.0
+    steps: int = 0
 
     @property
     def total_s(self) -> float:
         return self.profiling_s + self.planning_s + self.trials_s
 
-    def text(self, fp32_iteration_ms: float | None = None) -> str:
-        """``"4.1 s (profiling 2.0 + planning 0.1 + trials 2.0)"``, in fp32 iterations too."""
+    def beyond_s(self, fp32: RunResult) -> float | None:
+        """Seconds beyond what ``fp32``'s run took for the same first :attr:`steps` (the
+        start-up's steps train the model too; fp32's first steps are slow as well)."""
+        ends = fp32.metrics.get("steps_elapsed_s") or []
+        if not self.steps or len(ends) < self.steps:
+            return None
+        return self.total_s - ends[self.steps - 1]
+
+    def text(self, fp32_iteration_ms: float | None = None,
+             fp32: RunResult | None = None) -> str:
+        """``"4.1 s (profiling 2.0 + planning 0.1 + trials 2.0)"``, in fp32 iterations too,
+        with the time beyond fp32's same steps and what ran before the first step."""
         if self.total_s == 0:
             return "none"
         per = (f" = {self.total_s * 1e3 / fp32_iteration_ms:.0f} fp32 iterations"
                if fp32_iteration_ms else "")
+        beyond = self.beyond_s(fp32) if fp32 is not None else None
+        if beyond is not None:
+            per += f"; {beyond:.1f} s beyond fp32's first {self.steps} steps"
+            if fp32_iteration_ms:
+                per += f" (= {beyond * 1e3 / fp32_iteration_ms:.0f})"
+        if self.before_s:
+            per += f"; before the first step: {self.before_s:.2f} s loading the planner"
         return (f"{self.total_s:.1f} s (profiling {self.profiling_s:.1f} + planning "
                 f"{self.planning_s:.2f} + trials {self.trials_s:.1f}){per}")
 
@@ -387,7 +415,7 @@ def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compre
     for run in (fp32, esp):
         reached = run.time_to(target)
         to_target = f"{reached:9.1f}s" if reached is not None else f"{'never':>10}"
-        start = startup.text(fp32.iteration_ms) if run is esp else "none"
+        start = startup.text(fp32.iteration_ms, fp32) if run is esp else "none"
         print(f"{run.name:10} {to_target} {run.final_heldout:11.4f} {run.samples_per_s:10.1f} "
               f"{run.iteration_ms:9.2f}  {start}")
     note = target_note([fp32, esp], target)

@@ -88,8 +88,10 @@ class CompressionSpec(abc.ABC):
         """Parameters the plan must leave uncompressed."""
         return frozenset()
 
-    def probes(self, session: Session, numels: Sequence[int]) -> Any | None:
-        """Cost probes to run in the lanes during the profiled iterations (None: none)."""
+    def probes(self, session: Session, numels: Sequence[int],
+               traffic: Mapping[str, int]) -> Any | None:
+        """Cost probes to run in the lanes during the profiled iterations (None: none);
+        ``traffic``: elements per bucket the profiled iterations synchronize."""
         return None
 
     @abc.abstractmethod
@@ -109,12 +111,15 @@ class Plan:
             one (``options``) first; empty: no trials.
         buckets: the tensor-fusion layout over ``order`` (each Option's key is a bucket's
             name); None: the default layout (``ESPRESSO_BUCKET_CAP_MB``, else DDP's caps).
+        fp32_ms: the profiled fp32 iterations' measured time (slowest rank's median), the
+            trials' yardstick from their first finalist on; None: not measured.
     """
 
     options: dict[str, Option]
     order: list[str] | None = None
     finalists: tuple[Any, ...] = ()
     buckets: tuple[Bucket, ...] | None = None
+    fp32_ms: float | None = None
 
 
 @dataclass
@@ -420,8 +425,9 @@ class _Sync:
             self._use_buckets(default_layout(self.session,
                                              [(n, self.numel[n]) for n in self.order]))
             # The compressor is timed on gradient and bucket sizes: the plan may fuse or not.
+            traffic = {b.name: sum(b.numels) for b in self.buckets}
             self.probes = compression.probes(
-                self.session, [*self.numel.values(), *(sum(b.numels) for b in self.buckets)])
+                self.session, [*self.numel.values(), *traffic.values()], traffic)
         for name in self.order:
             self.params[name].register_post_accumulate_grad_hook(self._hook(name))
 
@@ -761,7 +767,8 @@ class _Sync:
                                                             for n in self.order]))
         self.options = self._checked(plan.options)
         if plan.finalists:
-            self.trials = Trials(plan.finalists, self.session.runtime.cfg.trial_steps)
+            self.trials = Trials(plan.finalists, self.session.runtime.cfg.trial_steps,
+                                 fp32_ms=plan.fp32_ms)
         if self.codec is not None:
             self.engine = self.session.runtime.engine(self.codec)
 

@@ -5,16 +5,17 @@ and its hooks record when each gradient becomes ready. During the first of them
 :class:`LaneProbes` measures every cost the planner needs *inside the engine's lanes, during
 the synchronization of every rank*: right after the last gradient of an iteration is handed
 over, one lane queues a round of link probes (all-reduces of two sizes on the intra and inter
-groups, push/pulls of two sizes through the servers) and another times the compressor on the
+groups, push/pulls through the servers: of two sizes, or of the latency-bound one where the
+iterations' own push/pulls give the bandwidth) and another times the compressor on the
 model's own tensor sizes on both devices (torch backend on the training device, numba
 backend through the host pool); ``step()`` waits for them, so the next forward pass runs
 alone and the ready times stay clean. The costs are measured under the same contention as
 the Options that will run there: other workers sharing the host and still finishing their
 backward, the interpreter lock. (Probes taken while training is paused saw 0.4-0.8 ms per
 collective where training saw 1-7 ms on a host whose cores the local workers share; see
-BENCHMARKS.md, "Worker runtime".) The first profiled iteration warms the probes up on every
-lane (numba compilation, the lanes' first collectives, PS keys) and is not used; the next
-``max(_PROBE_ROUNDS, lanes)`` are timed (:func:`probe_lanes`).
+BENCHMARKS.md, "Worker runtime".) The first ``max(_PROBE_ROUNDS, lanes)`` profiled
+iterations probe, one lane each, a lane's first round opening with an untimed call per size
+and path (:func:`probe_lanes`); the compressor is timed within a time budget per round.
 
 After the last profiled iteration every rank calls :meth:`EspressoSpec.plan`, which
 
@@ -74,8 +75,8 @@ _PROBE_SMALL, _PROBE_LARGE = 256, 1 << 20
 # latency drowned (a 1 Gbit/s link read as 120 Tbit/s).
 _PROBE_LANES = 1 << 18
 _PROBE_REPS = 5
-# Profiled iterations after the warm-up that run probes: at least one per lane (the lanes take
-# turns), at least two in all; the later profiled iterations only record ready times and the
+# Profiled iterations that run probes: at least one per lane (the lanes take turns), at least
+# two in all; the later profiled iterations only record ready times and the
 # fp32 steps' times, free of probes beside them. Probing in every profiled iteration made
 # each cost 0.3-0.7 s on the emulated 1 Gbit/s cluster against fp32 iterations of 0.11 s
 # (the main job); with two timed rounds the profiling as a whole took as long (2.4-3.6 s
@@ -85,9 +86,28 @@ _PROBE_ROUNDS = 2
 # Timed calls per probe size in each probing iteration (medians over all of them are taken).
 # A round is 1 + 2 x _LANE_REPS calls per path, the first an untimed small call.
 _LANE_REPS = 2
+# The profiled iterations' own push/pulls price the PS path's bandwidth (only the small PS
+# probe runs, for the latency) when one of them moves at least this many float32 elements
+# per worker (256 KiB: 2.1 ms at 1 Gbit/s, where the probed PS latencies were 0.5-1.2 ms;
+# the LSTM of the main job pushes 129,000 elements of its 258,000-element bucket from each
+# worker after the machine's ReduceScatter). They then measure the bandwidth under the
+# traffic the Options will share. The large PS probes were the costliest on slow links
+# (1 MiB push/pulls of every worker through one server link, twice per round), and read
+# less bandwidth than training got (the fp32 push/pulls ran faster than the probes'
+# bandwidth alone predicted: PS latency factor x0.00 in the main job).
+_TRAFFIC_MIN = 1 << 16
+# Compressor timings per size in each timed round (medians over the rounds are taken).
+_CODEC_REPS = 1
 # Compressor timing repetitions per size (median taken); sizes capped to keep start-up short.
 _TIMING_REPS = 3
 _MAX_TIMED_SIZES = 6
+# Seconds of compressor timing per probing round (and for the servers' profile at planning):
+# the smallest and largest size always, then others until a round has spent this
+# (CompressorCosts fits t = a + b n, so two sizes price the rest).
+# Without it the torch codec on a CPU training device (efsignsgd: 78 ns per element, 39 ms
+# per call at 500K elements) made a round over six sizes take 160-570 ms in the main job,
+# against fp32 iterations of 0.11 s (one round ran behind the warm-up's link probes).
+_CODEC_BUDGET_S = 0.08
 # Alternatives predicted within this factor of the planned strategy's time are measured in trials
 # (worker/trials.py). On a host whose cores the workers share the model has been 1.6-2.4x
 # optimistic and has inverted rankings: in the main job (`make main`) it predicted the plan at
@@ -214,7 +234,15 @@ def _paused_link_times(session: Session) -> dict[tuple[str, int], float]:
             x = torch.ones(n, device=rt.device)
             times[(scope.value, n)] = _time(
                 lambda x=x, scope=scope: transport.allreduce(scope, x), _PROBE_REPS)
+    return times | _paused_ps_times(session)
+
+
+def _paused_ps_times(session: Session) -> dict[tuple[str, int], float]:
+    """Median microseconds of push/pulls per probe size, training paused (every rank calls
+    it; none without servers)."""
+    rt = session.runtime
     ps = rt.ps
+    times = {}
     if rt.cfg.num_servers and ps is not None:
         for n in (_PROBE_SMALL, _PROBE_LARGE):
             key = f"espresso.probe.{n}"
@@ -354,14 +382,28 @@ def _timed_sizes(numels: Sequence[int]) -> list[int]:
     return sizes
 
 
+def _within_budget(sizes: Sequence[int], budget_s: float | None) -> Any:
+    """Yield ``sizes`` until ``budget_s`` seconds have passed since the first (None: all of
+    them): the smallest and the largest first, always (the widest span for the fit of
+    t = a + b n, whose slope prices the large tensors), then the rest from the smallest up."""
+    ordered = sorted(set(sizes))
+    ordered = ordered[:1] + ordered[-1:] + ordered[1:-1] if len(ordered) > 1 else ordered
+    t0 = time.perf_counter()
+    for i, n in enumerate(ordered):
+        if i >= 2 and budget_s is not None and time.perf_counter() - t0 > budget_s:
+            return
+        yield n
+
+
 def _isolated_samples(codec: CodecPair, numels: Sequence[int], device: torch.device,
-                      devices: dict[Device, str]) -> list[dict[str, Any]]:
+                      devices: dict[Device, str], budget_s: float | None = None,
+                      ) -> list[dict[str, Any]]:
     """Timings of the bare codec, one call at a time; ``devices`` maps the device run on to
-    the profile entry the sample is for."""
+    the profile entry the sample is for; sizes as :func:`_within_budget` yields them."""
     # Time the bare codec: error-feedback state must not be touched by the probes.
     bare = CodecPair(codec.name, codec.params, device=device)
-    samples = []
-    for n in _timed_sizes(numels):
+    samples: list[dict[str, Any]] = []
+    for n in _within_budget(_timed_sizes(numels), budget_s):
         x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device)
         for dev, entry in devices.items():
             payload = bare.compress(dev, x, "espresso.probe", 0)
@@ -400,15 +442,49 @@ def probe_lanes(iteration: int, lanes: int) -> tuple[int, ...]:
     """The lanes that run the link probes in profiled iteration ``iteration`` (none: that
     iteration runs no probes).
 
-    One lane per timed round, the lanes taking turns, for ``max(_PROBE_ROUNDS, lanes)``
-    rounds after the warm-up: probes on several lanes at once would split the links between
-    them and read as less bandwidth. The warm-up round (iteration 0) warms every lane (its
-    groups' first collectives, its PS keys; 0.15-0.5 s on the emulated 1 Gbit/s cluster):
-    warming only lane 0 left lane 1's first use, and its time, in the first timed round.
+    One lane per round, the lanes taking turns, in the first ``max(_PROBE_ROUNDS, lanes)``
+    iterations: probes on several lanes at once would split the links between them and read
+    as less bandwidth. A lane's first round starts with one untimed call per size and path
+    (its groups' first collectives, its PS keys: 0.15-0.5 s on the emulated 1 Gbit/s
+    cluster). A whole warm-up round on every lane before the timed ones cost the main job's
+    first iteration 0.5-0.9 s more than fp32's (BENCHMARKS.md, "End-to-end").
     """
-    if iteration == 0:
-        return tuple(range(lanes))
-    return (iteration % lanes,) if iteration <= max(_PROBE_ROUNDS, lanes) else ()
+    return (iteration % lanes,) if iteration < max(_PROBE_ROUNDS, lanes) else ()
+
+
+def _push_pulls(fp32: Option, sizes: Sequence[int], size: Any) -> list[tuple[int, np.ndarray]]:
+    """(step index, elements each worker pushes and pulls per bucket of ``sizes``) for every
+    uncompressed PushPull of ``fp32``: the bucket's shard where the step runs on one (after a
+    ReduceScatter: 1/local size of it), as the pricer counts it."""
+    from byteps_espresso.strategy.program import compile_option, shard_numel
+
+    numel = np.asarray(sizes, dtype=np.float64)
+    return [(op.index, shard_numel(numel, op.shards, size))
+            for op in compile_option(fp32).ops if op.kind is Kind.PUSH_PULL]
+
+
+def ps_from_traffic(fp32: Option, sizes: Sequence[int], size: Any) -> bool:
+    """Whether the profiled iterations' push/pulls price the PS path's bandwidth: ``fp32``
+    (the Option they run, on buckets of ``sizes`` elements) pushes and pulls at least
+    ``_TRAFFIC_MIN`` elements uncompressed in one step. ``size``: elements per scope's group
+    (``Topology.size``)."""
+    return any(moved.size and moved.max() >= _TRAFFIC_MIN
+               for _, moved in _push_pulls(fp32, sizes, size))
+
+
+def traffic_times(fp32: Option, sizes: Sequence[int], steps_us: np.ndarray | None,
+                  size: Any) -> dict[tuple[str, int], float]:
+    """``{("ps", elements): us}``: the median time of the fp32 push/pull steps per size each
+    worker moves (``steps_us``: buckets of ``sizes`` x steps, as
+    :meth:`LaneProbes.step_times` gives it; NaN skipped)."""
+    if steps_us is None:
+        return {}
+    per: dict[int, list[float]] = {}
+    for i, moved in _push_pulls(fp32, sizes, size):
+        for n, us in zip(moved, steps_us[:, i], strict=True):
+            if np.isfinite(us):
+                per.setdefault(int(n), []).append(float(us))
+    return {("ps", n): statistics.median(us) for n, us in per.items()}
 
 
 class LaneProbes:
@@ -417,18 +493,27 @@ class LaneProbes:
     :meth:`issue` is called by the optimizer right after it hands over the last gradient of
     each profiled iteration, so the probes run behind and next to the fp32 synchronization,
     on every rank at the same point of the lanes' order (collectives must be issued in the
-    same order everywhere), in the iterations :func:`probe_lanes` names. Iteration 0 is a
-    warm-up: its timings are dropped. The planner uses the medians over the timed rounds.
+    same order everywhere), in the iterations :func:`probe_lanes` names. The planner uses
+    the medians over the rounds.
 
     Args:
         session: the process's session (topology, servers, device, host pool).
         codec: the job's compressor (None: links only).
         numels: the model's tensor sizes (the compressor is timed on up to
             ``_MAX_TIMED_SIZES`` of them).
+        traffic: elements per bucket the profiled iterations synchronize on the fp32 path;
+            where :func:`ps_from_traffic` holds, their push/pulls price the PS path instead
+            of probes.
     """
 
-    def __init__(self, session: Session, codec: CodecPair | None, numels: Sequence[int]) -> None:
+    def __init__(self, session: Session, codec: CodecPair | None, numels: Sequence[int],
+                 traffic: Mapping[str, int] | None = None) -> None:
         rt = session.runtime
+        self.traffic = dict(traffic or {})
+        self.fp32 = session.fp32
+        # The same on every rank (the same layout and Option), so the probes stay in step.
+        self.ps_from_traffic = bool(rt.cfg.num_servers) and ps_from_traffic(
+            self.fp32, list(self.traffic.values()), rt.topology.size)
         self.topology = rt.topology
         self.lanes = rt.lanes
         self.device = rt.device
@@ -440,6 +525,12 @@ class LaneProbes:
         self.compressor: dict[tuple[str, str, int], list[float]] = {}
         self.handles: list[Any] = []
         self.rounds = 0
+        self._warm: set[int] = set()  # lanes that have had their first round
+        # Lane seconds per (what, profiled iteration), for the start-up's breakdown.
+        self.spent: dict[tuple[str, int], float] = {}
+        # What :meth:`cluster` inverted: us per (path, elements), and where the PS's came from.
+        self.medians: dict[tuple[str, int], float] = {}
+        self.ps_source = "probes"
         self._probe = {n: torch.ones(n, device=rt.device) for n in (_PROBE_SMALL, _PROBE_LANES)}
         self._host = {n: np.ones(n, dtype=np.float32) for n in (_PROBE_SMALL, _PROBE_LANES)}
         self._timed = {n: torch.randn(n, generator=torch.Generator().manual_seed(n)).to(rt.device)
@@ -448,6 +539,18 @@ class LaneProbes:
         self._executors = list(session.plain.executors)
         for ex in self._executors:
             ex.timings = []
+        # Rank 0 (which plans) loads the planner's numba kernels now, before the first step,
+        # as it loads the codec's: once per process, like an import. At planning time every
+        # rank waited for it (most of a first plan's 250-310 ms in the main job, against 7 ms
+        # with the kernels loaded); loading them in a thread beside the profiled iterations
+        # slowed those by 50-150 ms each (the loading is mostly Python, under the lock).
+        if rt.topology.rank == 0:
+            from byteps_espresso.strategy.context import load_kernels
+
+            t0 = time.perf_counter()
+            load_kernels()
+            log.info("loaded the planner's kernels in %.2f s, before the first step",
+                     time.perf_counter() - t0)
         if self.codec is not None:  # load the kernels now, not in a lane during backward
             x = next(iter(self._timed.values()))
             for dev in (Device.GPU, Device.CPU):
@@ -465,14 +568,18 @@ class LaneProbes:
         lanes = probe_lanes(iteration, engine.lanes)
         if not lanes:
             return
-        keep = iteration > 0
-        self.rounds += keep
+        self.rounds += 1
         for lane in lanes:
-            self.handles.append(engine.call(
-                lane, lambda ex, lane=lane: self._links(ex, lane, keep), "espresso.probe.links"))
+            first = lane not in self._warm
+            self._warm.add(lane)
+            self.handles.append(engine.call(lane, self._spending(
+                "links", iteration, lambda ex, lane=lane, first=first: self._links(
+                    ex, lane, first)), "espresso.probe.links"))
+        # The compressor needs no warm-up: its kernels were loaded at construction. It runs
+        # on the lane after the links' (lanes run side by side).
         if self.codec is not None:
-            self.handles.append(engine.call(iteration + 1, lambda ex: self._codec(ex, keep),
-                                            "espresso.probe.codec"))
+            self.handles.append(engine.call(iteration + 1, self._spending(
+                "compressor", iteration, self._codec), "espresso.probe.codec"))
 
     def wait(self, timeout: float) -> None:
         """Wait for every probe queued so far (raises a probe's error)."""
@@ -482,10 +589,46 @@ class LaneProbes:
 
     @property
     def complete(self) -> bool:
-        """Whether at least one round after the warm-up was measured."""
+        """Whether at least one round was measured."""
         return self.rounds > 0
 
+    def record(self) -> dict[str, Any]:
+        """The link times :meth:`cluster` inverted (us per path and elements), the PS path's
+        source and the lanes' seconds, as ``probes.json`` in ``ESPRESSO_PROFILE_OUT``."""
+        links: dict[str, dict[str, float]] = {}
+        for (path, n), us in sorted(self.medians.items()):
+            links.setdefault(path, {})[str(n)] = us
+        return {"links_us": links, "ps_source": self.ps_source,
+                "lane_seconds": {f"{what}/{it}": sec
+                                 for (what, it), sec in sorted(self.spent.items())}}
+
+    def spent_text(self) -> str:
+        """``"links 0.31 + 0.25 + 0.22 s, compressor 0.12 + 0.10 s"``: lane seconds per
+        profiled iteration (lanes run side by side, so these overlap)."""
+        parts = []
+        for what in ("links", "compressor"):
+            per = {}
+            for (w, it), sec in sorted(self.spent.items()):
+                if w == what:
+                    per[it] = per.get(it, 0.0) + sec
+            if per:
+                parts.append(f"{what} " + " + ".join(f"{sec:.2f}" for sec in per.values())
+                             + " s")
+        return ", ".join(parts) or "none"
+
     # ---- the probes (lane threads) -----------------------------------------------------------
+    def _spending(self, what: str, iteration: int, fn: Any) -> Any:
+        """``fn`` (a lane call), its wall time added to :attr:`spent`."""
+        def timed(ex: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                fn(ex)
+            finally:
+                key = (what, iteration)
+                self.spent[key] = self.spent.get(key, 0.0) + time.perf_counter() - t0
+
+        return timed
+
     def _timed_call(self, fn: Any, pool: Any = None) -> tuple[Any, float]:
         """(fn(), microseconds); in ``pool`` when given, as the executor runs cpu steps."""
         t0 = time.perf_counter()
@@ -493,51 +636,53 @@ class LaneProbes:
         _synchronize(self.device)
         return out, (time.perf_counter() - t0) * 1e6
 
-    def _links(self, ex: Any, lane: int, keep: bool) -> None:
+    def _links(self, ex: Any, lane: int, first: bool) -> None:
         # An untimed small call on each path absorbs the members' skew (how far apart they
         # reached this point, which is not a link cost); the timed calls that follow it start
-        # together, since each collective ends at about the same time on every member.
+        # together, since each collective ends at about the same time on every member. On a
+        # lane's first round every size gets an untimed call (first collectives, PS keys).
         small = self._probe[_PROBE_SMALL]
         for scope in (Scope.INTRA, Scope.INTER):
             if self.topology.size(scope) < 2:
                 continue
-            ex.transport.allreduce(scope, small)
+            for x in self._probe.values() if first else (small,):
+                ex.transport.allreduce(scope, x)
             for _ in range(_LANE_REPS):
                 for n, x in self._probe.items():
                     _, us = self._timed_call(
                         lambda x=x, scope=scope: ex.transport.allreduce(scope, x))
-                    if keep:
-                        self.links.setdefault((scope.value, n), []).append(us)
+                    self.links.setdefault((scope.value, n), []).append(us)
         if self.servers and ex.ps is not None:
             def key(n: int) -> str:  # a lane's rounds follow its own order
                 return f"espresso.probe.lane{lane}.{n}"
 
-            for n in self._host:
+            # With the bandwidth from the training's push/pulls, the latency-bound size only.
+            sizes = {_PROBE_SMALL: self._host[_PROBE_SMALL]} if self.ps_from_traffic \
+                else self._host
+            for n in sizes:
                 ex.ps.declare(key(n), n, list(range(self.topology.world_size)))
-            tiny = self._host[_PROBE_SMALL]
-            ex.ps.push_pull(key(_PROBE_SMALL), tiny, ex.ps.next_probe_round(key(_PROBE_SMALL)))
+            for n, x in sizes.items() if first else ((_PROBE_SMALL, sizes[_PROBE_SMALL]),):
+                ex.ps.push_pull(key(n), x, ex.ps.next_probe_round(key(n)))
             for _ in range(_LANE_REPS):
-                for n, x in self._host.items():
+                for n, x in sizes.items():
                     _, us = self._timed_call(lambda n=n, x=x: ex.ps.push_pull(
                         key(n), x, ex.ps.next_probe_round(key(n))))
-                    if keep:
-                        self.links.setdefault(("ps", n), []).append(us)
+                    self.links.setdefault(("ps", n), []).append(us)
 
-    def _codec(self, ex: Any, keep: bool) -> None:
+    def _codec(self, ex: Any) -> None:
         codec = self.codec
         assert codec is not None
-        for _ in range(_LANE_REPS if keep else 1):  # the warm-up calls each kernel once
-            for n, x in self._timed.items():
+        for n in _within_budget(list(self._timed), _CODEC_BUDGET_S):
+            x = self._timed[n]
+            for _ in range(_CODEC_REPS):
                 for dev in (Device.GPU, Device.CPU):
                     pool = ex.cpu_pool if dev is Device.CPU else None
                     payload, comp = self._timed_call(
                         lambda dev=dev, x=x: codec.compress(dev, x, "espresso.probe", 0), pool)
                     _, dec = self._timed_call(lambda dev=dev, p=payload, n=n: codec.decompress(
                         dev, p, n, "espresso.probe", 0), pool)
-                    if keep:
-                        self.compressor.setdefault((dev.value, "compress", n), []).append(comp)
-                        self.compressor.setdefault((dev.value, "decompress", n),
-                                                   []).append(dec)
+                    self.compressor.setdefault((dev.value, "compress", n), []).append(comp)
+                    self.compressor.setdefault((dev.value, "decompress", n), []).append(dec)
 
     # ---- results -----------------------------------------------------------------------------
     def step_times(self, names: Sequence[str], steps: int) -> np.ndarray:
@@ -559,9 +704,30 @@ class LaneProbes:
                     out[j, i] = statistics.median(later)
         return out
 
-    def cluster(self, h2d_gbps: float) -> Any:
-        """``strategy.Cluster`` from the medians of the probes."""
+    def cluster(self, h2d_gbps: float, sizes: Sequence[int] = (),
+                steps_us: np.ndarray | None = None, session: Session | None = None) -> Any:
+        """``strategy.Cluster`` from the medians of the probes and, where
+        :attr:`ps_from_traffic`, of the profiled push/pulls: ``steps_us`` as
+        :meth:`step_times` gives it for the buckets of ``sizes`` elements, the same on every
+        rank (the minimum over ranks). The PS path is inverted from the latency probe and the
+        largest push/pull. Should no push/pull of at least ``_TRAFFIC_MIN`` elements have been
+        timed, every rank probes the PS path with training paused (``session`` needed)."""
         medians = {key: statistics.median(us) for key, us in self.links.items()}
+        self.ps_source = "probes"
+        if self.ps_from_traffic:
+            ps = traffic_times(self.fp32, sizes, steps_us, self.topology.size)
+            if max((n for _, n in ps), default=0) < _TRAFFIC_MIN:
+                if session is None:
+                    raise ValueError("no profiled push/pull of a bandwidth-bound size was "
+                                     "timed: pass the session to probe the PS path")
+                ps = _paused_ps_times(session)
+                medians = {k: v for k, v in medians.items() if k[0] != "ps"}
+                self.ps_source = "paused probes"
+            else:
+                self.ps_source = "latency probe + profiled push/pulls"
+                ps = dict([max(ps.items(), key=lambda kv: kv[0][1])])
+            medians |= ps
+        self.medians = medians
         return _cluster(self.topology, self.servers, self.cpu_threads, medians, h2d_gbps,
                         lanes=self.lanes)
 
@@ -578,7 +744,8 @@ class LaneProbes:
                     "us": statistics.median(us)}
                    for (dev, op, n), us in sorted(self.compressor.items())]
         if self.servers:
-            samples += _isolated_samples(codec, numels, self.device, {Device.CPU: "server"})
+            samples += _isolated_samples(codec, numels, self.device, {Device.CPU: "server"},
+                                         _CODEC_BUDGET_S)
         return CompressorCosts.fit(samples, note=f"measured in the lanes during the profiled "
                                    f"iterations on {self.device} (gpu) and the host pool (cpu); "
                                    "server: the numba kernels alone; by "
@@ -614,11 +781,12 @@ class EspressoSpec(CompressionSpec):
     def codec(self, session: Session) -> CodecPair | None:
         return _codec(session, self.compressor, self.params, self.error_feedback)
 
-    def probes(self, session: Session, numels: Sequence[int]) -> LaneProbes | None:
-        # One round is the warm-up; without a second there is nothing to measure in the lanes.
+    def probes(self, session: Session, numels: Sequence[int],
+               traffic: Mapping[str, int]) -> LaneProbes | None:
+        # The fp32 steps' timings keep the iterations after the first: one would leave none.
         if self.profile_steps(session) < 2:
             return None
-        return LaneProbes(session, self.codec(session), numels)
+        return LaneProbes(session, self.codec(session), numels, traffic)
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
@@ -632,17 +800,18 @@ class EspressoSpec(CompressionSpec):
         offsets = slowest_across_ranks(session, ready_offsets(ready, starts, names))
         probes = profile.probes if profile is not None else None
         in_lanes = probes is not None and probes.complete
-        # Paused probes are collectives too: every rank takes them, or none does.
-        cluster = probes.cluster(_copy_gbps(rt.device)) if in_lanes else measure_cluster(session)
-        # shared_host: the fp32 baseline's path; host_device: cpu steps share the cores of
-        # the training device.
-        cluster = cluster.with_(shared_host=rt.shared_host, host_device=rt.device.type == "cpu")
         # The profiled iterations ran the fp32 path per bucket (every gradient's own when the
         # profile names none).
         profiled = dict(profile.buckets) if profile is not None and profile.buckets else numel
         if in_lanes:  # the last member to reach a step measured it: the minimum over ranks
             steps_us = -slowest_across_ranks(
                 session, -probes.step_times(list(profiled), len(session.fp32.steps)))
+        # Paused probes are collectives too: every rank takes them, or none does.
+        cluster = (probes.cluster(_copy_gbps(rt.device), list(profiled.values()), steps_us,
+                                  session) if in_lanes else measure_cluster(session))
+        # shared_host: the fp32 baseline's path; host_device: cpu steps share the cores of
+        # the training device.
+        cluster = cluster.with_(shared_host=rt.shared_host, host_device=rt.device.type == "cpu")
         data: bytes | None = None
         if rt.topology.rank == 0:
             workload = workload_from_offsets(offsets, names, numel)
@@ -653,6 +822,8 @@ class EspressoSpec(CompressionSpec):
                 cluster, factors = in_training_latency(
                     cluster, session.fp32, list(profiled.values()), steps_us,
                     compressor=self.compressor, params=self.params, costs=costs)
+                log.info("probes in the lanes: %s; PS path from the %s", probes.spent_text(),
+                         probes.ps_source)
                 log.info("latency in training vs the probes: %s", ", ".join(
                     f"{path} x{f:.2f}" for path, f in factors.items()) or "not measured")
             t0 = time.perf_counter()
@@ -678,15 +849,31 @@ class EspressoSpec(CompressionSpec):
                          rt.cfg.trial_steps, ", ".join(
                              f"{s.algorithm} ({s.predicted_ms:.1f} ms)" for s in finalists))
             if rt.cfg.profile_out:
-                _write_profile(Path(rt.cfg.profile_out), workload, cluster, costs, finalists[0])
+                _write_profile(Path(rt.cfg.profile_out), workload, cluster, costs, finalists[0],
+                               probes=probes.record() if in_lanes else None)
             data = json.dumps([s.to_dict() for s in finalists]).encode()
         data = rt.broadcast_bytes(data, 0)
         finalists = [Strategy.from_dict(d, "broadcast strategy") for d in json.loads(data)]
         session.strategy = finalists[0]
-        return _plan_of(finalists[0], tuple(finalists) if len(finalists) > 1 else ())
+        plan = _plan_of(finalists[0], tuple(finalists) if len(finalists) > 1 else ())
+        if plan.finalists and profile is not None:
+            plan = replace(plan, fp32_ms=_fp32_ms(session, profile.starts, probes is not None))
+        return plan
 
     def _trials(self, session: Session) -> bool:
         return self.algorithm == "espresso" and session.runtime.cfg.trial_steps >= 2
+
+
+def _fp32_ms(session: Session, starts: Sequence[float], probed: bool) -> float | None:
+    """The profiled iterations' time on the fp32 path: the slowest rank's median over those
+    after the first that ran no probes (``probed``: the lanes probed), ms; None without any
+    (every rank profiled the same iterations, so all agree). All ranks call it."""
+    lanes = session.runtime.lanes
+    clean = [starts[i + 1] - starts[i] for i in range(1, len(starts) - 1)
+             if not (probed and probe_lanes(i, lanes))]
+    if not clean:
+        return None
+    return float(slowest_across_ranks(session, np.array([statistics.median(clean)]))[0]) * 1e3
 
 
 def _plan_of(strategy: Any, finalists: tuple[Any, ...] = ()) -> Plan:
@@ -695,8 +882,11 @@ def _plan_of(strategy: Any, finalists: tuple[Any, ...] = ()) -> Plan:
                 finalists, strategy.layout)
 
 
-def _write_profile(out: Path, workload: Any, cluster: Any, costs: Any, strategy: Any) -> None:
+def _write_profile(out: Path, workload: Any, cluster: Any, costs: Any, strategy: Any, *,
+                   probes: dict[str, Any] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if probes is not None:
+        (out / "probes.json").write_text(json.dumps(probes, indent=1) + "\n")
     workload.save(out / "workload.json")
     (out / "cluster.json").write_text(json.dumps(cluster.to_dict(), indent=1) + "\n")
     costs.save(out / "costs.json")

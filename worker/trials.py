@@ -21,7 +21,8 @@ writes ``trials.json`` and replaces ``strategy.json`` with the strategy kept.
 A finalist that is clearly slower stops early, as a race drops its laggards: after its first
 ``_RACE_TIMED`` timed iterations the ranks exchange that median and the medians of the
 finalists already measured (the same collective ``choose`` uses, at the same iteration on
-every rank) and, when it is over ``_RACE_FACTOR`` times the fastest of them, every rank moves
+every rank) and, when it is over ``_RACE_FACTOR`` times the fastest of them or of the
+profiled fp32 iterations (the first finalist races against those alone), every rank moves
 on to the next finalist. The trials were most of the start-up once the link probes shrank
 (the main job at 1 Gbit/s: 3.1-3.8 s of 5.8-6.6, 5 finalists x 6 iterations).
 """
@@ -70,12 +71,15 @@ class Trials:
     Args:
         finalists: Strategies, the planned one first.
         steps: iterations per finalist, the first a warm-up (at least 2).
+        fp32_ms: the profiled fp32 iterations' time (the slowest rank's median, the same on
+            every rank), a time to race against from the first finalist on; None: none.
 
     Raises:
         ValueError: fewer than two finalists or steps < 2.
     """
 
-    def __init__(self, finalists: Sequence[Any], steps: int) -> None:
+    def __init__(self, finalists: Sequence[Any], steps: int,
+                 fp32_ms: float | None = None) -> None:
         if len(finalists) < 2:
             raise ValueError("trials need at least two finalists")
         if steps < 2:
@@ -83,6 +87,7 @@ class Trials:
                              f"{steps}; set ESPRESSO_TRIAL_STEPS >= 2, or below 2 to skip them")
         self.finalists = list(finalists)
         self.steps = steps
+        self.fp32_ms = fp32_ms
         self.times_ms: list[list[float]] = [[] for _ in self.finalists]
         self.stopped: set[int] = set()  # finalists stopped early (see the module docstring)
         self.index = 0
@@ -110,19 +115,22 @@ class Trials:
 
     def _outpaced(self, session: Session) -> bool:
         """Whether the current finalist, at its ``_RACE_TIMED``-th timed iteration, trails the
-        fastest finished one by over ``_RACE_FACTOR`` (slowest ranks' medians)."""
+        fastest finished one, or the profiled fp32 iterations, by over ``_RACE_FACTOR``
+        (slowest ranks' medians)."""
         times = self.times_ms[self.index]
-        if self.index == 0 or len(times) != 1 + _RACE_TIMED or self.steps <= 1 + _RACE_TIMED:
+        if ((self.index == 0 and self.fp32_ms is None) or len(times) != 1 + _RACE_TIMED
+                or self.steps <= 1 + _RACE_TIMED):
             return False
         medians = [statistics.median(t[1:]) for t in self.times_ms[:self.index + 1]]
         slowest = slowest_across_ranks(session, np.array(medians))
-        if slowest[-1] <= _RACE_FACTOR * slowest[:-1].min():
+        ahead = [*slowest[:-1], self.fp32_ms] if self.fp32_ms is not None else slowest[:-1]
+        best = float(np.min(ahead))
+        if slowest[-1] <= _RACE_FACTOR * best:
             return False
         self.stopped.add(self.index)
         if session.runtime.topology.rank == 0:
             log.info("trials: %s stopped after %d iterations, %.1f ms against %.1f ms of the "
-                     "fastest so far", self.current.algorithm, len(times), slowest[-1],
-                     slowest[:-1].min())
+                     "fastest so far", self.current.algorithm, len(times), slowest[-1], best)
         return True
 
     def medians_ms(self) -> np.ndarray:

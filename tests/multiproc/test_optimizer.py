@@ -23,8 +23,8 @@ worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
 
-def _expected(passes: int, steps: int) -> list[np.ndarray]:
-    net = worker.model()
+def _expected(passes: int, steps: int, width: int = 33) -> list[np.ndarray]:
+    net = worker.model(width)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     out = []
     for step in range(steps):
@@ -67,9 +67,9 @@ def test_workers_stay_identical_and_match_single_process(tmp_path, cluster, case
         assert np.array_equal(np.load(tmp_path / f"ranks_{r}.npy"), np.full(5, 6.0, np.float32))
 
 
-def _check_exact(out: Path, steps: int) -> None:
+def _check_exact(out: Path, steps: int, width: int = 33) -> None:
     """Every rank's parameters after every step are identical and match _expected."""
-    expected = _expected(1, steps)
+    expected = _expected(1, steps, width)
     for step in range(steps):
         got = [np.load(out / f"params_{step}_{r}.npy") for r in range(WORLD)]
         for r in range(1, WORLD):
@@ -92,20 +92,36 @@ def test_dgc_recipe_moves_momentum_before_communication_exactly(tmp_path, cluste
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("steps", "measured"), [(4, "in the lanes"), (1, "at start-up")],
-                         ids=["lane-probes", "paused-probes"])
+@pytest.mark.parametrize(("steps", "measured", "compression"),
+                         [(4, "in the lanes", "espresso"), (1, "at start-up", "espresso"),
+                          (4, "in the lanes", "espresso-traffic")],
+                         ids=["lane-probes", "paused-probes", "ps-from-traffic"])
 def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, cluster, steps,
-                                                                 measured):
+                                                                 measured, compression):
     """Every step profiled. With 2+ profiled steps the lanes run link and compressor probes
-    next to the fp32 synchronization; with 1 (no round after the warm-up) every rank probes
-    with training paused. Results stay exact, and the plan after the last step uses the
-    probes."""
+    next to the fp32 synchronization; with 1 (no iteration after the first for the steps'
+    timings) every rank probes with training paused. On the wide model the profiled
+    push/pulls give the PS bandwidth and only the latency-bound PS probe runs. Results stay
+    exact, and the plan after the last step uses the probes."""
     out = tmp_path / "profile"
     env = {"ESPRESSO_PROFILE_STEPS": str(steps), "ESPRESSO_PROFILE_OUT": str(out)}
     with cluster.ps_job(servers=1) as root:
-        cluster.run_workers("optimizer_worker.py", [str(tmp_path), "espresso", "1", str(steps)],
+        cluster.run_workers("optimizer_worker.py", [str(tmp_path), compression, "1", str(steps)],
                             root_port=root, servers=1, timeout=150, extra_env=env)
-    _check_exact(tmp_path, steps)
+    wide = compression == "espresso-traffic"
+    _check_exact(tmp_path, steps, worker.WIDE if wide else 33)
+    if steps > 1:  # what the PS path was inverted from
+        probes = json.loads((out / "probes.json").read_text())
+        ps = {int(n) for n in probes["links_us"]["ps"]}
+        if wide:  # the small probe, and what each worker pushed of the one bucket
+            assert probes["ps_source"] == "latency probe + profiled push/pulls"
+            bucket = 8 * worker.WIDE + 2 * worker.WIDE + 1
+            # On one host the fp32 path is the flat push/pull; else each worker's shard.
+            shared = json.loads((out / "cluster.json").read_text())["shared_host"]
+            assert ps == {256, bucket if shared else (bucket + 1) // 2}
+        else:
+            assert probes["ps_source"] == "probes" and ps == {256, 1 << 18}
+        assert probes["lane_seconds"]["links/0"] > 0 and probes["lane_seconds"]["compressor/1"] > 0
     cluster_json = json.loads((out / "cluster.json").read_text())
     assert cluster_json["intra_link"] == "measured"
     assert cluster_json["server_latency_us"] is not None and cluster_json["server_gbps"] > 0

@@ -163,12 +163,84 @@ def test_probe_times_at_any_two_sizes_invert_to_the_link_that_made_them(sizes):
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3])
-def test_the_warm_up_round_warms_every_lane_and_timed_rounds_take_turns(lanes):
+def test_probing_rounds_come_first_and_the_lanes_take_turns(lanes):
     from byteps_espresso.worker.profiler import _PROBE_ROUNDS, probe_lanes
 
-    assert probe_lanes(0, lanes) == tuple(range(lanes))
     rounds = max(_PROBE_ROUNDS, lanes)
-    timed = [probe_lanes(it, lanes) for it in range(1, rounds + 1)]
+    timed = [probe_lanes(it, lanes) for it in range(rounds)]
     assert all(len(t) == 1 for t in timed)  # one lane at a time: the links are not split
     assert {t[0] for t in timed} == set(range(lanes))  # every lane is timed
-    assert [probe_lanes(it, lanes) for it in range(rounds + 1, rounds + 4)] == [()] * 3
+    assert [probe_lanes(it, lanes) for it in range(rounds, rounds + 3)] == [()] * 3
+
+
+def test_the_compressor_budget_times_the_widest_span_first_then_stops():
+    from byteps_espresso.worker.profiler import _within_budget
+
+    sizes = [4096, 64, 1 << 20, 512, 64, 1 << 16]
+    assert list(_within_budget(sizes, None)) == [64, 1 << 20, 512, 4096, 1 << 16]
+    # Over budget from the start: still the two the fit needs, the smallest and the largest.
+    assert list(_within_budget(sizes, 0.0)) == [64, 1 << 20]
+    assert list(_within_budget([7], 0.0)) == [7]
+
+
+def _ps_times(option_text, sizes, latency_us, per_worker_gbps):
+    """Step times (buckets x steps) of an fp32 Option whose PushPull moves each worker's
+    shard at ``per_worker_gbps`` after ``latency_us`` each way; NaN elsewhere."""
+    from byteps_espresso.strategy.options import Kind, Option
+
+    option = Option.parse(option_text)
+    shard = 2 if option.steps[0].kind is Kind.REDUCE_SCATTER else 1  # local size 2
+    out = np.full((len(sizes), len(option.steps)), np.nan)
+    col = next(i for i, st in enumerate(option.steps) if st.kind is Kind.PUSH_PULL)
+    for j, n in enumerate(sizes):
+        out[j, col] = 2 * latency_us + 2 * np.ceil(n / shard) * 32 / (per_worker_gbps * 1e3)
+    return option, out
+
+
+@pytest.mark.parametrize("option_text", ["ReduceScatter(intra) -> PushPull(inter) -> "
+                                         "Allgather(intra)", "PushPull(flat)"])
+def test_the_profiled_push_pulls_invert_to_the_server_link_that_made_them(option_text):
+    """The fp32 path's own push/pulls give the PS bandwidth, each at the extent a worker moves
+    (its ReduceScatter shard, or the whole bucket on the flat path), and the small probe
+    the latency: the inversion finds the link that made both."""
+    from byteps_espresso.worker.profiler import (
+        _PROBE_SMALL,
+        _cluster,
+        ps_from_traffic,
+        traffic_times,
+    )
+    from byteps_espresso.worker.topology import Topology
+
+    topo = Topology(2, 2, 0, 0)
+    sizes = [3_024, 258_000, 227_328]
+    latency, gbps = 300.0, 0.8
+    option, steps_us = _ps_times(option_text, sizes, latency, gbps)
+    assert ps_from_traffic(option, sizes, topo.size)
+    ps = traffic_times(option, sizes, steps_us, topo.size)
+    shard = 2 if "ReduceScatter" in option_text else 1
+    assert sorted(n for _, n in ps) == sorted(-(-n // shard) for n in sizes)
+    probe = 2 * latency + 2 * _PROBE_SMALL * 32 / (gbps * 1e3)
+    times = {("intra", 256): 10.0, ("intra", 1 << 18): 100.0, ("inter", 256): 10.0,
+             ("inter", 1 << 18): 1000.0, ("ps", _PROBE_SMALL): probe} | ps
+    c = _cluster(topo, 1, 2, times, 10.0, lanes=2)
+    assert c.server_latency_us == pytest.approx(latency)
+    assert c.server_gbps == pytest.approx(gbps * 4)  # 4 workers through 1 server
+
+
+def test_push_pulls_too_small_or_absent_leave_the_ps_path_to_the_probes():
+    from byteps_espresso.worker.profiler import _TRAFFIC_MIN, ps_from_traffic, traffic_times
+    from byteps_espresso.worker.topology import Topology
+
+    from byteps_espresso.strategy.options import Option
+
+    size = Topology(2, 2, 0, 0).size
+    hierarchical = Option.parse("ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)")
+    # A worker moves half of a bucket after the ReduceScatter: twice the minimum is needed.
+    assert not ps_from_traffic(hierarchical, [2 * _TRAFFIC_MIN - 2], size)
+    assert ps_from_traffic(hierarchical, [2 * _TRAFFIC_MIN], size)
+    assert ps_from_traffic(Option.parse("PushPull(flat)"), [_TRAFFIC_MIN], size)
+    collectives = Option.parse("ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)")
+    assert not ps_from_traffic(collectives, [1 << 24], size)
+    assert traffic_times(hierarchical, [1 << 20], None, size) == {}
+    unseen = np.full((1, 3), np.nan)  # no push/pull was timed
+    assert traffic_times(hierarchical, [1 << 20], unseen, size) == {}

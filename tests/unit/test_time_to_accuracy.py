@@ -44,7 +44,9 @@ def test_startup_splits_profiling_planning_and_trials(tmp_path):
     # 3 profiled steps (the third plans: 0.25 s in the log), 2 finalists x 2 trial steps
     # (counted from trials.json's iterations, as a finalist may stop early)
     ends = [1.0, 2.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.2]
-    log = ["[worker 1] x: planned in 99.0 ms:", "[worker 0] 2026 profiler: planned in 250.0 ms:"]
+    log = ["[worker 0] 2026 profiler: loaded the planner's kernels in 0.30 s, before the first "
+           "step", "[worker 1] x: planned in 99.0 ms:",
+           "[worker 0] 2026 profiler: planned in 250.0 ms:"]
     run = _run(tmp_path, "e", [], ends, log)
     profile = tmp_path / "profile"
     profile.mkdir()
@@ -54,10 +56,16 @@ def test_startup_splits_profiling_planning_and_trials(tmp_path):
             {"iteration_ms": [500.0, 500.0], "stopped_early": False}]}))
     s = run.startup(3, profile)
     # steps 0-2 profile (the last one plans), steps 3-6 are the trials, step 7 runs the kept
-    assert s == Startup(3.25, 0.25, 2.0)
+    assert s == Startup(3.25, 0.25, 2.0, before_s=0.3, steps=7)
     assert s.total_s == 5.5  # the end of the last trial step
     assert "5.5 s" in s.text(500.0) and "11 fp32 iterations" in s.text(500.0)
+    assert "before the first step: 0.30 s loading the planner" in s.text(500.0)
+    # fp32 took 3.0 s for the same 7 steps: 2.5 s beyond it, 5 of its 500 ms iterations
+    fp32 = _run(tmp_path, "f", [], [0.5, 1.0, 1.5, 2.0, 2.5, 2.75, 3.0, 3.25])
+    assert s.beyond_s(fp32) == pytest.approx(2.5)
+    assert "2.5 s beyond fp32's first 7 steps (= 5)" in s.text(500.0, fp32)
+    assert s.beyond_s(_run(tmp_path, "g", [], [1.0])) is None  # fp32 ran fewer steps
     # without trials the start-up ends with planning; fp32 has none
-    assert run.startup(3, tmp_path / "none") == Startup(3.25, 0.25, 0.0)
+    assert run.startup(3, tmp_path / "none") == Startup(3.25, 0.25, 0.0, before_s=0.3, steps=3)
     assert run.startup(0, profile).total_s == 0.0
     assert Startup(0.0, 0.0, 0.0).text(5.0) == "none"

@@ -155,6 +155,19 @@ def test_every_rank_keeps_the_finalist_fastest_on_its_slowest_rank(tmp_path, eve
     assert saved.options == finalists[1].options and saved.algorithm == finalists[1].algorithm
 
 
+def _race(hub, rank, tmp_path, trials, ms):
+    """Run ``trials`` to the end on ``rank``, each finalist's first iteration 1 s, then
+    ``ms(rank, finalist)``; returns (the finalist of each iteration, the one kept)."""
+    session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
+    seen = []
+    while not trials.done:
+        finalist = trials.index
+        first = not trials.times_ms[finalist]
+        trials.record(1.0 if first else ms(rank, finalist) / 1e3, session)
+        seen.append(finalist)
+    return seen, trials.choose(session).algorithm
+
+
 def test_a_finalist_trailing_on_any_rank_stops_early_on_every_rank(tmp_path, every):
     finalists = every[:3]
     # ms after a 1 s warm-up, per finalist: the plan 10 ms on every rank; finalist 1 at
@@ -163,23 +176,32 @@ def test_a_finalist_trailing_on_any_rank_stops_early_on_every_rank(tmp_path, eve
     def ms(rank, finalist):
         return {0: 10.0, 1: 20.0 if rank == 2 else 10.0, 2: 12.0}[finalist]
 
-    def run(hub, rank):
-        session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
-        trials = Trials(finalists, steps=6)
-        seen = []
-        while not trials.done:
-            finalist = trials.index
-            first = not trials.times_ms[finalist]
-            trials.record(1.0 if first else ms(rank, finalist) / 1e3, session)
-            seen.append(finalist)
-        return seen, trials.choose(session).algorithm
-
-    runs = _on_every_rank(run)
+    runs = _on_every_rank(lambda hub, rank: _race(hub, rank, tmp_path, Trials(finalists, 6),
+                                                  ms))
     assert {tuple(seen) for seen, _ in runs.values()} == {(0,) * 6 + (1,) * 3 + (2,) * 6}
     assert {kept for _, kept in runs.values()} == {finalists[0].algorithm}
     written = json.loads((tmp_path / "trials.json").read_text())
     assert [f["stopped_early"] for f in written["finalists"]] == [False, True, False]
     assert [len(f["iteration_ms"]) for f in written["finalists"]] == [6, 3, 6]
+
+
+def test_the_first_finalist_races_against_the_profiled_fp32_iterations(tmp_path, every):
+    finalists = every[:2]
+    # The profiled fp32 iterations took 10 ms (slowest rank). The plan runs 20 ms on rank 1
+    # (over 1.3 x 10): it stops after 2 timed iterations on every rank; finalist 1 at 12 ms
+    # runs all 5 and is kept. Without the yardstick the plan would run its 6.
+    def ms(rank, finalist):
+        return {0: 20.0 if rank == 1 else 10.0, 1: 12.0}[finalist]
+
+    def run(hub, rank, fp32_ms):
+        return _race(hub, rank, tmp_path, Trials(finalists, 6, fp32_ms=fp32_ms), ms)
+
+    runs = _on_every_rank(lambda hub, rank: run(hub, rank, 10.0))
+    assert {tuple(seen) for seen, _ in runs.values()} == {(0,) * 3 + (1,) * 6}
+    assert {kept for _, kept in runs.values()} == {finalists[1].algorithm}
+    assert json.loads((tmp_path / "trials.json").read_text())["finalists"][0]["stopped_early"]
+    runs = _on_every_rank(lambda hub, rank: run(hub, rank, None))
+    assert {tuple(seen) for seen, _ in runs.values()} == {(0,) * 6 + (1,) * 6}
 
 
 def test_trials_of_two_timed_iterations_are_never_cut_short(every):

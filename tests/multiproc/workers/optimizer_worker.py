@@ -3,11 +3,12 @@
 Usage: optimizer_worker.py OUT_DIR COMPRESSION PASSES STEPS. COMPRESSION is a name of
 ``bps.Compression``, ``espresso`` (random-k planned after ESPRESSO_PROFILE_STEPS uncompressed
 iterations), ``espresso-trials`` (the same, with every alternative a finalist of the
-measured trials, however slow its prediction) or ``dgc`` (DGC's recipe: the optimizer's
-momentum moves before communication). Each rank's batches are drawn
-from a generator seeded by (rank, step, pass), so the test recomputes them. After every step
-the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle); at the end
-the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt.
+measured trials, however slow its prediction), ``espresso-traffic`` (the same on a wider
+model whose profiled push/pulls price the PS path instead of the large PS probe) or
+``dgc`` (DGC's recipe: the optimizer's momentum moves before communication). Each rank's
+batches are drawn from a generator seeded by (rank, step, pass), so the test recomputes
+them. After every step the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy
+(no pickle); at the end the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt.
 """
 
 import sys
@@ -20,6 +21,8 @@ from byteps_espresso.worker import profiler
 
 import byteps_espresso.torch as bps
 
+WIDE = 8192
+
 
 def batch(rank: int, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + 10 * step + k)
@@ -27,9 +30,10 @@ def batch(rank: int, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).tanh()
 
 
-def model() -> torch.nn.Module:
+def model(width: int = 33) -> torch.nn.Module:
     torch.manual_seed(1234)
-    return torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.Tanh(), torch.nn.Linear(33, 1))
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
+                               torch.nn.Linear(width, 1))
 
 
 def main() -> None:
@@ -37,7 +41,12 @@ def main() -> None:
                                        int(sys.argv[4]))
     bps.init()
     try:
-        net = model()
+        # espresso-traffic: a hidden layer wide enough for the profiled push/pulls to price the
+        # PS path (each worker's shard of the one bucket: 40,961 elements).
+        wide = compression == "espresso-traffic"
+        if wide:
+            profiler._TRAFFIC_MIN = 1 << 15
+        net = model(WIDE if wide else 33)
         if bps.rank() != 0:  # different local init: broadcast_parameters must fix it
             with torch.no_grad():
                 for p in net.parameters():
