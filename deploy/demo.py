@@ -404,7 +404,8 @@ def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compre
               "warm-up) ==")
         print(table([(f["algorithm"], f["predicted_ms"], f["measured_ms"])
                      for f in data["finalists"]], data["kept"],
-                    {f["algorithm"] for f in data["finalists"] if f.get("stopped_early")}))
+                    {f["algorithm"] for f in data["finalists"] if f.get("stopped_early")},
+                    {f["algorithm"] for f in data["finalists"] if f.get("profiled")}))
     picture = draw_predicted_timeline(profile, out.resolve() / "timeline.png", compressor,
                                       params)
     compressed, tensors = compressed_tensors(profile)

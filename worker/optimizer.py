@@ -133,6 +133,7 @@ class StartupProfile:
         buckets: {bucket name: elements} of the buckets the profiled iterations
             synchronized, in submission order (the probes timed their steps).
         excluded: parameters to keep uncompressed (:meth:`CompressionSpec.excluded`).
+        layout: those buckets' member gradients, in submission order.
     """
 
     ready: list[dict[str, float]]
@@ -140,6 +141,7 @@ class StartupProfile:
     probes: Any | None = None
     buckets: dict[str, int] = field(default_factory=dict)
     excluded: frozenset[str] = frozenset()
+    layout: tuple[Bucket, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -609,7 +611,8 @@ class _Sync:
                 self._apply_plan(StartupProfile(
                     self.ready_times, self.starts, self.probes,
                     {b.name: sum(b.numels) for b in self.buckets},
-                    self.compression.excluded(self.session, self.params)))
+                    self.compression.excluded(self.session, self.params),
+                    tuple(Bucket.of(b.tensors) for b in self.buckets)))
         elif self.trials is not None:
             self._trial_step()
         self.ended = time.perf_counter()
@@ -725,6 +728,9 @@ class _Sync:
 
     def _use_strategy(self, strategy: Any) -> None:
         if [b.tensors for b in strategy.layout] != [b.tensors for b in self.buckets]:
+            # Finalists may submit in different orders (the fp32 one keeps the profiled
+            # iterations' buckets, in their order), so the layout brings its own.
+            self.order = [n for b in strategy.layout for n in b.tensors]
             self._use_buckets(strategy.layout)
         self.options = self._checked(strategy.options)
 
@@ -769,6 +775,8 @@ class _Sync:
         if plan.finalists:
             self.trials = Trials(plan.finalists, self.session.runtime.cfg.trial_steps,
                                  fp32_ms=plan.fp32_ms)
+            if self.trials.current is not plan.finalists[0]:  # the first is the profile's
+                self._use_strategy(self.trials.current)
         if self.codec is not None:
             self.engine = self.session.runtime.engine(self.codec)
 

@@ -539,11 +539,17 @@ class LaneProbes:
         self._executors = list(session.plain.executors)
         for ex in self._executors:
             ex.timings = []
+        if self.codec is not None:  # load the kernels now, not in a lane during backward
+            x = next(iter(self._timed.values()))
+            for dev in (Device.GPU, Device.CPU):
+                payload = self.codec.compress(dev, x, "espresso.probe", 0)
+                self.codec.decompress(dev, payload, x.numel(), "espresso.probe", 0)
         # Rank 0 (which plans) loads the planner's numba kernels now, before the first step,
         # as it loads the codec's: once per process, like an import. At planning time every
         # rank waited for it (most of a first plan's 250-310 ms in the main job, against 7 ms
-        # with the kernels loaded); loading them in a thread beside the profiled iterations
-        # slowed those by 50-150 ms each (the loading is mostly Python, under the lock).
+        # with the kernels loaded); in a thread beside the profiled iterations it slowed those
+        # by 50-150 ms each (the loading is mostly Python, under the lock). After the codec's,
+        # numba's own start-up is paid: 0.08-0.12 s here against 0.5 s before them.
         if rt.topology.rank == 0:
             from byteps_espresso.strategy.context import load_kernels
 
@@ -551,11 +557,6 @@ class LaneProbes:
             load_kernels()
             log.info("loaded the planner's kernels in %.2f s, before the first step",
                      time.perf_counter() - t0)
-        if self.codec is not None:  # load the kernels now, not in a lane during backward
-            x = next(iter(self._timed.values()))
-            for dev in (Device.GPU, Device.CPU):
-                payload = self.codec.compress(dev, x, "espresso.probe", 0)
-                self.codec.decompress(dev, payload, x.numel(), "espresso.probe", 0)
 
     def close(self) -> None:
         """Stop timing the lanes' steps (the profile is no longer needed)."""
@@ -840,6 +841,11 @@ class EspressoSpec(CompressionSpec):
                 caps=CANDIDATE_CAPS if cap_mb is None else (int(cap_mb * MiB),), apart=apart)
             kept = buckets if any(b.fused for b in buckets) else ()
             finalists = [replace(s, buckets=kept) for s in finalists]
+            if len(finalists) > 1 and profile is not None and profile.layout:
+                # The profiled iterations ran fp32 on their own buckets: the fp32 finalist
+                # keeps those, so that they measure it (worker/trials.py).
+                finalists = [self._on_layout(s, workload, cluster, costs, profile.layout)
+                             if s.algorithm == "fp32" else s for s in finalists]
             log.info("planned in %.1f ms (bucket caps: %s):\n%s",
                      (time.perf_counter() - t0) * 1e3, ", ".join(
                          f"{cap / MiB:g} MiB {ms:.2f} ms" for cap, ms in tried),
@@ -859,6 +865,17 @@ class EspressoSpec(CompressionSpec):
         if plan.finalists and profile is not None:
             plan = replace(plan, fp32_ms=_fp32_ms(session, profile.starts, probes is not None))
         return plan
+
+    def _on_layout(self, strategy: Any, workload: Any, cluster: Any, costs: Any,
+                   layout: Sequence[Any]) -> Any:
+        """``strategy`` (a baseline) planned again on the buckets of ``layout``."""
+        from byteps_espresso.strategy.buckets import fuse, reorder
+        from byteps_espresso.strategy.planner import plan
+
+        fused = fuse(reorder(workload, [n for b in layout for n in b.tensors]), layout)
+        again = plan(fused, cluster, self.compressor, dict(self.params),
+                     algorithm=strategy.algorithm, constraints=self.constraints, costs=costs)
+        return replace(again, buckets=tuple(layout) if any(b.fused for b in layout) else ())
 
     def _trials(self, session: Session) -> bool:
         return self.algorithm == "espresso" and session.runtime.cfg.trial_steps >= 2

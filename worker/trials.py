@@ -23,8 +23,10 @@ A finalist that is clearly slower stops early, as a race drops its laggards: aft
 finalists already measured (the same collective ``choose`` uses, at the same iteration on
 every rank) and, when it is over ``_RACE_FACTOR`` times the fastest of them or of the
 profiled fp32 iterations (the first finalist races against those alone), every rank moves
-on to the next finalist. The trials were most of the start-up once the link probes shrank
-(the main job at 1 Gbit/s: 3.1-3.8 s of 5.8-6.6, 5 finalists x 6 iterations).
+on to the next finalist. The ``fp32`` finalist trains no trial iterations where the profiled
+iterations measured it (on their buckets, the ones it then keeps): those ran its Option.
+The trials were most of the start-up once the link probes shrank (the main job at
+1 Gbit/s: 3.1-3.8 s of 5.8-6.6, 5 finalists x 6 iterations).
 """
 
 from __future__ import annotations
@@ -54,13 +56,15 @@ _RACE_FACTOR = 1.3
 
 
 def table(rows: Sequence[tuple[str, float, float]], kept: str,
-          stopped: Collection[str] = ()) -> str:
+          stopped: Collection[str] = (), profiled: Collection[str] = ()) -> str:
     """The trials as text: (algorithm, predicted ms, measured ms) per finalist; ``stopped``:
-    the finalists that lost the race and stopped early."""
+    the finalists that lost the race and stopped early; ``profiled``: those the profiled
+    iterations measured."""
     lines = [f"{'finalist':<16} {'predicted':>10} {'measured':>9}"]
     for algorithm, predicted, measured in rows:
-        mark = ("  <- kept" if algorithm == kept
-                else "  (stopped early)" if algorithm in stopped else "")
+        mark = ("  <- kept" if algorithm == kept else "")
+        mark += ("  (stopped early)" if algorithm in stopped
+                 else "  (the profiled iterations)" if algorithm in profiled else "")
         lines.append(f"{algorithm:<16} {predicted:>8.2f}ms {measured:>7.2f}ms{mark}")
     return "\n".join(lines)
 
@@ -72,7 +76,9 @@ class Trials:
         finalists: Strategies, the planned one first.
         steps: iterations per finalist, the first a warm-up (at least 2).
         fp32_ms: the profiled fp32 iterations' time (the slowest rank's median, the same on
-            every rank), a time to race against from the first finalist on; None: none.
+            every rank), a time to race against from the first finalist on, and the measured
+            time of the ``fp32`` finalist, which then trains no trial iterations (the caller
+            gives it the profiled iterations' buckets); None: none.
 
     Raises:
         ValueError: fewer than two finalists or steps < 2.
@@ -90,7 +96,17 @@ class Trials:
         self.fp32_ms = fp32_ms
         self.times_ms: list[list[float]] = [[] for _ in self.finalists]
         self.stopped: set[int] = set()  # finalists stopped early (see the module docstring)
+        # Finalists measured by the profiled iterations (see fp32_ms): no trial of their own.
+        self.profiled = {i for i, s in enumerate(self.finalists)
+                         if fp32_ms is not None and s.algorithm == "fp32"}
+        if len(self.profiled) == len(self.finalists):
+            raise ValueError("trials need a finalist that the profile did not measure")
         self.index = 0
+        self._skip_profiled()
+
+    def _skip_profiled(self) -> None:
+        while self.index in self.profiled:
+            self.index += 1
 
     @property
     def current(self) -> Any:
@@ -112,6 +128,7 @@ class Trials:
         times.append(seconds * 1e3)
         if len(times) == self.steps or (session is not None and self._outpaced(session)):
             self.index += 1
+            self._skip_profiled()
 
     def _outpaced(self, session: Session) -> bool:
         """Whether the current finalist, at its ``_RACE_TIMED``-th timed iteration, trails the
@@ -121,8 +138,8 @@ class Trials:
         if ((self.index == 0 and self.fp32_ms is None) or len(times) != 1 + _RACE_TIMED
                 or self.steps <= 1 + _RACE_TIMED):
             return False
-        medians = [statistics.median(t[1:]) for t in self.times_ms[:self.index + 1]]
-        slowest = slowest_across_ranks(session, np.array(medians))
+        slowest = slowest_across_ranks(session, np.array(
+            [self._median(i) for i in range(self.index + 1)]))
         ahead = [*slowest[:-1], self.fp32_ms] if self.fp32_ms is not None else slowest[:-1]
         best = float(np.min(ahead))
         if slowest[-1] <= _RACE_FACTOR * best:
@@ -133,9 +150,17 @@ class Trials:
                      "fastest so far", self.current.algorithm, len(times), slowest[-1], best)
         return True
 
+    def _median(self, i: int) -> float:
+        """Finalist ``i``'s median iteration time after its warm-up (``fp32_ms`` where the
+        profile measured it)."""
+        if i in self.profiled:
+            assert self.fp32_ms is not None
+            return self.fp32_ms
+        return statistics.median(self.times_ms[i][1:])
+
     def medians_ms(self) -> np.ndarray:
         """Per finalist, the median iteration time after the warm-up (once :attr:`done`)."""
-        return np.array([statistics.median(t[1:]) for t in self.times_ms])
+        return np.array([self._median(i) for i in range(len(self.finalists))])
 
     def choose(self, session: Session) -> Any:
         """The finalist with the smallest slowest-rank median (all ranks call it; every rank
@@ -161,13 +186,14 @@ class Trials:
         return table([(s.algorithm, s.predicted_ms, float(ms))
                       for s, ms in zip(self.finalists, measured, strict=True)],
                      self.finalists[kept].algorithm,
-                     {self.finalists[i].algorithm for i in self.stopped})
+                     {self.finalists[i].algorithm for i in self.stopped},
+                     {self.finalists[i].algorithm for i in self.profiled})
 
     def _write(self, out: Path, measured: np.ndarray, kept: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
         entries = [{"algorithm": s.algorithm, "predicted_ms": s.predicted_ms,
                     "measured_ms": float(ms), "iteration_ms": times,
-                    "stopped_early": i in self.stopped,
+                    "stopped_early": i in self.stopped, "profiled": i in self.profiled,
                     "options": {name: str(o) for name, o in s.options.items()}}
                    for i, (s, ms, times) in enumerate(zip(self.finalists, measured,
                                                           self.times_ms, strict=True))]

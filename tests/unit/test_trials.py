@@ -204,6 +204,28 @@ def test_the_first_finalist_races_against_the_profiled_fp32_iterations(tmp_path,
     assert {tuple(seen) for seen, _ in runs.values()} == {(0,) * 6 + (1,) * 6}
 
 
+def test_the_profiled_iterations_measure_the_fp32_finalist(tmp_path, every):
+    finalists = [s for s in every if s.algorithm in ("espresso", "fp32", "all-gpu")]
+    assert [s.algorithm for s in finalists[:1]] == ["espresso"] and len(finalists) == 3
+    fp32 = next(i for i, s in enumerate(finalists) if s.algorithm == "fp32")
+    ms = {i: 12.0 + i for i in range(3)}
+
+    def run(hub, rank):
+        return _race(hub, rank, tmp_path, Trials(finalists, 4, fp32_ms=11.0),
+                     lambda rank, finalist: ms[finalist])
+
+    runs = _on_every_rank(run)
+    # fp32 trains no trial iterations and, at 11 ms, is the fastest: kept everywhere
+    others = [i for i in range(3) if i != fp32]
+    assert {tuple(seen) for seen, _ in runs.values()} == {(others[0],) * 4 + (others[1],) * 4}
+    assert {kept for _, kept in runs.values()} == {"fp32"}
+    written = json.loads((tmp_path / "trials.json").read_text())["finalists"]
+    assert [f["profiled"] for f in written] == [i == fp32 for i in range(3)]
+    assert written[fp32]["iteration_ms"] == [] and written[fp32]["measured_ms"] == 11.0
+    with pytest.raises(ValueError, match="did not measure"):
+        Trials([finalists[fp32]] * 2, 4, fp32_ms=11.0)
+
+
 def test_trials_of_two_timed_iterations_are_never_cut_short(every):
     def run(hub, rank):
         trials = Trials(every[:2], steps=3)  # 2 timed iterations: nothing left to save
