@@ -332,6 +332,13 @@ def _check_compute(steps: tuple[Step, ...], i: int, compressed: bool) -> bool:
 
 
 # ---- enumeration --------------------------------------------------------------------------------
+@functools.cache
+def _step(kind: Kind, *, scope: Scope | None = None, device: Device | None = None) -> Step:
+    """One shared instance per distinct step (steps are immutable): a tree builds 13,296
+    steps from about 30 distinct ones, which was half of its enumeration time."""
+    return Step(kind, device=device, scope=scope)
+
+
 def _skeletons(hierarchical: bool, servers: bool) -> Iterator[list[tuple[str, Scope]]]:
     """Communication skeletons: lists of (family, scope) following the path grammar."""
 
@@ -363,7 +370,7 @@ def _forms(skeleton: list[tuple[str, Scope]]) -> Iterator[list[Step | str]]:
             starts.append((True, ["C"]))
         for comp, pre in starts:
             kind = FAMILIES[fam][1 if comp else 0]
-            step = Step(kind, scope=scope)
+            step = _step(kind, scope=scope)
             if kind.gathers:
                 yield from walk(k + 1, False, True, [*acc, *pre, step, "D"])
             elif comp:
@@ -389,7 +396,7 @@ def _enumerate(hierarchical: bool, servers: bool, constraints: Constraints) -> t
             for combo in itertools.product(devices, repeat=len(markers)):
                 steps = list(form)
                 for i, dev in zip(markers, combo, strict=True):
-                    steps[i] = Step(Kind.COMP if form[i] == "C" else Kind.DECOMP, device=dev)
+                    steps[i] = _step(Kind.COMP if form[i] == "C" else Kind.DECOMP, device=dev)
                 option = Option(tuple(steps))  # type: ignore[arg-type]
                 if constraints.allows(option):
                     out.append(option)
