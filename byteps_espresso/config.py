@@ -279,12 +279,15 @@ VARIABLES: tuple[Variable, ...] = (
              "uses it whatever compression the script passes; no profiling or planning at "
              "start-up."),
     Variable("ESPRESSO_PROFILE_STEPS", "profile_steps", _int(0), 5,
-             "Uncompressed iterations profiled before planning."),
+             "Uncompressed iterations profiled before planning (the first max(2, lanes) "
+             "also probe links and the compressor in the lanes; below 2: probes with "
+             "training paused)."),
     Variable("ESPRESSO_TRIAL_STEPS", "trial_steps", _int(0), 6,
              "Iterations each finalist strategy runs after planning (the first is a "
-             "warm-up; the fastest measured is kept; one trailing the fastest so far by "
-             "over 1.3x after 2 timed iterations stops there). Below 2: use the planned "
-             "strategy at once."),
+             "warm-up; the fastest measured is kept; one trailing the fastest so far, or "
+             "the profiled fp32 iterations, by over 1.3x after 2 timed iterations stops "
+             "there; the fp32 finalist is measured by the profiled iterations that ran no "
+             "probes). Below 2: use the planned strategy at once."),
     Variable("ESPRESSO_BUCKET_CAP_MB", "bucket_cap_mb", _bucket_cap, None,
              "Tensor fusion: gradients ready together in backward order are synchronized as "
              "one bucket of at most this many MiB (0: every gradient alone). `auto`: the "
