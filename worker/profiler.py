@@ -509,11 +509,10 @@ class LaneProbes:
     def __init__(self, session: Session, codec: CodecPair | None, numels: Sequence[int],
                  traffic: Mapping[str, int] | None = None) -> None:
         rt = session.runtime
-        self.traffic = dict(traffic or {})
         self.fp32 = session.fp32
         # The same on every rank (the same layout and Option), so the probes stay in step.
         self.ps_from_traffic = bool(rt.cfg.num_servers) and ps_from_traffic(
-            self.fp32, list(self.traffic.values()), rt.topology.size)
+            self.fp32, list((traffic or {}).values()), rt.topology.size)
         self.topology = rt.topology
         self.lanes = rt.lanes
         self.device = rt.device
@@ -525,7 +524,6 @@ class LaneProbes:
         self.compressor: dict[tuple[str, str, int], list[float]] = {}
         self.handles: list[Any] = []
         self.rounds = 0
-        self._warm: set[int] = set()  # lanes that have had their first round
         # Lane seconds per (what, profiled iteration), for the start-up's breakdown.
         self.spent: dict[tuple[str, int], float] = {}
         # What :meth:`cluster` inverted: us per (path, elements), and where the PS's came from.
@@ -571,8 +569,7 @@ class LaneProbes:
             return
         self.rounds += 1
         for lane in lanes:
-            first = lane not in self._warm
-            self._warm.add(lane)
+            first = iteration < engine.lanes  # the lanes take turns from iteration 0
             self.handles.append(engine.call(lane, self._spending(
                 "links", iteration, lambda ex, lane=lane, first=first: self._links(
                     ex, lane, first)), "espresso.probe.links"))
@@ -705,22 +702,19 @@ class LaneProbes:
                     out[j, i] = statistics.median(later)
         return out
 
-    def cluster(self, h2d_gbps: float, sizes: Sequence[int] = (),
-                steps_us: np.ndarray | None = None, session: Session | None = None) -> Any:
+    def cluster(self, h2d_gbps: float, sizes: Sequence[int], steps_us: np.ndarray,
+                session: Session) -> Any:
         """``strategy.Cluster`` from the medians of the probes and, where
         :attr:`ps_from_traffic`, of the profiled push/pulls: ``steps_us`` as
         :meth:`step_times` gives it for the buckets of ``sizes`` elements, the same on every
         rank (the minimum over ranks). The PS path is inverted from the latency probe and the
         largest push/pull. Should no push/pull of at least ``_TRAFFIC_MIN`` elements have been
-        timed, every rank probes the PS path with training paused (``session`` needed)."""
+        timed, every rank probes the PS path with training paused."""
         medians = {key: statistics.median(us) for key, us in self.links.items()}
         self.ps_source = "probes"
         if self.ps_from_traffic:
             ps = traffic_times(self.fp32, sizes, steps_us, self.topology.size)
             if max((n for _, n in ps), default=0) < _TRAFFIC_MIN:
-                if session is None:
-                    raise ValueError("no profiled push/pull of a bandwidth-bound size was "
-                                     "timed: pass the session to probe the PS path")
                 ps = _paused_ps_times(session)
                 medians = {k: v for k, v in medians.items() if k[0] != "ps"}
                 self.ps_source = "paused probes"
