@@ -546,7 +546,7 @@ class LaneProbes:
         # as it loads the codec's: once per process, like an import. At planning time every
         # rank waited for it (most of a first plan's 250-310 ms in the main job, against 7 ms
         # with the kernels loaded); in a thread beside the profiled iterations it slowed those
-        # by 50-150 ms each (the loading is mostly Python, under the lock). After the codec's,
+        # by 40-150 ms each (the loading is mostly Python, under the lock). After the codec's,
         # numba's own start-up is paid: 0.08-0.12 s here against 0.5 s before them.
         if rt.topology.rank == 0:
             from byteps_espresso.strategy.context import load_kernels
