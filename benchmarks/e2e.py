@@ -10,6 +10,8 @@ setting, each strategy trains the example model for the same steps, with each co
               measured trials of its finalists (worker/trials.py; "kept" says which)
     all-gpu   every tensor compressed on the GPU (baseline; on request)
     cpu-only  every compression on the host CPUs (baseline; on request)
+    powersgd  Compression.powersgd(--powersgd-rank): PowerSGD on every bucket, its sums on
+              the fp32 path, no planning (on request); once per setting and round
 
 The yardstick is time to accuracy: every ``--eval-every`` steps each run evaluates its loss
 on one fixed held-out batch (examples/train.py ``--eval-every``; evaluation time is left out
@@ -51,7 +53,9 @@ from byteps_espresso.deploy.demo import (
 )
 from train import fp32_prediction  # benchmarks/train.py
 
-STRATEGIES = ("fp32", "espresso", "all-gpu", "cpu-only")
+STRATEGIES = ("fp32", "espresso", "all-gpu", "cpu-only", "powersgd")
+# Strategies that run one fixed scheme whatever --compressors says (no planning, no start-up).
+FIXED = ("fp32", "powersgd")
 # The compressors of the recipes that keep accuracy (EFSignSGD, DGC) and random-k, the
 # compressor the earlier tables used, reported beside them.
 COMPRESSORS = ("efsignsgd", "dgc", "randomk")
@@ -66,11 +70,15 @@ def _train_args(strategy: str, compressor: str, args: argparse.Namespace) -> lis
             *args.train_args]
     if strategy == "fp32":
         return [*base, "--compression", "fp32"]
+    if strategy == "powersgd":
+        return [*base, "--compression", "powersgd", "--powersgd-rank", str(args.powersgd_rank)]
     return [*base, "--compression", "espresso", "--compressor", compressor,
             "--ratio", str(args.ratio), "--algorithm", strategy]
 
 
 def _params(compressor: str, args: argparse.Namespace) -> dict:
+    if compressor == "powersgd":
+        return {"rank": args.powersgd_rank}
     return {"ratio": args.ratio} if compressor in SPARSIFIERS else {}
 
 
@@ -85,9 +93,9 @@ def _median(values: list) -> float | None:
 
 
 def _cells(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(strategy, compressor) pairs to run; fp32 once (it compresses nothing)."""
+    """(strategy, compressor) pairs to run; the fixed schemes once."""
     return [(s, c) for s in args.strategies
-            for c in (["-"] if s == "fp32" else args.compressors)]
+            for c in ([{"fp32": "-"}.get(s, s)] if s in FIXED else args.compressors)]
 
 
 def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
@@ -98,11 +106,11 @@ def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
     predicted_ms = _median(predicted)
     error = None if predicted_ms is None else abs(predicted_ms - measured) / measured
     global_batch = args.batch_size * runs[0].metrics["world_size"]
-    steps = 0 if strategy == "fp32" else profile_steps(os.environ)
+    steps = 0 if strategy in FIXED else profile_steps(os.environ)
     startups = [r.startup(steps, prof) for r, prof in zip(runs, profiles, strict=True)]
     reached = [r.time_to(target) for r in runs]
     return {"gbps": gbps, "strategy": strategy, "compressor": compressor,
-            "params": {} if strategy == "fp32" else _params(compressor, args),
+            "params": _params(compressor, args) if strategy != "fp32" else {},
             "target_loss": target,
             "time_to_target_s": _median(reached), "time_to_target_s_runs": reached,
             "reached": sum(t is not None for t in reached),
@@ -134,10 +142,10 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
         for strategy, compressor in cells:
             print(f"-- {gbps:g} Gbit/s: {strategy} {compressor} (round {rep + 1}/"
                   f"{args.repeats})", flush=True)
-            label = strategy if strategy == "fp32" else f"{strategy}-{compressor}"
+            label = strategy if strategy in FIXED else f"{strategy}-{compressor}"
             name = f"{gbps:g}gbps-{label}-{rep}"
             env = dict(os.environ)
-            profile = None if strategy == "fp32" else (out / f"{name}-profile").resolve()
+            profile = None if strategy in FIXED else (out / f"{name}-profile").resolve()
             if profile is not None:
                 env["ESPRESSO_PROFILE_OUT"] = str(profile)
             runs[(strategy, compressor)].append(run_training(
@@ -242,6 +250,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds per strategy")
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
     p.add_argument("--ratio", type=float, default=0.01, help="sparsifiers' kept fraction")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="for the powersgd strategy")
     p.add_argument("--eval-every", type=int, default=10,
                    help="steps between held-out evaluations (time-to-target resolution)")
     p.add_argument("--target-loss", type=float, default=None,

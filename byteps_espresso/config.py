@@ -273,7 +273,7 @@ VARIABLES: tuple[Variable, ...] = (
              "Compressor (see `espresso compressors`) that a `DistributedOptimizer` created "
              "with `Compression.none` (the default, as unchanged BytePS scripts create it) "
              "plans with instead, as `Compression.espresso(name)` with the compressor's "
-             "default parameters."),
+             "default parameters (`powersgd`: `Compression.powersgd()`, rank 1)."),
     Variable("ESPRESSO_STRATEGY", "strategy_path", _optional, None,
              "Strategy JSON planned offline (`espresso plan`): every `DistributedOptimizer` "
              "uses it whatever compression the script passes; no profiling or planning at "

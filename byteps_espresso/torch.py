@@ -668,7 +668,8 @@ def job_compression(cfg: Config, compression: CompressionSpec) -> CompressionSpe
     """The compression a ``DistributedOptimizer`` uses, after the job-wide variables.
 
     ``ESPRESSO_STRATEGY`` replaces whatever the script passed (no profiling or planning);
-    ``ESPRESSO_COMPRESSOR`` turns ``Compression.none`` into ``Compression.espresso(name)``;
+    ``ESPRESSO_COMPRESSOR`` turns ``Compression.none`` into ``Compression.espresso(name)``
+    (``Compression.powersgd()`` for ``powersgd``);
     ``ESPRESSO_SEED`` seeds a ``Compression.espresso`` compressor whose parameters name no
     seed.
     """
@@ -685,7 +686,8 @@ def job_compression(cfg: Config, compression: CompressionSpec) -> CompressionSpe
     if cfg.compressor and compression is Compression.none:
         log.info("ESPRESSO_COMPRESSOR=%s: planning with it instead of Compression.none",
                  cfg.compressor)
-        compression = Compression.espresso(cfg.compressor)
+        compression = (Compression.powersgd() if cfg.compressor == "powersgd"
+                       else Compression.espresso(cfg.compressor))
     if (isinstance(compression, EspressoSpec) and "seed" not in compression.params
             and "seed" in registry.defaults(compression.compressor)):
         compression = dataclasses.replace(compression,

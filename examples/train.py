@@ -14,8 +14,9 @@ Run it under the launcher, or by hand with BytePS's environment on every process
     DMLC_NUM_SERVER=1 DMLC_PS_ROOT_URI=127.0.0.1 DMLC_PS_ROOT_PORT=9000 \\
         python examples/train.py --compression espresso --compressor randomk --ratio 0.01
 
-``--compression`` is ``fp32`` (uncompressed), ``fp16``, ``espresso`` (profile, then plan per
-tensor with ``--compressor``/``--ratio``) or ``strategy`` (``--strategy FILE`` from
+``--compression`` is ``fp32`` (uncompressed), ``fp16``, ``powersgd`` (rank
+``--powersgd-rank`` on every bucket, as DDP's PowerSGD hook), ``espresso`` (profile, then plan
+per tensor with ``--compressor``/``--ratio``) or ``strategy`` (``--strategy FILE`` from
 ``espresso plan``). Rank 0 prints per-epoch loss and throughput and, with ``--metrics-out``,
 writes them as JSON.
 
@@ -220,6 +221,8 @@ def compression(args: argparse.Namespace) -> bps.CompressionSpec:
         return bps.Compression.none
     if args.compression == "fp16":
         return bps.Compression.fp16
+    if args.compression == "powersgd":
+        return bps.Compression.powersgd(args.powersgd_rank)
     if args.compression == "strategy":
         if not args.strategy:
             raise SystemExit("--compression strategy needs --strategy FILE")
@@ -231,9 +234,11 @@ def compression(args: argparse.Namespace) -> bps.CompressionSpec:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--compression", default="espresso",
-                   choices=["fp32", "fp16", "espresso", "strategy"])
+                   choices=["fp32", "fp16", "powersgd", "espresso", "strategy"])
     p.add_argument("--compressor", default="randomk", help="for --compression espresso")
     p.add_argument("--ratio", type=float, default=0.01, help="sparsifiers' kept fraction")
+    p.add_argument("--powersgd-rank", type=int, default=4,
+                   help="for --compression powersgd: the approximation rank")
     p.add_argument("--algorithm", default="espresso",
                    help="planner algorithm: espresso or a baseline (all-gpu, cpu-only, ...)")
     p.add_argument("--strategy", help="strategy JSON for --compression strategy")

@@ -109,7 +109,8 @@ class PowerSGD:
 
     Args:
         rank: the approximation rank ``r`` (the reference's ``matrix_approximation_rank``).
-        start_iter: iterations all-reduced uncompressed first (the reference's default 10).
+        start_iter: iterations all-reduced uncompressed first (10, as the reference hook's
+            documented example sets ``start_powerSGD_iter``; the hook's own default is 1,000).
         min_compression_rate: compress a matrix only if it shrinks by more than this.
         error_feedback: keep and add each worker's error (on by default, as the reference).
         warm_start: reuse the last Q (else a fresh random Q every iteration).

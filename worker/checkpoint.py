@@ -4,7 +4,8 @@ Uncompressed data-parallel training is resumed exactly by the model's and the to
 optimizer's state alone. A compressed run also depends on
 
 1. the compressors' state on this worker: error-feedback residuals and codec momenta, per
-   compression name, on both devices (``CodecPair.state_dict``);
+   compression name, on both devices (``CodecPair.state_dict``), or PowerSGD's error and
+   warm-start Q per parameter (``LowRank.state_dict``);
 2. the iteration counters per tensor or bucket (``Runtime.counters``): they number the PS
    rounds and seed the random draws (random-k indices, stochastic rounding);
 3. the strategy in use: buckets, order and one Option per bucket. A job that planned at
@@ -63,7 +64,12 @@ def _plan(sync: Any) -> dict[str, Any]:
             "options": {b.name: sync.options[b.name].names() for b in sync.buckets}}
 
 
-def _compression(codec: Any) -> dict[str, Any]:
+def _compression(sync: Any) -> dict[str, Any]:
+    codec = sync.codec
+    if sync.lowrank is not None:  # PowerSGD keeps its own error feedback (a parameter)
+        return {"compressor": "powersgd", "params": sync.lowrank.params,
+                "error_feedback": bool(sync.lowrank.params["error_feedback"]),
+                "correction": None}
     if codec is None:
         return {"compressor": None, "params": {}, "error_feedback": False, "correction": None}
     from byteps_espresso.kernels.momentum import MomentumCorrection
@@ -100,11 +106,12 @@ def capture(sync: Any) -> dict[str, Any]:
         "format": FORMAT, "version": VERSION, "rank": topo.rank, "machines": topo.machines,
         "local_size": topo.local_size, "servers": rt.cfg.num_servers,
         "iteration": sync.iteration, "skipped_steps": sync.skipped, "phase": phase,
-        "compression": json.dumps(_compression(sync.codec), sort_keys=True),
+        "compression": json.dumps(_compression(sync), sort_keys=True),
         "plan": json.dumps(_plan(sync)) if phase == _RUNNING else "",
         "strategy": json.dumps(strategy.to_dict()) if strategy is not None else "",
         "counters": dict(rt.counters),
-        "codec": sync.codec.state_dict() if sync.codec is not None else {},
+        "codec": (sync.codec.state_dict() if sync.codec is not None
+                  else sync.lowrank.state_dict() if sync.lowrank is not None else {}),
         # DGC's recipe: each parameter's velocity while its bucket goes uncompressed
         "velocity": {name: u.detach().to("cpu", copy=True) for name, u in sync.velocity.items()},
     }
@@ -163,7 +170,7 @@ def check(sync: Any, saved: Mapping[str, Any]) -> tuple[Any | None, dict[str, An
             "checkpointed job had them")
     if saved["phase"] != _RUNNING:
         return None, None
-    mine, theirs = _compression(sync.codec), json.loads(saved["compression"])
+    mine, theirs = _compression(sync), json.loads(saved["compression"])
     if mine != theirs:
         raise CheckpointError(
             f"this checkpoint was trained with {_describe(theirs)} and this job compresses "
@@ -242,6 +249,8 @@ def apply(sync: Any, saved: Mapping[str, Any],
     rt.counters.update({str(k): int(v) for k, v in saved["counters"].items()})
     if sync.codec is not None:
         sync.codec.load_state_dict(saved["codec"])
+    elif sync.lowrank is not None:
+        sync.lowrank.load_state_dict(saved["codec"], sync.device)
     sync.velocity = {name: t.detach().to(sync.device, copy=True)
                      for name, t in saved["velocity"].items()}
     sync.iteration = int(saved["iteration"])

@@ -19,6 +19,7 @@ each before one is kept (``worker.trials``, ``ESPRESSO_TRIAL_STEPS``).
 Compression choices:
     ``Compression.none``     uncompressed, hierarchical like BytePS (``fp32_option``).
     ``Compression.fp16``     every gradient as float16 payloads.
+    ``Compression.powersgd(rank=1, ...)``  PowerSGD on every bucket (``worker.lowrank``).
     ``Compression.espresso(compressor="randomk", ratio=0.01, ...)``  profile the first
         ``ESPRESSO_PROFILE_STEPS`` iterations uncompressed, then plan per tensor.
     ``Compression.strategy(path)``  a strategy planned offline (``espresso plan``).
@@ -37,9 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from byteps_espresso.kernels.powersgd import PowerSGD
 from byteps_espresso.worker import checkpoint
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.executor import Engine, Handle
+from byteps_espresso.worker.lowrank import LowRank
 from byteps_espresso.worker.reduction import ReduceOp, resolve_op
 from byteps_espresso.worker.session import Session, current
 from byteps_espresso.worker.trials import Trials
@@ -87,6 +90,10 @@ class CompressionSpec(abc.ABC):
     def excluded(self, session: Session, params: Mapping[str, torch.Tensor]) -> frozenset[str]:
         """Parameters the plan must leave uncompressed."""
         return frozenset()
+
+    def lowrank(self, session: Session, shapes: Mapping[str, torch.Size]) -> LowRank | None:
+        """PowerSGD around the buckets' Options (None: the Options alone)."""
+        return None
 
     def probes(self, session: Session, numels: Sequence[int],
                traffic: Mapping[str, int]) -> Any | None:
@@ -175,6 +182,25 @@ class _Uniform(CompressionSpec):
         return Plan({b.name: option for b in buckets}, buckets=buckets)
 
 
+@dataclass(frozen=True)
+class _PowerSGD(CompressionSpec):
+    """PowerSGD on every bucket, its two sums on the job's fp32 Option (``worker.lowrank``)."""
+
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def codec(self, session: Session) -> CodecPair | None:
+        return None
+
+    def lowrank(self, session: Session, shapes: Mapping[str, torch.Size]) -> LowRank:
+        params = {"seed": session.runtime.cfg.seed, **self.params}
+        return LowRank(params, shapes, session.runtime.topology.world_size)
+
+    def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
+             profile: Any | None) -> Plan:
+        buckets = default_layout(session, tensors)
+        return Plan(dict.fromkeys((b.name for b in buckets), session.fp32), buckets=buckets)
+
+
 class Compression:
     """Gradient compression choices, with byteps.torch's names plus Espresso's own.
 
@@ -216,10 +242,16 @@ class Compression:
                 buckets (they are fused only with each other).
             **params: the compressor's parameters (``ratio=0.01``, ``seed=...``).
         """
+        from byteps_espresso.kernels import registry
         from byteps_espresso.worker.profiler import EspressoSpec
 
         from byteps_espresso.strategy.tree import Constraints
 
+        if compressor in registry.collective_names():
+            raise ValueError(
+                f"{compressor} compresses with all-reduces of its own, which the planner does "
+                f"not price per tensor; use Compression.{compressor}(...) (it runs on every "
+                "bucket, its sums on the job's fp32 path)")
         if not recompress and algorithm == "espresso":
             base = constraints if constraints is not None else Constraints()
             if base.max_lossy is None:
@@ -236,6 +268,37 @@ class Compression:
         return EspressoSpec(compressor, dict(params), error_feedback, algorithm, constraints,
                             None if exclude is None else tuple(exclude),
                             {"clip_norm": clip_norm} if momentum_correction else None)
+
+    @staticmethod
+    def powersgd(rank: int = 1, *, start_iter: int = 10, min_compression_rate: float = 2.0,
+                 error_feedback: bool = True, warm_start: bool = True,
+                 **params: Any) -> CompressionSpec:
+        """Rank-``rank`` PowerSGD (Vogels et al., NeurIPS 2019) on every bucket, as PyTorch's
+        ``powerSGD_hook`` runs it on DDP's buckets.
+
+        Each bucket's matrices (parameters of two or more dimensions, the trailing ones
+        flattened) are compressed to ``P`` and ``Q``; both are summed over every worker on
+        the job's fp32 path (through the parameter servers where there are any). The first
+        ``start_iter`` iterations, vectors, and matrices that would not shrink by
+        ``min_compression_rate`` are summed uncompressed.
+
+        Args:
+            rank: the approximation rank (``matrix_approximation_rank``).
+            start_iter: iterations summed uncompressed first.
+            min_compression_rate: compress a matrix only if it shrinks by more than this.
+            error_feedback: keep each worker's error and add it next iteration.
+            warm_start: reuse the last ``Q`` (else a fresh random one every iteration).
+            **params: ``seed`` (default ``ESPRESSO_SEED``) or ``epsilon``.
+
+        Raises:
+            ValueError: a parameter is unknown or out of range (the message lists the valid
+                ones).
+        """
+        settings = {"rank": rank, "start_iter": start_iter,
+                    "min_compression_rate": min_compression_rate,
+                    "error_feedback": error_feedback, "warm_start": warm_start, **params}
+        PowerSGD(**settings)  # validates now, not at the first step
+        return _PowerSGD(settings)
 
     @staticmethod
     def strategy(path: str) -> CompressionSpec:
@@ -402,6 +465,8 @@ class _Sync:
         # had one on this rank (see _check_finite).
         self.bad: list[int] = []
         self.codec = compression.codec(self.session)
+        self.lowrank = compression.lowrank(self.session,
+                                           {name: p.shape for name, p in named})
         # DGC's recipe: (momentum, weight decay) applied before communication, and each
         # parameter's velocity while its bucket goes uncompressed (see _corrected).
         self.momentum: tuple[float, float] | None = None
@@ -499,12 +564,27 @@ class _Sync:
                 flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
         if bucket.flagged:
             flat[-1] = 1.0 if self.bad else 0.0
-        self.handles.append((bucket, self.engine.submit(bucket.name, flat, option)))
+        self.handles.append((bucket, self._start(bucket, flat, option)))
         # Probes follow the last bucket of a profiled iteration: the same point of every
         # rank's submission order, queued behind the synchronization they share the host with.
         if (self.submitted + 1 == len(self.buckets) and self.options is None
                 and self.probes is not None):
             self.probes.issue(self.engine, self.iteration)
+
+    def _start(self, bucket: _Bucket, flat: torch.Tensor, option: Option) -> Handle:
+        if self.lowrank is None:
+            return self.engine.submit(bucket.name, flat, option)
+        # PowerSGD runs its matrix products and both sums on the bucket's lane, counting
+        # the bucket's iterations as a submitted Option would (PS rounds, start_iter).
+        counters = self.session.runtime.counters
+        step = counters.get(bucket.name, 0)
+        counters[bucket.name] = step + 1
+        lowrank, name, members, offsets = self.lowrank, bucket.name, bucket.tensors, \
+            bucket.offsets
+        return self.engine.call(
+            self.engine.lane_of(name),
+            lambda ex: lowrank.reduce(ex, option, flat, name=name, members=members,
+                                      offsets=offsets, step=step), name)
 
     def _option(self, bucket: _Bucket) -> Option:
         """The bucket's Option this iteration (the fp32 one while profiling)."""

@@ -140,6 +140,14 @@ def test_espresso_compressor_and_seed_apply_to_unchosen_compression():
     assert bps.job_compression(_cfg(), bps.Compression.none) is bps.Compression.none
 
 
+def test_powersgd_is_its_own_compression_not_a_planned_one():
+    chosen = bps.job_compression(_cfg(ESPRESSO_COMPRESSOR="powersgd", ESPRESSO_SEED="7"),
+                                 bps.Compression.none)
+    assert chosen == bps.Compression.powersgd()
+    with pytest.raises(ValueError, match=r"use Compression\.powersgd"):
+        bps.Compression.espresso("powersgd")
+
+
 # ---- optimizer state description ------------------------------------------------------------
 def _adam(lr=0.1):
     torch.manual_seed(0)

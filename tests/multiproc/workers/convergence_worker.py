@@ -1,7 +1,8 @@
 """Worker of test_convergence: trains the example's MLP on the Markov task once per compression.
 
 Usage: convergence_worker.py OUT_DIR STEPS NAME=COMPRESSOR[:RATIO] ...  (COMPRESSOR ``fp32``
-means uncompressed). Compressed runs are planned by Espresso under a constraint that forbids
+means uncompressed; ``powersgd:R`` is ``Compression.powersgd`` at rank R, not planned).
+Compressed runs are planned by Espresso under a constraint that forbids
 the uncompressed collectives and push/pull, so every tensor is compressed whatever this
 machine's timings favour (on a fast loopback the planner may rightly compress nothing, which
 would leave compression untested), and that allows one Comp per Option: the compressor's
@@ -38,6 +39,8 @@ def run(name: str, spec: str, steps: int, out: Path) -> None:
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     if compressor == "fp32":
         compression = bps.Compression.none
+    elif compressor == "powersgd":  # RATIO is the rank; its own fixed scheme, not planned
+        compression = bps.Compression.powersgd(int(ratio or 1))
     else:
         params = {"ratio": float(ratio)} if ratio else {}
         compression = bps.Compression.espresso(
@@ -57,9 +60,11 @@ def run(name: str, spec: str, steps: int, out: Path) -> None:
         opt.step()
         losses.append(loss.item())
     curve = bps.push_pull(torch.tensor(losses), name=f"{name}.losses")
-    strategy = bps.planned_strategy() if compressor != "fp32" else None
+    strategy = bps.planned_strategy() if compressor not in ("fp32", "powersgd") else None
     if bps.rank() == 0:
         compressed = sum(o.is_compressed for o in strategy.options.values()) if strategy else 0
+        if compressor == "powersgd":  # the matrices it compressed keep an error
+            compressed = len(opt._bps.lowrank.state.error)
         (out / f"{name}.json").write_text(json.dumps({
             "losses": curve.tolist(), "compressed_tensors": compressed,
             "tensors": len(strategy.options) if strategy else 0,

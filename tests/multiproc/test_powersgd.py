@@ -1,0 +1,76 @@
+"""PowerSGD in training over real processes: 2 machines x 2 workers and a server (gloo and
+the PS on loopback). Both of each bucket's sums (P beside the uncompressed members, then Q)
+run on the job's fp32 Option through the server. Every rank ends with the same gradients,
+bit for bit, and they match PowerSGD's steps computed here from every rank's inputs (within
+float32 rounding: the servers and the intra-machine reduce sum in another order than this
+oracle). The checkpoint section holds each compressed matrix's error and Q.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from byteps_espresso.kernels.powersgd import PowerSGD
+
+MACHINES, LOCAL = 2, 2
+WORLD = MACHINES * LOCAL
+CAP_MB = 0.02  # 20,971 bytes: "big" (96 x 64 floats) is alone in its bucket
+_spec = importlib.util.spec_from_file_location(
+    "powersgd_worker", Path(__file__).parent / "workers" / "powersgd_worker.py")
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+
+def _oracle(steps: int) -> list[dict[str, torch.Tensor]]:
+    """Each parameter's averaged gradient per step, PowerSGD's steps with rank-order sums."""
+    states = [PowerSGD(rank=worker.RANK, start_iter=worker.START_ITER, seed=3)
+              for _ in range(WORLD)]
+    out = []
+    for step in range(steps):
+        per_rank = [worker.grads(r, step) for r in range(WORLD)]
+        avg = {}
+        for name, shape in worker.PARAMS:
+            gs = [g[name] for g in per_rank]
+            if not states[0].compresses(shape, step):
+                avg[name] = sum(gs[1:], gs[0]) / WORLD
+                continue
+            ps = [s.start(name, g, step) for s, g in zip(states, gs, strict=True)]
+            qs = [s.middle(name, sum(ps[1:], ps[0])) for s in states]
+            totals = [s.finish(name, sum(qs[1:], qs[0]), WORLD) for s in states]
+            avg[name] = totals[0].view(shape) / WORLD
+        out.append(avg)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_powersgd_buckets_match_its_steps_on_every_rank(tmp_path, cluster):
+    steps = 3
+    env = {"ESPRESSO_BUCKET_CAP_MB": str(CAP_MB)}
+    with cluster.ps_job(servers=1) as root:
+        cluster.run_workers("powersgd_worker.py", [str(tmp_path), str(steps)],
+                            root_port=root, servers=1, timeout=150, extra_env=env)
+    runs = [json.loads((tmp_path / f"run_{r}.json").read_text()) for r in range(WORLD)]
+    assert all(run == runs[0] for run in runs)
+    assert ["big"] in runs[0]["buckets"] and len(runs[0]["buckets"]) >= 2
+    assert runs[0]["options"] == [runs[0]["fp32"]] and "PushPull" in runs[0]["fp32"]
+    assert runs[0]["compression"]["compressor"] == "powersgd"
+    assert runs[0]["state"] == {n: ["error", "q"] for n in ("big", "conv", "w")}
+    want = _oracle(steps)
+    for step in range(steps):
+        for name, shape in worker.PARAMS:
+            got = [np.load(tmp_path / f"grad_{step}_{r}_{name}.npy") for r in range(WORLD)]
+            assert got[0].shape == shape
+            assert all(np.array_equal(g, got[0]) for g in got), f"step {step} {name}"
+            scale = float(want[step][name].abs().max())
+            np.testing.assert_allclose(got[0], want[step][name].numpy(), rtol=0,
+                                       atol=1e-4 * scale, err_msg=f"step {step} {name}")
+    # after start_iter the matrices are rank-2 estimates, not the exact average
+    exact = sum(worker.grads(r, 2)["w"] for r in range(WORLD)) / WORLD
+    assert not np.allclose(np.load(tmp_path / "grad_2_0_w.npy"), exact.numpy(), atol=0.05)
+    assert math.prod(worker.PARAMS[0][1]) > (40 + 24) * worker.RANK * 2  # worth compressing

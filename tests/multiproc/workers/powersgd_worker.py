@@ -1,0 +1,59 @@
+"""Worker of test_powersgd: synchronizes gradients with ``Compression.powersgd`` in buckets.
+
+Usage: powersgd_worker.py OUT_DIR STEPS. Every parameter's gradient is a per-rank random
+tensor (see :func:`grads`), so the test recomputes PowerSGD's steps. After every step each
+parameter's ``.grad`` goes to OUT_DIR/grad_STEP_RANK_NAME.npy (no pickle); at the end the
+bucket layout, the Options and what the checkpoint section holds go to OUT_DIR/run_RANK.json.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import byteps_espresso.torch as bps
+
+# (name, shape): matrices PowerSGD compresses at rank 2 (a conv weight as 16 x 36), a vector
+# and a matrix too small to shrink, which it sums uncompressed; "big" is above the test's
+# bucket cap, alone in its bucket.
+PARAMS = [("w", (40, 24)), ("b", (24,)), ("conv", (16, 4, 3, 3)), ("s", (3, 2)),
+          ("big", (96, 64))]
+RANK, START_ITER = 2, 1
+
+
+def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return {name: torch.randn(shape, generator=g) for name, shape in PARAMS}
+
+
+def main() -> None:
+    out, steps = Path(sys.argv[1]), int(sys.argv[2])
+    bps.init()
+    try:
+        params = {name: torch.nn.Parameter(torch.zeros(shape)) for name, shape in PARAMS}
+        opt = bps.DistributedOptimizer(
+            torch.optim.SGD(params.values(), lr=0.0), named_parameters=list(params.items()),
+            compression=bps.Compression.powersgd(RANK, start_iter=START_ITER, seed=3))
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            want = grads(bps.rank(), step)
+            sum((p * want[name]).sum() for name, p in params.items()).backward()
+            opt.step()
+            for name, p in params.items():
+                np.save(out / f"grad_{step}_{bps.rank()}_{name}.npy", p.grad.numpy(),
+                        allow_pickle=False)
+        section = opt.state_dict()["espresso"]
+        (out / f"run_{bps.rank()}.json").write_text(json.dumps({
+            "buckets": [list(b.tensors) for b in opt._bps.buckets],
+            "options": sorted({str(o) for o in opt._bps.options.values()}),
+            "fp32": str(opt._bps.session.fp32),
+            "compression": json.loads(section["compression"]),
+            "state": {n: sorted(slots) for n, slots in section["codec"]["powersgd"].items()}}))
+    finally:
+        bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""PowerSGD over buckets (worker/lowrank.py): the real executor on the in-memory transport
+against a torch oracle of PowerSGD's steps, bit for bit (both sum in rank order)."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from byteps_espresso.kernels.powersgd import PowerSGD
+from byteps_espresso.worker.executor import Executor
+from byteps_espresso.worker.local_transport import LocalHub
+from byteps_espresso.worker.lowrank import P_SUFFIX, Q_SUFFIX, LowRank
+from byteps_espresso.worker.optimizer import Compression
+
+from byteps_espresso.strategy.options import Option
+
+MACHINES, LOCAL = 2, 2
+WORLD = MACHINES * LOCAL
+# A fused bucket: a matrix, a vector, a 3-d tensor (a matrix of 8 x 12), a matrix too small to
+# shrink, then the non-finite flag element the last bucket carries.
+SHAPES = {"w": torch.Size([16, 12]), "b": torch.Size([5]), "c": torch.Size([8, 3, 4]),
+          "s": torch.Size([2, 2])}
+MEMBERS = list(SHAPES)
+PARAMS = {"rank": 2, "start_iter": 1, "seed": 7}
+OPTION = Option.parse("Allreduce(flat)")
+
+
+def _layout():
+    offsets, at = [], 0
+    for n in MEMBERS:
+        offsets.append(at)
+        at += math.prod(SHAPES[n])
+    return offsets, at + 1  # + the flag
+
+
+def _inputs(step):
+    _, numel = _layout()
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(numel, generator=g) for _ in range(WORLD)]
+
+
+def _run(lowranks, steps, first=0):
+    hub = LocalHub(MACHINES, LOCAL, timeout_s=10)
+    executors = [Executor(hub.transport(r), None) for r in range(WORLD)]
+    offsets, _ = _layout()
+    outs = []
+    with ThreadPoolExecutor(WORLD) as pool:
+        for step in range(first, first + steps):
+            flats = _inputs(step)
+            futs = [pool.submit(lowranks[r].reduce, executors[r], OPTION, flats[r],
+                                name="bucket", members=MEMBERS, offsets=offsets, step=step)
+                    for r in range(WORLD)]
+            outs.append([f.result(timeout=30) for f in futs])
+    return outs, executors
+
+
+def _oracle(steps):
+    """PowerSGD's steps per member with the sums taken in rank order."""
+    states = [PowerSGD(**PARAMS) for _ in range(WORLD)]
+    offsets, _ = _layout()
+    outs = []
+    for step in range(steps):
+        flats = _inputs(step)
+        out = sum(flats[1:], flats[0]).clone()  # the uncompressed values' sum
+        for name, at in zip(MEMBERS, offsets, strict=True):
+            span = slice(at, at + math.prod(SHAPES[name]))
+            if not states[0].compresses(SHAPES[name], step):
+                continue
+            ps = [s.start(name, f[span].view(SHAPES[name]), step)
+                  for s, f in zip(states, flats, strict=True)]
+            p_sum = sum(ps[1:], ps[0])
+            qs = [s.middle(name, p_sum) for s in states]
+            q_sum = sum(qs[1:], qs[0])
+            totals = [s.finish(name, q_sum, WORLD) for s in states]
+            assert all(torch.equal(t, totals[0]) for t in totals)
+            out[span] = totals[0]
+        outs.append(out)
+    return outs
+
+
+def test_a_bucket_equals_powersgds_steps_bit_for_bit():
+    steps = 4
+    got, _ = _run([LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)], steps)
+    want = _oracle(steps)
+    for step in range(steps):
+        for r in range(WORLD):
+            assert torch.equal(got[step][r], want[step]), f"step {step} rank {r}"
+    # step 0 (start_iter) is the plain sum; later the vector, the small matrix and the flag
+    # are summed exactly and the matrices are estimates
+    exact = sum(_inputs(2)[1:], _inputs(2)[0])
+    assert torch.equal(got[0][0], sum(_inputs(0)[1:], _inputs(0)[0]))
+    assert torch.equal(got[2][0][192:197], exact[192:197])  # b
+    assert torch.equal(got[2][0][-5:], exact[-5:])  # s and the flag
+    assert not torch.allclose(got[2][0][:192], exact[:192], atol=0.1)  # w: rank 2 of 12
+
+
+def test_which_members_it_compresses_and_what_it_sends():
+    lr = LowRank(PARAMS, SHAPES, WORLD)
+    assert lr.compressed(MEMBERS, 0) == []  # start_iter
+    assert lr.compressed(MEMBERS, 1) == [0, 2]  # not the vector, not 2 x 2 at rank 2
+    _, numel = _layout()
+    # w: (16 + 12) * 2 instead of 192; c: (8 + 12) * 2 instead of 96
+    assert lr.wire_numel(MEMBERS, numel) == numel - 192 - 96 + 56 + 40
+
+
+def test_the_sums_run_under_their_own_names_once_it_compresses():
+    _, executors = _run([LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)], 3)
+    sizes: dict[str, set[int]] = {}
+    for _, name, numel in executors[0]._bound:
+        sizes.setdefault(name, set()).add(numel)
+    # one size per name (a PS key keeps its length): P beside b, s and the flag; then Q
+    _, numel = _layout()
+    assert sizes == {"bucket": {numel}, "bucket" + P_SUFFIX: {5 + 4 + 1 + 16 * 2 + 8 * 2},
+                     "bucket" + Q_SUFFIX: {12 * 2 + 12 * 2}}
+
+
+def test_a_restored_state_continues_as_an_uninterrupted_run():
+    whole, _ = _run([LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)], 4)
+    first = [LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)]
+    _run(first, 2)
+    saved = [lr.state_dict() for lr in first]
+    assert set(saved[0]["powersgd"]) == {"w", "c"}
+    resumed = [LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)]
+    for lr, state in zip(resumed, saved, strict=True):
+        lr.load_state_dict(state, torch.device("cpu"))
+    rest, _ = _run(resumed, 2, first=2)
+    for step in range(2):
+        for r in range(WORLD):
+            assert torch.equal(rest[step][r], whole[2 + step][r])
+
+
+def test_a_state_of_another_model_is_refused():
+    lr = LowRank(PARAMS, SHAPES, WORLD)
+    with pytest.raises(ValueError, match=r"'x'.*this model does not have"):
+        lr.load_state_dict({"powersgd": {"x": {"q": torch.zeros(2, 1)}}}, torch.device("cpu"))
+
+
+def test_compression_powersgd_checks_its_parameters_at_once():
+    with pytest.raises(ValueError, match=r"unknown parameter.*valid parameters"):
+        Compression.powersgd(2, ratio=0.1)
+    with pytest.raises(ValueError, match="rank"):
+        Compression.powersgd(0)
+    assert Compression.powersgd(4).params["rank"] == 4
