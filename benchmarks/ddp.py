@@ -10,6 +10,7 @@ links and gloo: on loopback (``loopback``) or on the emulated cluster with shape
     ddp-powersgd DDP with its powerSGD_hook (rank 4)
     espresso     bps.DistributedOptimizer, Compression.none (fp32 PS path, fused buckets)
     espresso-C   bps.DistributedOptimizer, Compression.espresso(C) (profile, plan, trials)
+    espresso-powersgd  bps.DistributedOptimizer, Compression.powersgd (rank 4, as the hook)
 
 Runs of one (model, link) cell are interleaved ``--repeats`` times, so a slow phase of the
 shared host hits every variant alike. Reported per variant: the median iteration over the
@@ -52,6 +53,8 @@ def _worker_args(variant: str, model: str, args: argparse.Namespace) -> list[str
     compressor = variant.partition("-")[2]
     if not compressor:
         return [*base, "--runtime", "espresso", "--compression", "none"]
+    if compressor == "powersgd":
+        return [*base, "--runtime", "espresso", "--compression", "powersgd"]
     return [*base, "--runtime", "espresso", "--compression", "espresso", "--compressor",
             compressor, "--ratio", str(args.ratio)]
 

@@ -126,6 +126,8 @@ def _ddp(model: nn.Module, hook: str) -> nn.Module:
 
 def _compression(args: argparse.Namespace) -> bps.CompressionSpec:
     """examples/train.py's choice: its ``--compression fp32`` is this script's ``none``."""
+    if args.compression == "powersgd":  # as the powersgd hook above: rank 4, 10 plain first
+        return bps.Compression.powersgd(4, start_iter=10)
     return _example().compression(argparse.Namespace(
         compression="fp32" if args.compression == "none" else "espresso",
         compressor=args.compressor, ratio=args.ratio, algorithm="espresso", strategy=None))
@@ -135,7 +137,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runtime", choices=["ddp", "espresso"], required=True)
     p.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
-    p.add_argument("--compression", choices=["none", "espresso"], default="none")
+    p.add_argument("--compression", choices=["none", "espresso", "powersgd"], default="none")
     p.add_argument("--compressor", default="efsignsgd")
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--model", choices=["lstm", "transformer", "mlp"], required=True)

@@ -228,6 +228,14 @@ def compression(args: argparse.Namespace) -> bps.CompressionSpec:
             raise SystemExit("--compression strategy needs --strategy FILE")
         return bps.Compression.strategy(args.strategy)
     params = {"ratio": args.ratio} if args.compressor in ("randomk", "topk", "dgc") else {}
+    for item in getattr(args, "param", None) or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--param {item!r}: write NAME=VALUE, e.g. warmup_steps=100")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value  # a string
     return bps.Compression.espresso(args.compressor, algorithm=args.algorithm, **params)
 
 
@@ -237,6 +245,9 @@ def parse_args() -> argparse.Namespace:
                    choices=["fp32", "fp16", "powersgd", "espresso", "strategy"])
     p.add_argument("--compressor", default="randomk", help="for --compression espresso")
     p.add_argument("--ratio", type=float, default=0.01, help="sparsifiers' kept fraction")
+    p.add_argument("--param", action="append", metavar="NAME=VALUE",
+                   help="a compressor parameter for --compression espresso (JSON value), "
+                        "e.g. --param warmup_steps=100; repeatable")
     p.add_argument("--powersgd-rank", type=int, default=4,
                    help="for --compression powersgd: the approximation rank")
     p.add_argument("--algorithm", default="espresso",

@@ -558,9 +558,12 @@ class _Sync:
             self.bad.append(self._first_nonfinite(bucket, members))
             # Compressors may drop non-finite values and servers refuse them; zeros go in
             # their place, since one rank failing alone would leave the others waiting.
-            if (option.is_compressed or option.uses_servers) and bucket.buffer is not None:
+            # PowerSGD would spread them through every worker's P and keep them in its
+            # error, past a skipped step.
+            zeroed = option.is_compressed or option.uses_servers or self.lowrank is not None
+            if zeroed and bucket.buffer is not None:
                 members.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            elif option.is_compressed or option.uses_servers:  # the user's .grad: a copy
+            elif zeroed:  # the user's .grad: a copy
                 flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
         if bucket.flagged:
             flat[-1] = 1.0 if self.bad else 0.0

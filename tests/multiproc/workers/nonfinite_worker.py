@@ -1,6 +1,7 @@
 """Worker of test_nonfinite: rank 1's loss turns NaN at step 2; what does every rank do?
 
-Usage: nonfinite_worker.py OUT_DIR COMPRESSION STEPS (``none`` or ``fp16``). With
+Usage: nonfinite_worker.py OUT_DIR COMPRESSION STEPS (``none``, ``fp16`` or ``powersgd``:
+rank 1 from the first step). With
 ESPRESSO_NONFINITE=error each rank writes the error it raised to OUT_DIR/error_RANK.txt and
 stops training; with ``skip`` it trains on, saving its flattened parameters after every step
 (OUT_DIR/params_STEP_RANK.npy, no pickle) and the skipped count to OUT_DIR/skipped_RANK.txt.
@@ -24,9 +25,11 @@ def main() -> None:
     try:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1))
+        spec = (bps.Compression.powersgd(1, start_iter=0) if compression == "powersgd"
+                else getattr(bps.Compression, compression))
         opt = bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                        named_parameters=net.named_parameters(),
-                                       compression=getattr(bps.Compression, compression))
+                                       compression=spec)
         g = torch.Generator().manual_seed(bps.rank())
         for step in range(steps):
             opt.zero_grad()
