@@ -312,13 +312,14 @@ class PlanContext:
         return constraints
 
     def prepare(self) -> None:
-        """Price the options Algorithm 1 chooses from (the single-device options of the
-        primary device, uncompressed ones included) for every tensor size, catalogue them for
+        """Price the options Algorithm 1 chooses from (:meth:`searched` on the primary
+        device, uncompressed ones included) for every tensor size, catalogue them for
         the search as evaluator indices (:meth:`fronts`) and load the numba kernels. The
-        device placements Algorithm 2 and the refinement try are priced when first asked for
-        (:meth:`placements`): only those of the options the search chose."""
+        device placements Algorithm 2 and the refinement try, and the forwarding twins the
+        last pass tries, are priced when first asked for (:meth:`placements`, :meth:`twins`):
+        only those of the options the search chose."""
         load_kernels()
-        self.evaluator.add(self.single_device(self.primary_device()))
+        self.evaluator.add(self.searched(self.primary_device()))
         self.fronts(self.primary_device())  # Algorithm 1's candidates
         self.uncompressed_index()
 

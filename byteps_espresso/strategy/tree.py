@@ -30,8 +30,9 @@ Form rules (compression points; the forms are the program's, ``program.leaves``)
       re-encode the same values).
     - the option ends dense; every ``Comp``/``Decomp`` is on ``gpu`` or ``cpu``.
 
-Count (no constraints, hierarchical cluster with servers): see :func:`count_decomposition`
-and docs/strategy.md; 4,341 in the paper's vocabulary, ours adds the ``ps`` family.
+Count (no constraints, hierarchical cluster with servers): 2,776, see
+:func:`count_decomposition` and docs/strategy.md (2,641 without the ``ps`` family ours adds;
+the paper counts 4,341 for its vocabulary and path shapes).
 
 Example:
     >>> opts = enumerate_options(Cluster.preset(8, 8), Constraints(max_compressions=1))

@@ -131,7 +131,7 @@ def test_search_catalogue_agrees_with_the_options():
         assert [options[k] for k in fronts.index[u]] == front
         assert (u in fronts.compressible) == any(o.is_compressed for o in front)
         assert options[fronts.fastest_alone[u]] in front
-    for opt in ctx.single_device(Device.GPU):
+    for opt in ctx.searched(Device.GPU):
         if not opt.is_compressed:
             continue
         k = ctx.evaluator.index[opt]
