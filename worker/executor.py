@@ -28,6 +28,8 @@ How each step maps to calls (``T`` = :class:`~byteps_espresso.worker.transport.T
 ``AlltoallC(s)``      ``T.alltoall_payloads`` (opens a split)
 ``GatherC(s)``        ``T.gather_payloads`` (the others sleep)
 ``BroadcastC(s)``     ``T.broadcast_payload``
+                      (these three also forward the list of payloads an earlier gather left,
+                      packed as one payload of ``q`` times the layout: ``Op.forwards``)
 ``PushPull(s)``       ``P.push_pull`` of the dense extent (pushers: this rank's group)
 ``PushPullC(s)``      ``P.push_pull`` of one payload per PS partition
 ====================  =====================================================================
@@ -60,7 +62,14 @@ from byteps_espresso.worker.transport import PayloadSpec, PSPath, Transport
 
 from byteps_espresso.strategy.cluster import lane_of
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope
-from byteps_espresso.strategy.program import RULES, Form, Op, Origin, compile_option
+from byteps_espresso.strategy.program import (
+    RULES,
+    Form,
+    Op,
+    Origin,
+    compile_option,
+    payload_count,
+)
 
 __all__ = ["Engine", "ExecutionError", "Executor", "Handle"]
 
@@ -119,6 +128,7 @@ class _Bound:
     sizes: list[int] | None = None  # shard sizes of the split opened or closed here
     parts: _Parts | None = None  # pieces of the payload it makes / decodes / moves
     members: list[_Parts] | None = None  # per group member (or chunk) pieces
+    fwd: int | None = None  # payloads each member sends on (a forwarded list); None: one
     key: str = ""  # PS key
 
 
@@ -293,9 +303,8 @@ class Executor:
         self._need_codec()
         op = b.op
         if op.takes is Form.CONCAT:
-            assert op.payloads is not None
             b.members = [self._parts(name, op.origin, e)
-                         for e in split(b.ext, self.topo.size(op.payloads))]
+                         for e in split(b.ext, payload_count(op.payloads, self.topo.size))]
         else:
             b.parts = self._parts(name, op.origin, b.ext)
 
@@ -318,6 +327,8 @@ class Executor:
             b.members = [self._parts(name, op.origin, e) for e in split(b.ext, k)]
         else:  # AllgatherC (summing), GatherC, BroadcastC: every member's pieces are alike
             b.parts = self._parts(name, op.origin, b.after)
+            if op.takes is Form.SUM:
+                b.fwd = payload_count(op.forwards, self.topo.size)
 
     def _bind_push_pull(self, b: _Bound, name: str) -> None:
         ps = self._need_ps()
@@ -393,20 +404,43 @@ class Executor:
         return self._here(self.transport.broadcast(b.op.scope, value if b.root else None,
                                                    b.after.numel))
 
+    # A forwarded list of payloads travels as one payload of the layout repeated (b.fwd times).
+    def _send(self, b: _Bound, value: list) -> tuple:
+        codec = self.codec
+        assert codec is not None
+        if b.fwd is None:
+            return codec.flatten(value)
+        return tuple(a for payload in value for a in codec.flatten(payload))
+
+    def _spec(self, b: _Bound) -> Any:
+        assert b.parts is not None
+        return b.parts.spec if b.fwd is None else b.parts.spec * b.fwd
+
+    def _received(self, b: _Bound, arrays: Sequence[Any]) -> list:
+        """One member's arrays as its payload, or as the list of payloads it forwarded."""
+        parts = b.parts
+        assert parts is not None
+        if b.fwd is None:
+            return parts.unflatten(arrays)
+        n = len(parts.spec)
+        return [parts.unflatten(arrays[j * n:(j + 1) * n]) for j in range(b.fwd)]
+
     def _broadcast_c(self, b: _Bound, value: Any, name: str, step: int) -> list:
-        codec, parts = self.codec, b.parts
-        assert codec is not None and parts is not None
-        got = self.transport.broadcast_payload(b.op.scope, codec.flatten(value) if b.root
-                                               else None, parts.spec)
-        return parts.unflatten(got)
+        got = self.transport.broadcast_payload(b.op.scope, self._send(b, value) if b.root
+                                               else None, self._spec(b))
+        return self._received(b, got)
 
     def _allgather_c(self, b: _Bound, value: list, name: str, step: int) -> list:
         codec = self.codec
         assert codec is not None
-        members = b.members if b.members is not None else [b.parts] * b.k
-        got = self.transport.allgather_payloads(b.op.scope, codec.flatten(value),
-                                                [p.spec for p in members])  # type: ignore[union-attr]
-        return [p.unflatten(g) for g, p in zip(got, members, strict=True)]  # type: ignore[union-attr]
+        if b.members is not None:  # shards of the split: one payload per member
+            got = self.transport.allgather_payloads(b.op.scope, codec.flatten(value),
+                                                    [p.spec for p in b.members])
+            return [p.unflatten(g) for g, p in zip(got, b.members, strict=True)]
+        got = self.transport.allgather_payloads(b.op.scope, self._send(b, value),
+                                                [self._spec(b)] * b.k)
+        return _gathered(self._received(b, g) for g in got) if b.fwd is not None \
+            else [self._received(b, g) for g in got]
 
     def _alltoall_c(self, b: _Bound, value: list, name: str, step: int) -> list:
         codec, members = self.codec, b.members
@@ -417,11 +451,12 @@ class Executor:
         return [members[b.me].unflatten(g) for g in got]
 
     def _gather_c(self, b: _Bound, value: list, name: str, step: int) -> list | None:
-        codec, parts = self.codec, b.parts
-        assert codec is not None and parts is not None
-        got = self.transport.gather_payloads(b.op.scope, codec.flatten(value),
-                                             [parts.spec] * b.k)
-        return [parts.unflatten(g) for g in got] if b.root else None  # type: ignore[union-attr]
+        got = self.transport.gather_payloads(b.op.scope, self._send(b, value),
+                                             [self._spec(b)] * b.k)
+        if not b.root:
+            return None
+        lists = [self._received(b, g) for g in got]  # type: ignore[union-attr]
+        return _gathered(lists) if b.fwd is not None else lists
 
     def _push_pull(self, b: _Bound, value: torch.Tensor, name: str, step: int) -> torch.Tensor:
         if not b.key:
@@ -436,6 +471,11 @@ class Executor:
         pushed = [tuple(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a
                         for a in p) for p in value]
         return [tuple(p) for p in self.ps.push_pull(b.key, pushed, step)]  # type: ignore[union-attr]
+
+
+def _gathered(lists: Any) -> list:
+    """The members' forwarded lists as one list, in group-rank order, then each list's."""
+    return [payload for members in lists for payload in members]
 
 
 def _named(option: Option, b: _Bound, name: str, fn: Callable[..., Any], *args: Any) -> Any:

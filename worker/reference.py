@@ -18,6 +18,10 @@ Decisions where the Option docstring leaves room (the executor makes the same on
   ``AlltoallC``) gathers *shards*: the next ``Decomp`` decodes each and concatenates them
   (undoing the split), exactly as ``Allgather`` does for dense shards. Otherwise every member
   compressed the same extent and ``Decomp`` sums the payloads in group-rank order.
+- A summing ``AllgatherC``, a ``GatherC`` or a ``BroadcastC`` that finds the list of payloads
+  an earlier gather left (SUM) forwards it undecoded: the gatherers collect every member's
+  list (in group-rank order, each list in its own order), the broadcast hands the root's list
+  to every member; the ``Decomp`` at the end sums all of them in that order.
 - After ``Reduce(s)``/``GatherC(s)`` the non-root members sleep through every step until the
   ``Broadcast(s)``/``BroadcastC(s)`` that closes it; communication steps in between run only
   in groups whose members are awake (after an intra reduce: the inter group of local rank 0).
@@ -281,7 +285,7 @@ class Reference:
     def _broadcast(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         root = ws[0]
-        if root.form != (DENSE if st.kind is Kind.BROADCAST else PAYLOAD):
+        if root.form not in ((DENSE,) if st.kind is Kind.BROADCAST else (PAYLOAD, SUM)):
             raise OptionError(f"step {i} {st}: the root holds {root.form}")
         parent = self._pop(ws, "root", st, i)
         if parent != root.extent:
@@ -292,11 +296,10 @@ class Reference:
 
     def _allgather_c(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
-        self._need(ws, PAYLOAD, st, i)
         undo = at.op is not None and at.op.closes is not None
         if undo != all(w.stack and w.stack[-1][:2] == ("split", st.scope) for w in ws):
             raise OptionError(f"step {i} {st}: the program and the open splits disagree")
-        payloads = [w.value for w in ws]
+        payloads = self._payloads(ws, st, i, forward=not undo)
         if undo:
             parent = self._pop(ws, "split", st, i)
             extents = [w.extent for w in ws]
@@ -317,11 +320,19 @@ class Reference:
             w.extent = w.extents[j]
             w.form, w.value = SUM, [chunks[src][j] for src in range(k)]
 
+    def _payloads(self, ws: list[_Worker], st: Step, i: int, forward: bool) -> list:
+        """Every member's payload in group-rank order; with ``forward``, members that hold
+        gathered payloads (SUM) contribute each of them, in their list's order."""
+        if forward and ws[0].form == SUM:
+            self._need(ws, SUM, st, i)
+            return [p for w in ws for p in w.value]
+        self._need(ws, PAYLOAD, st, i)
+        return [w.value for w in ws]
+
     def _gather_c(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
-        self._need(ws, PAYLOAD, st, i)
+        payloads = self._payloads(ws, st, i, forward=True)
         ext = self._same_extent(ws, st, i)
-        payloads = [w.value for w in ws]
         for j, w in enumerate(ws):
             w.stack.append(("root", st.scope, ext))
             if j == 0:

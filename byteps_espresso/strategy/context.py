@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
 from byteps_espresso.strategy.costs import CompressedSizes, Pricer, StepTasks
 from byteps_espresso.strategy.options import Device, Kind, Option, Step
+from byteps_espresso.strategy.program import Form, compile_option
 from byteps_espresso.strategy.timeline import Catalogue, Evaluator
 from byteps_espresso.strategy.tree import (
     Constraints,
@@ -91,6 +93,8 @@ class _Model:
         self.placements: dict = {}
         self.stacked: dict = {}
         self.device_fronts: dict = {}
+        self.searched: dict = {}
+        self.twins: dict = {}
         self.uncompressed: list[np.ndarray] = []
 
 
@@ -172,6 +176,21 @@ def _placements_in_tree(option: Option, cluster: Cluster, constraints: Constrain
             masks.append(mask)
             options.append(cand)
     return masks, options
+
+
+def _decoded_twin(option: Option) -> Option | None:
+    """``option`` with a ``Decomp -> Comp`` pair (on the device of the Decomp that follows)
+    before every step that forwards gathered payloads; None when nothing forwards."""
+    ops = compile_option(option).ops
+    if not any(op.forwards for op in ops):
+        return None
+    steps: list[Step] = []
+    for op in ops:
+        if op.forwards:
+            device = next(o.device for o in ops[op.index:] if o.kind is Kind.DECOMP)
+            steps += [Step(Kind.DECOMP, device=device), Step(Kind.COMP, device=device)]
+        steps.append(op.step)
+    return Option(tuple(steps))
 
 
 def load_kernels() -> None:
@@ -259,6 +278,8 @@ class PlanContext:
         self._stacked: dict[int, tuple[Sequence[Option], tuple[np.ndarray, np.ndarray]]] = \
             model.stacked
         self._device_fronts: dict[Device, Fronts] = model.device_fronts
+        self._searched: dict[Device, list[Option]] = model.searched
+        self._twins: dict[int, np.ndarray] = model.twins
         # The search's visit order: tensors by size, largest first; within a size, closest to
         # the output layer (backward index 0) first. size_groups: the same, per size index.
         tensors = self.workload.tensors
@@ -291,13 +312,14 @@ class PlanContext:
         return constraints
 
     def prepare(self) -> None:
-        """Price the options Algorithm 1 chooses from (the single-device options of the
-        primary device, uncompressed ones included) for every tensor size, catalogue them for
+        """Price the options Algorithm 1 chooses from (:meth:`searched` on the primary
+        device, uncompressed ones included) for every tensor size, catalogue them for
         the search as evaluator indices (:meth:`fronts`) and load the numba kernels. The
-        device placements Algorithm 2 and the refinement try are priced when first asked for
-        (:meth:`placements`): only those of the options the search chose."""
+        device placements Algorithm 2 and the refinement try, and the forwarding twins the
+        last pass tries, are priced when first asked for (:meth:`placements`, :meth:`twins`):
+        only those of the options the search chose."""
         load_kernels()
-        self.evaluator.add(self.single_device(self.primary_device()))
+        self.evaluator.add(self.searched(self.primary_device()))
         self.fronts(self.primary_device())  # Algorithm 1's candidates
         self.uncompressed_index()
 
@@ -352,11 +374,52 @@ class PlanContext:
         self._fronts[id(candidates)] = (candidates, out)  # keyed by identity: lists are long
         return out
 
+    def searched(self, device: Device) -> list[Option]:
+        """The single-device options on ``device`` that Algorithms 1 and 2 choose from
+        (cached): all but those that forward gathered payloads undecoded where the tree under
+        the constraints also holds their twin that decodes and re-compresses before every
+        forwarding step. In the fronts such an option's low busy time (a Decomp and a Comp
+        fewer) displaced, at FRONT_LIMIT, options the greedy went on to pick, and plans got
+        slower (LSTM and VGG16 on 8 x 8, randomk 1%: 0.2-0.4%); it is tried last instead,
+        as a twin of the option chosen (:meth:`twins`). Where the constraints leave the twin out
+        (``max-compressions``, ``max-lossy``) the forwarding option is the only form of its
+        scheme and stays a candidate."""
+        got = self._searched.get(device)
+        if got is None:
+            tree = canonical_options(self.cluster, self.constraints)
+            got = self._searched[device] = [o for o in self.single_device(device)
+                                            if _decoded_twin(o) not in tree]
+        return got
+
+    def twins(self, k: int) -> np.ndarray:
+        """Evaluator indices of option ``k`` and of the tree's options that forward the
+        gathered payloads where ``k`` decodes them and compresses again (each such
+        ``Decomp -> Comp`` pair dropped, in every combination); cached."""
+        got = self._twins.get(k)
+        if got is None:
+            option = self.evaluator.options[k]
+            ops = compile_option(option).ops
+            pairs = [op.index for op in ops[:-1] if op.kind is Kind.DECOMP
+                     and op.takes is Form.SUM and ops[op.index + 1].kind is Kind.COMP]
+            tree = canonical_options(self.cluster, self.constraints)
+            found = []
+            for n in range(1, len(pairs) + 1):
+                for drop in itertools.combinations(pairs, n):
+                    gone = {j for d in drop for j in (d, d + 1)}
+                    twin = tree.get(Option(tuple(st for j, st in enumerate(option.steps)
+                                                 if j not in gone)))
+                    if twin is not None:
+                        found.append(twin)
+            got = self._twins[k] = np.concatenate([[k], self.index(found)]).astype(np.int64) \
+                if found else np.array([k], dtype=np.int64)
+        return got
+
     def fronts(self, device: Device) -> Fronts:
-        """The non-dominated single-device options on ``device`` per size (cached)."""
+        """The non-dominated single-device options on ``device`` per size, among
+        :meth:`searched` (cached)."""
         got = self._device_fronts.get(device)
         if got is None:
-            candidates = self.single_device(device)
+            candidates = self.searched(device)
             fronts = self.front(candidates)
             _, total = self._stacks(candidates)
             position = {o: k for k, o in enumerate(candidates)}

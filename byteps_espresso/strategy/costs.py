@@ -14,6 +14,10 @@ payloads ``c`` padded to the largest member's, as the transport pads them):
       p > 2, n >= 64 KiB:        2(p-1) a + 2 (p-1)   s / B     (reduce-scatter + gather)
     GatherC (to the root)         (p-1) a +   (p-1)   c / B
     Broadcast(C) (binomial tree)  log2(p) (a + n / B)            (gloo/broadcast.cc)
+
+A compressed step that forwards the ``q`` payloads an earlier gather left (``Op.forwards``:
+``q`` = the product of those groups' sizes) moves ``q c`` bytes per member in the same
+messages, and the ``Decomp`` after it decodes every payload (``Op.payloads``).
     PushPull(C) (PS)      per direction a + max(k n / B_nic, W n / (S B_server)), twice,
                           plus the servers' aggregation (W pushers, S servers, k pushers
                           per machine)
@@ -60,6 +64,7 @@ from byteps_espresso.strategy.program import (
     Op,
     Program,
     compile_option,
+    payload_count,
     reduce_splits,
     shard_numel,
 )
@@ -238,7 +243,7 @@ class Pricer:
         the extents it works on and whether a rooted step before it left one worker per
         machine holding data (``_active``). Options that differ in their prefix share them."""
         prev = self._before(prog, op)
-        key = (op.step, op.shards, op.chunks, op.piece_shards, op.payloads,
+        key = (op.step, op.shards, op.chunks, op.piece_shards, op.payloads, op.forwards,
                prev is not None and bool(prev.rooted), prev.shards if prev is not None else ())
         got = self._ops.get(key)
         if got is None:
@@ -283,7 +288,7 @@ class Pricer:
         else:
             assert op.piece_shards is not None
             numel = self.extent(op.piece_shards)
-            count = self._group(op.payloads) if op.payloads is not None else 1
+            count = payload_count(op.payloads, self._group)
             work = (np.zeros_like(numel) if self.free_compression else
                     self.costs.decompress_us(self.compressor, dev, numel, count))
         copy = extent * FLOAT32_BYTES / self._b_h2d
@@ -306,7 +311,8 @@ class Pricer:
             lat *= self.cluster.exchange_latency
         prev = self._before(prog, op)
         e = self.extent(prev.shards if prev is not None else ())
-        comm = _Comm(p, bw, lat, resource, scope, e, e * FLOAT32_BYTES, active)
+        comm = _Comm(p, bw, lat, resource, scope, e, e * FLOAT32_BYTES, active,
+                     payload_count(op.forwards, self._group))
         return _COMM_MODELS[op.kind](self, comm)
 
 
@@ -321,6 +327,7 @@ class _Comm(NamedTuple):
     e: np.ndarray  # extent, elements
     dense: np.ndarray  # extent, bytes of float32
     active: int  # workers per machine holding data
+    q: int = 1  # payloads each member moves (an earlier gather's, forwarded)
 
     def task(self, msgs: float | np.ndarray, nbytes: np.ndarray) -> list[_Task]:
         """A collective on the group's link: ``msgs`` latencies + ``nbytes`` over it."""
@@ -354,7 +361,7 @@ def _allgather(pr: Pricer, c: _Comm) -> list[_Task]:
 
 
 def _allgather_c(pr: Pricer, c: _Comm) -> list[_Task]:
-    return c.task(c.p - 1, (c.p - 1) * pr.sizes(c.e))
+    return c.task(c.p - 1, (c.p - 1) * c.q * pr.sizes(c.e))
 
 
 def _alltoall_c(pr: Pricer, c: _Comm) -> list[_Task]:
@@ -387,11 +394,11 @@ def _broadcast(pr: Pricer, c: _Comm) -> list[_Task]:
 
 
 def _broadcast_c(pr: Pricer, c: _Comm) -> list[_Task]:
-    return _tree(c, pr.sizes(c.e))
+    return _tree(c, c.q * pr.sizes(c.e))
 
 
 def _gather_c(pr: Pricer, c: _Comm) -> list[_Task]:
-    payload = pr.sizes(c.e)
+    payload = c.q * pr.sizes(c.e)
     if c.scope is Scope.FLAT and pr._multi:
         g, n = pr.cluster.gpus_per_machine, pr.cluster.world_size
         t = np.maximum((g - 1) * payload / pr._b_intra, (n - g) * payload / pr._b_inter)

@@ -44,6 +44,10 @@ of the group owns chunk ``i``.
   every member (a list).
 - ``GatherC(s)``        payload -> the list of every member's payload, on the root only.
 - ``BroadcastC(s)``     the root's payload -> every member; ``Decomp`` then decodes it.
+- Forwarding: a summing ``AllgatherC``, a ``GatherC`` or a ``BroadcastC`` may find the list of
+  payloads an earlier gathering step left instead of one payload; it moves the whole list
+  undecoded (the gatherers concatenate every member's list in group-rank order, the broadcast
+  hands the root's list on), and the ``Decomp`` at the end decodes and sums all of them.
 - ``PushPull(s)``       dense -> dense sum over the pushing workers, through the PS servers.
 - ``PushPullC(s)``      payload -> the servers' aggregate (decompressed, summed in rank
   order, re-compressed), as a payload.

@@ -4,21 +4,36 @@
 :class:`Program` once (cached per Option): one :class:`Op` per step with the tensor's *form*
 before and after it, the divisible or rooted *pair* it opens or closes, the shard path of the
 extent it leaves (which group splits are open), where the pieces of the payload it leaves come
-from, how many payloads a ``Decomp`` decodes, which ``Comp`` compresses chunk by chunk for an
-``AlltoallC`` and which steps the non-root members of an open ``Reduce``/``GatherC`` sleep
-through. The executor (``worker/executor.py``), the reference interpreter
-(``worker/reference.py``) and the cost model (``costs.py``) read the program instead of each
-re-deriving this from the step list; the decision tree (``tree.py``) uses the same pairing
-rule (:func:`closes`) to validate Options.
+from, how many payloads a ``Decomp`` decodes (and a forwarding step moves), which ``Comp``
+compresses chunk by chunk for an ``AlltoallC`` and which steps the non-root members of an open
+``Reduce``/``GatherC`` sleep through. The executor (``worker/executor.py``), the reference
+interpreter (``worker/reference.py``) and the cost model (``costs.py``) read the program
+instead of each re-deriving this from the step list; the decision tree (``tree.py``) uses the
+same pairing rule (:func:`closes`) and form rule (:func:`leaves`) to enumerate and validate
+Options.
 
 A step kind is one row of :data:`RULES` (the forms it takes and makes, the pair it opens or
-closes) plus one handler per interpreter; each interpreter checks its handlers against the
-rows (``tests/unit/test_program.py`` runs all three on every step kind).
+closes; :func:`leaves` reads a row) plus one handler per interpreter; each interpreter checks
+its handlers against the rows (``tests/unit/test_program.py`` runs all three on every step
+kind).
 
 Nothing here depends on the tensor's size or the group sizes: extents are *shard paths*
 (``Op.shards``: the scopes of the open divisible splits, outermost first), which each
 interpreter resolves for its sizes (:func:`shard_numel` for the largest shard, as the cost
 model prices; ``layout.split`` per rank, as the executor runs).
+
+Forwarding (the paper's footnote 2): the payloads one gathering step leaves (SUM) may travel
+on through the next compressed step without being decoded, when that step moves a list of
+payloads of one extent: a summing ``AllgatherC`` or a ``GatherC`` gathers every member's list
+(``p1 x p2`` payloads, in group-rank order of the later step, then of the earlier), a
+``BroadcastC`` hands the root's list to every member; the ``Decomp`` at the end decodes all of
+them and sums them in that order. What stays illegal, rule by rule (:func:`refusal` words each):
+
+- *shards are concatenated one payload each*: a closing ``AllgatherC`` (CONCAT) takes one
+  payload per member; a SUM there would make a list of lists per shard, a form no step takes;
+- *the servers sum one payload per pusher*: ``PushPullC`` takes one payload;
+- *a split compresses dense chunks*: ``AlltoallC`` takes the chunks of a ``Comp``;
+- *shards decode before they move*: CONCAT is decoded by the step right after it.
 
 Example:
     >>> prog = compile_option(Option.parse("Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) "
@@ -31,6 +46,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +55,8 @@ import numpy as np
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
 
 __all__ = ["REDUCE_SPLIT_BYTES", "RULES", "Form", "Op", "Origin", "Pair", "Pairing", "Program",
-           "Rule", "closes", "compile_option", "reduce_splits", "shard_numel"]
+           "Rule", "closes", "compile_option", "leaves", "payload_count", "reduce_splits",
+           "refusal", "shard_numel"]
 
 
 class Form(str, enum.Enum):
@@ -48,7 +65,7 @@ class Form(str, enum.Enum):
     DENSE = "dense"  # float32 values of the extent
     PAYLOAD = "payload"  # one payload (a list of pieces) of the extent
     CHUNKS = "chunks"  # one payload per member of the next AlltoallC's group (its shards)
-    SUM = "sum"  # one payload per group member, all of this extent: decode and sum
+    SUM = "sum"  # payloads of this extent, one per member of each gathering group: sum them
     CONCAT = "concat"  # one payload per group member, each of its shard: decode and concatenate
     NONE = "none"  # nothing: a non-root member after Reduce/GatherC, until the Broadcast(C)
 
@@ -72,6 +89,10 @@ class Rule:
         may_close: it closes only when the innermost open pair matches (``AllgatherC``: it
             ends a divisible scheme of its scope, or is an indivisible all-gather otherwise).
         makes_closing: form it leaves when it does close (``AllgatherC``: shards, CONCAT).
+        takes_closing: forms it accepts when it does close (``AllgatherC``: one payload).
+
+    A step that takes SUM forwards it (leaves SUM): one that makes SUM from a payload
+    (a gatherer) gathers every member's list, any other (``BroadcastC``) moves the list.
     """
 
     takes: frozenset[Form]
@@ -80,9 +101,11 @@ class Rule:
     closes: Pairing | None = None
     may_close: bool = False
     makes_closing: Form | None = None
+    takes_closing: frozenset[Form] | None = None
 
 
 _D, _P = frozenset({Form.DENSE}), frozenset({Form.PAYLOAD})
+_PS = frozenset({Form.PAYLOAD, Form.SUM})  # one payload, or gathered ones forwarded
 RULES: dict[Kind, Rule] = {
     # Comp makes CHUNKS instead when its payload feeds an AlltoallC (Op.chunks).
     Kind.COMP: Rule(_D, Form.PAYLOAD),
@@ -92,15 +115,55 @@ RULES: dict[Kind, Rule] = {
     Kind.ALLGATHER: Rule(_D, Form.DENSE, closes=Pairing.DIVISIBLE),
     Kind.REDUCE: Rule(_D, Form.DENSE, opens=Pairing.ROOTED),
     Kind.BROADCAST: Rule(_D, Form.DENSE, closes=Pairing.ROOTED),
-    Kind.ALLGATHER_C: Rule(_P, Form.SUM, closes=Pairing.DIVISIBLE, may_close=True,
-                           makes_closing=Form.CONCAT),
+    Kind.ALLGATHER_C: Rule(_PS, Form.SUM, closes=Pairing.DIVISIBLE, may_close=True,
+                           makes_closing=Form.CONCAT, takes_closing=_P),
     Kind.ALLTOALL_C: Rule(frozenset({Form.CHUNKS}), Form.SUM, opens=Pairing.DIVISIBLE),
-    Kind.GATHER_C: Rule(_P, Form.SUM, opens=Pairing.ROOTED),
-    Kind.BROADCAST_C: Rule(_P, Form.PAYLOAD, closes=Pairing.ROOTED),
+    Kind.GATHER_C: Rule(_PS, Form.SUM, opens=Pairing.ROOTED),
+    Kind.BROADCAST_C: Rule(_PS, Form.PAYLOAD, closes=Pairing.ROOTED),
     Kind.PUSH_PULL: Rule(_D, Form.DENSE),
     Kind.PUSH_PULL_C: Rule(_P, Form.PAYLOAD),
 }
 assert set(RULES) == set(Kind)
+
+
+def leaves(kind: Kind, form: Form, closing: bool = False) -> Form | None:
+    """The form a ``kind`` step leaves when it finds ``form`` (``closing``: it closes the
+    innermost open pair), or None when it does not take ``form`` (:func:`refusal` says why).
+    The decision tree enumerates with it and the compiler checks with it."""
+    rule = RULES[kind]
+    takes = rule.takes_closing if closing and rule.takes_closing is not None else rule.takes
+    if form not in takes:
+        return None
+    if form is Form.SUM:  # forwarded: still payloads to decode and sum
+        return Form.SUM
+    if closing and rule.makes_closing is not None:
+        return rule.makes_closing
+    return rule.makes
+
+
+def refusal(kind: Kind, form: Form, closing: bool = False) -> str:
+    """Why a ``kind`` step does not take ``form``, and what to change (for error messages)."""
+    if form is Form.SUM and kind is Kind.ALLGATHER_C and closing:
+        return ("an AllgatherC that closes a split concatenates one payload per shard and "
+                "cannot forward gathered payloads; decode them first (Decomp, then Allgather "
+                "or Comp -> AllgatherC)")
+    if form is Form.SUM and kind is Kind.PUSH_PULL_C:
+        return ("the servers sum one payload per pusher and cannot take gathered payloads; "
+                "add Decomp -> Comp before PushPullC")
+    if form is Form.SUM:
+        return (f"{kind.value} cannot forward gathered payloads (only a summing AllgatherC, "
+                "GatherC or BroadcastC can); add Decomp before it")
+    if form is Form.CONCAT:
+        return "gathered shards must be decoded at once; add Decomp before it"
+    takes = RULES[kind].takes_closing if closing and RULES[kind].takes_closing is not None \
+        else RULES[kind].takes
+    return f"needs {_forms(takes)}, the tensor holds {form.value} here"
+
+
+def payload_count(scopes: Sequence[Scope], size: Callable[[Scope], int]) -> int:
+    """How many payloads a SUM/CONCAT of the payload scopes ``scopes`` holds (one per member
+    of each scope's group: their product; 1 for none)."""
+    return math.prod(size(s) for s in scopes)
 
 
 @dataclass(frozen=True)
@@ -140,8 +203,11 @@ class Op:
         piece_shards: the shard path each held payload covers (None while dense): the
             current extent, or for CONCAT the members' shards of the closed split; for a
             Decomp, those of the payloads it decodes.
-        payloads: SUM/CONCAT: one payload per member of this scope's group; None: one
-            payload. For a Decomp: how many it decodes.
+        payloads: SUM/CONCAT: the scopes of the steps that gathered them (one payload per
+            member of each group; :func:`payload_count`), outermost first; empty: one
+            payload. For a Decomp: those it decodes.
+        forwards: a compressed step that takes SUM: the payload scopes of the list each
+            member sends on (empty: it moves one payload).
         chunks: Comp only: compress chunk by chunk, one per member of this scope's group
             (the next communication step is an AlltoallC of that scope).
         feeds: Comp only: index of the communication step that moves its payload.
@@ -160,7 +226,8 @@ class Op:
     closes: Pair | None
     shards: tuple[Scope, ...]
     piece_shards: tuple[Scope, ...] | None
-    payloads: Scope | None
+    payloads: tuple[Scope, ...]
+    forwards: tuple[Scope, ...]
     chunks: Scope | None
     feeds: int | None
     origin: Origin | None
@@ -190,6 +257,11 @@ class Program:
 
     def __len__(self) -> int:
         return len(self.ops)
+
+    @functools.cached_property
+    def forwards(self) -> bool:
+        """Whether a step forwards gathered payloads undecoded (:attr:`Op.forwards`)."""
+        return any(op.forwards for op in self.ops)
 
 
 def closes(kind: Kind, scope: Scope, open_pairing: Pairing | None,
@@ -235,30 +307,39 @@ class _Walk:
         self.form = Form.DENSE
         self.shards: tuple[Scope, ...] = ()
         self.piece_shards: tuple[Scope, ...] | None = None
-        self.payloads: Scope | None = None
+        self.payloads: tuple[Scope, ...] = ()
         self.origin: Origin | None = None
         self.closed: dict[int, int] = {}  # opener index -> closer index
 
     def rooted(self) -> tuple[Scope, ...]:
         return tuple(o.scope for o in self.stack if o.pairing is Pairing.ROOTED)
 
+    def _closing(self, step: Step) -> bool:
+        if step.kind.is_compute:
+            return False
+        top = self.stack[-1] if self.stack else None
+        return closes(step.kind, step.scope, top and top.pairing,  # type: ignore[arg-type]
+                      top and top.scope)
+
     def step(self, i: int) -> dict:
         step = self.steps[i]
         rule = RULES[step.kind]
-        if self.form not in rule.takes:
-            raise OptionError(f"step {i} {step}: needs {_forms(rule.takes)}, the tensor holds "
-                              f"{self.form.value} here")
+        closing = self._closing(step)
+        if leaves(step.kind, self.form, closing) is None:
+            raise OptionError(f"step {i} {step}: {refusal(step.kind, self.form, closing)}")
         row = {"takes": self.form, "opens": False, "closes": None, "chunks": None,
-               "feeds": None, "sleepers": self.rooted(), "payloads": None,
+               "feeds": None, "sleepers": self.rooted(), "payloads": (),
+               "forwards": self.payloads if self.form is Form.SUM and not step.kind.is_compute
+               else (),
                "piece_shards": None, "origin": None}
         if step.kind is Kind.COMP:
             makes = self._comp(i, row)
         elif step.kind is Kind.DECOMP:
             row.update(payloads=self.payloads, piece_shards=self.piece_shards,
                        origin=self.origin)
-            makes, self.origin, self.piece_shards, self.payloads = Form.DENSE, None, None, None
+            makes, self.origin, self.piece_shards, self.payloads = Form.DENSE, None, None, ()
         else:
-            makes = self._comm(i, rule, row)
+            makes = self._comm(i, rule, row, closing)
         if step.kind is not Kind.DECOMP and makes is not Form.DENSE:
             row.update(payloads=self.payloads, piece_shards=self.piece_shards,
                        origin=self.origin)
@@ -274,37 +355,37 @@ class _Walk:
         nxt = self.steps[j]
         row["feeds"] = j
         self.origin = Origin(j, True) if nxt.kind is Kind.PUSH_PULL_C else Origin(i, False)
-        self.piece_shards, self.payloads = self.shards, None
+        self.piece_shards, self.payloads = self.shards, ()
         if nxt.kind is Kind.ALLTOALL_C:
             row["chunks"] = nxt.scope
             return Form.CHUNKS
         return Form.PAYLOAD
 
-    def _comm(self, i: int, rule: Rule, row: dict) -> Form:
+    def _comm(self, i: int, rule: Rule, row: dict, closing: bool) -> Form:
         scope = self.steps[i].scope
         assert scope is not None
-        makes = rule.makes
+        makes = leaves(self.steps[i].kind, self.form, closing)
+        assert makes is not None
         top = self.stack[-1] if self.stack else None
-        if closes(self.steps[i].kind, scope, top and top.pairing, top and top.scope):
+        if closing:
             assert top is not None
             self.stack.pop()
             self.closed[top.index] = i
             row["closes"] = top.index
             if top.pairing is Pairing.ROOTED:  # the closer's own non-roots take part
                 row["sleepers"] = self.rooted()
-            elif rule.makes_closing is not None:  # shards of the split: one per member
-                makes = rule.makes_closing
-                self.piece_shards, self.payloads = self.shards, scope
+            elif makes is Form.CONCAT:  # shards of the split: one per member
+                self.piece_shards, self.payloads = self.shards, (scope,)
             self.shards = top.shards
         if rule.opens is not None:
             self.stack.append(_Open(rule.opens, scope, i, self.shards))
             row["opens"] = True
             if rule.opens is Pairing.DIVISIBLE:
                 self.shards = (*self.shards, scope)
-        if makes is Form.SUM:
-            self.piece_shards, self.payloads = self.shards, scope
+        if makes is Form.SUM and rule.makes is Form.SUM:  # gathers: every member's list
+            self.piece_shards, self.payloads = self.shards, (*self.payloads, scope)
         elif makes is Form.PAYLOAD:
-            self.piece_shards, self.payloads = self.shards, None
+            self.piece_shards, self.payloads = self.shards, ()
         return makes
 
 
@@ -329,8 +410,8 @@ def compile_option(option: Option) -> Program:
              for j, i in walk.closed.items()}
     ops = tuple(Op(i, step, r["takes"], r["makes"], pairs[i] if r["opens"] else None,
                    pairs[r["closes"]] if r["closes"] is not None else None, r["shards"],
-                   r["piece_shards"], r["payloads"], r["chunks"], r["feeds"], r["origin"],
-                   r["sleepers"], r["rooted"])
+                   r["piece_shards"], r["payloads"], r["forwards"], r["chunks"], r["feeds"],
+                   r["origin"], r["sleepers"], r["rooted"])
                 for i, (step, r) in enumerate(zip(steps, rows, strict=True)))
     return Program(option, ops, tuple(pairs[j] for j in sorted(pairs)))
 

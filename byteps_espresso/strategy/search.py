@@ -302,6 +302,28 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     return choice
 
 
+def _refine_forwarding(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
+    """Each compressed tensor, in visit order, with the others fixed: its option or one of
+    its twins that forward the gathered payloads where it decodes and re-compresses
+    (:meth:`PlanContext.twins`; Algorithms 1 and 2 leave those out where the twin is
+    allowed, see :meth:`PlanContext.searched`). Only a faster strategy is kept."""
+    choice = choice.copy()
+    options = ctx.evaluator.options
+    now = ctx.evaluator.schedule(choice)  # (time, sum of synchronized times, ...)
+    for i in ctx.visit_order:
+        keep = int(choice[i])
+        if not options[keep].is_compressed:
+            continue
+        table = ctx.twins(keep)
+        if len(table) < 2:
+            continue
+        best_k, _ = ctx.evaluator.best_of(choice, i, table, current=now[:2])
+        if best_k != keep:
+            choice[i] = best_k
+            now = ctx.evaluator.schedule(choice)
+    return choice
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (restored after): the search allocates many
@@ -327,5 +349,6 @@ def _espresso(ctx: PlanContext) -> np.ndarray:
     choice = gpu_greedy(ctx, start, device, passes=GREEDY_PASSES)
     choice = cpu_offload(ctx, choice)
     choice = _refine_devices(ctx, choice)
+    choice = _refine_forwarding(ctx, choice)
     log.debug("espresso: %d evaluations", ctx.evaluator.calls)
     return choice

@@ -15,16 +15,24 @@ Families (dense kind, compressed kind) -- the form of the tensor picks the kind:
     scatter    ReduceScatter / AlltoallC     gather     Allgather / AllgatherC (closes scatter)
     reduce     Reduce / GatherC              broadcast  Broadcast / BroadcastC
 
-Form rules (compression points)
+Form rules (compression points; the forms are the program's, ``program.leaves``)
     - ``Comp`` may precede any communication step whose input is dense; ``Decomp`` may follow
-      any communication step that produced payloads, and must follow a gathering one
-      (``AllgatherC``, ``AlltoallC``, ``GatherC``: several payloads to decode).
-    - re-compressing (``Decomp`` then ``Comp``) is allowed only after a gathering step (the sum
-      changed the data; otherwise it would decode and re-encode the same values).
+      any communication step that produced payloads.
+    - the payloads a gathering step leaves (``AllgatherC``, ``AlltoallC``, ``GatherC``: SUM)
+      are decoded by the next step, or forwarded by it undecoded when it moves a list of
+      payloads of one extent (a summing ``AllgatherC``, a ``GatherC``, a ``BroadcastC``); the
+      ``Decomp`` at the end then decodes all of them. Not through a closing ``AllgatherC``
+      (shards are concatenated one payload each), ``PushPullC`` (the servers sum one payload
+      per pusher) or ``AlltoallC`` (it splits dense chunks); gathered shards (CONCAT) are
+      decoded at once.
+    - re-compressing (``Decomp`` then ``Comp``) is allowed only after a ``Decomp`` that
+      summed or concatenated several payloads (the data changed; otherwise it would decode and
+      re-encode the same values).
     - the option ends dense; every ``Comp``/``Decomp`` is on ``gpu`` or ``cpu``.
 
-Count (no constraints, hierarchical cluster with servers): see :func:`count_decomposition`
-and docs/strategy.md; 4,341 in the paper's vocabulary, ours adds the ``ps`` family.
+Count (no constraints, hierarchical cluster with servers): 2,776, see
+:func:`count_decomposition` and docs/strategy.md (2,641 without the ``ps`` family ours adds;
+the paper counts 4,341 for its vocabulary and path shapes).
 
 Example:
     >>> opts = enumerate_options(Cluster.preset(8, 8), Constraints(max_compressions=1))
@@ -40,7 +48,7 @@ from dataclasses import dataclass, field
 
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
-from byteps_espresso.strategy.program import RULES, Form, Pairing, closes
+from byteps_espresso.strategy.program import RULES, Form, Pairing, closes, compile_option, leaves
 
 __all__ = ["FAMILIES", "ConstraintError", "Constraints", "canonical_options", "count_decomposition",
            "enumerate_options", "option_set", "path_of", "validate"]
@@ -298,19 +306,20 @@ def validate(option: Option, cluster: Cluster | None = None) -> None:
     compressed = False
     steps = option.steps
     for i, step in enumerate(steps):
-        nxt = steps[i + 1] if i + 1 < len(steps) else None
         if step.kind.is_compute:
             compressed = _check_compute(steps, i, compressed)
-        else:
-            # the program's form table: which form each step takes
-            if (Form.DENSE in RULES[step.kind].takes) == compressed:
-                form = "a payload" if compressed else "dense values"
-                raise OptionError(f"step {i} {step}: the tensor holds {form} here")
-            if step.kind.gathers and (nxt is None or nxt.kind is not Kind.DECOMP):
-                raise OptionError(f"step {i} {step}: a gathering step must be followed by "
-                                  "Decomp")
+        elif (Form.DENSE in RULES[step.kind].takes) == compressed:
+            form = "a payload" if compressed else "dense values"
+            raise OptionError(f"step {i} {step}: the tensor holds {form} here")
     if compressed:
         raise OptionError("the option must end with dense values (add Decomp)")
+    # the forms each step finds (forwarding of gathered payloads included), and re-compression
+    ops = compile_option(option).ops
+    for op in ops[2:]:
+        before = ops[op.index - 1]
+        if op.kind is Kind.COMP and before.kind is Kind.DECOMP and before.takes is Form.PAYLOAD:
+            raise OptionError(f"step {op.index} {op.step}: re-compression only after a Decomp "
+                              "that summed or concatenated gathered payloads")
 
 
 def _check_compute(steps: tuple[Step, ...], i: int, compressed: bool) -> bool:
@@ -323,8 +332,6 @@ def _check_compute(steps: tuple[Step, ...], i: int, compressed: bool) -> bool:
             raise OptionError(f"step {i} {step}: the tensor is already compressed")
         if nxt is None or nxt.kind.is_compute:
             raise OptionError(f"step {i} {step}: Comp must precede a communication step")
-        if prev is not None and prev.kind is Kind.DECOMP and not steps[i - 2].kind.gathers:
-            raise OptionError(f"step {i} {step}: re-compression only after a gathering step")
         return True
     if not compressed or prev is None or prev.kind.is_compute:
         raise OptionError(f"step {i} {step}: Decomp must follow a compressed communication step")
@@ -357,31 +364,43 @@ def _skeletons(hierarchical: bool, servers: bool) -> Iterator[list[tuple[str, Sc
                 yield [(open_fam, Scope.INTRA), *inner, (close_fam, Scope.INTRA)]
 
 
-def _forms(skeleton: list[tuple[str, Scope]]) -> Iterator[list[Step | str]]:
-    """Every placement of Comp/Decomp along a skeleton; compute steps as "C"/"D" markers."""
+_CLOSING_FAMILIES = frozenset(PAIRS.values())
 
-    def walk(k: int, compressed: bool, recomp_ok: bool, acc: list) -> Iterator[list]:
+
+def _forms(skeleton: list[tuple[str, Scope]]) -> Iterator[list[Step | str]]:
+    """Every placement of Comp/Decomp along a skeleton; compute steps as "C"/"D" markers.
+    The form after each step is the program's (:func:`program.leaves`)."""
+
+    def walk(k: int, form: Form, recomp_ok: bool, acc: list) -> Iterator[list]:
         if k == len(skeleton):
-            yield acc + (["D"] if compressed else [])
+            yield acc + (["D"] if form is not Form.DENSE else [])
             return
         fam, scope = skeleton[k]
-        starts = [(compressed, [])]
-        if not compressed and recomp_ok:
-            starts.append((True, ["C"]))
-        for comp, pre in starts:
-            kind = FAMILIES[fam][1 if comp else 0]
+        starts = [(form, [])]
+        if form is Form.DENSE and recomp_ok:
+            starts.append((Form.PAYLOAD, ["C"]))
+        for held, pre in starts:
+            kind = FAMILIES[fam][0 if held is Form.DENSE else 1]
+            # a Comp before AlltoallC compresses one chunk per destination
+            found = Form.CHUNKS if pre and kind is Kind.ALLTOALL_C else held
+            makes = leaves(kind, found, fam in _CLOSING_FAMILIES)
+            if makes is None:
+                continue
             step = _step(kind, scope=scope)
-            if kind.gathers:
-                yield from walk(k + 1, False, True, [*acc, *pre, step, "D"])
-            elif comp:
-                # keep the payload for the next step, or decode now (the same at the end)
-                yield from walk(k + 1, True, True, [*acc, *pre, step])
-                if k + 1 < len(skeleton):
-                    yield from walk(k + 1, False, False, [*acc, *pre, step, "D"])
-            else:
-                yield from walk(k + 1, False, True, [*acc, *pre, step])
+            if makes is Form.DENSE:
+                yield from walk(k + 1, Form.DENSE, True, [*acc, *pre, step])
+                continue
+            if k + 1 == len(skeleton):  # the final Decomp
+                yield from walk(k + 1, makes, True, [*acc, *pre, step])
+                continue
+            # decode now (re-compressing next only if the Decomp sums or concatenates) ...
+            yield from walk(k + 1, Form.DENSE, makes is not Form.PAYLOAD,
+                            [*acc, *pre, step, "D"])
+            # ... or keep the payload(s) for the next step, which may refuse them
+            if makes is not Form.CONCAT:
+                yield from walk(k + 1, makes, True, [*acc, *pre, step])
 
-    yield from walk(0, False, True, [])
+    yield from walk(0, Form.DENSE, True, [])
 
 
 @functools.lru_cache(maxsize=64)

@@ -7,9 +7,11 @@ interpreter, and uncompressed Options must equal the true sum within fp32 tolera
 Covering set: every scheme (indivisible Allreduce/AllgatherC; divisible ReduceScatter +
 Allgather, Reduce + Broadcast, AlltoallC + AllgatherC, GatherC + BroadcastC; mixes of
 compressed and dense halves) in flat and hierarchical (intra + inter) paths, every
-compute step on both devices, and AllgatherC both summing (indivisible) and concatenating
-(closing a divisible step). Sizes include 1 (empty shards), odd and non-multiple sizes, and
-one above the size where a flat Reduce splits into a reduce-scatter and a gather.
+compute step on both devices, AllgatherC both summing (indivisible) and concatenating
+(closing a divisible step), and gathered payloads forwarded undecoded through a summing
+AllgatherC, a GatherC or a BroadcastC (the tree-covering cases tell them apart by form).
+Sizes include 1 (empty shards), odd and non-multiple sizes, and one above the size where a
+flat Reduce splits into a reduce-scatter and a gather.
 """
 
 from __future__ import annotations
@@ -96,12 +98,15 @@ TREE_CODECS = [
 
 def tree_covering() -> list[Option]:
     """From the 2 x 2 decision tree with one server: one Option per communication signature
-    (steps and scopes), and one per (signature, devices) among the PS Options."""
+    (steps, scopes and the forms they take: a step that forwards gathered payloads differs from
+    one that does not), and one per (signature, devices) among the PS Options."""
     from byteps_espresso.strategy import Cluster, enumerate_options
+    from byteps_espresso.strategy.program import compile_option
 
     seen: dict = {}
     for o in enumerate_options(Cluster.preset(MACHINES, LOCAL, "pcie", 10, servers=1)):
-        comm = tuple((s.kind, s.scope) for s in o.steps if not s.kind.is_compute)
+        comm = tuple((op.kind, op.scope, op.takes) for op in compile_option(o).ops
+                     if not op.kind.is_compute)
         seen.setdefault((comm, o.devices if o.uses_servers else None), o)
     return list(seen.values())
 

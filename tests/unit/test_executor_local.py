@@ -17,6 +17,7 @@ from byteps_espresso.worker.local_transport import LocalHub
 from byteps_espresso.worker.reference import Reference
 
 from byteps_espresso.strategy.options import Option
+from byteps_espresso.strategy.program import compile_option
 
 OPTIONS = [
     "Allreduce(flat)",
@@ -30,6 +31,12 @@ OPTIONS = [
     "-> AllgatherC(intra) -> Decomp(gpu)",
     "Reduce(intra) -> Comp(gpu) -> GatherC(inter) -> Decomp(gpu) -> Comp(cpu) "
     "-> BroadcastC(inter) -> Decomp(cpu) -> Broadcast(intra)",
+    # gathered payloads forwarded undecoded (the Decomp sums every member's of each group)
+    "Comp(gpu) -> GatherC(flat) -> BroadcastC(flat) -> Decomp(cpu)",
+    "Comp(cpu) -> AlltoallC(intra) -> AllgatherC(inter) -> Decomp(gpu) -> Allgather(intra)",
+    "Comp(gpu) -> GatherC(intra) -> GatherC(inter) -> BroadcastC(inter) -> BroadcastC(intra) "
+    "-> Decomp(gpu)",
+    "Comp(gpu) -> GatherC(intra) -> AllgatherC(inter) -> BroadcastC(intra) -> Decomp(cpu)",
 ]
 
 
@@ -96,10 +103,12 @@ def _tree():
 
 
 def covering(options):
-    """One Option per (communication steps with scopes, devices used) signature."""
+    """One Option per (communication steps with scopes and the forms they take, devices used)
+    signature: the form tells a step that forwards gathered payloads from one that does not."""
     seen = {}
     for o in options:
-        comm = tuple((s.kind, s.scope) for s in o.steps if not s.kind.is_compute)
+        comm = tuple((op.kind, op.scope, op.takes) for op in compile_option(o).ops
+                     if not op.kind.is_compute)
         seen.setdefault((comm, o.devices), o)
     return list(seen.values())
 

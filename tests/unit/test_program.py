@@ -21,8 +21,14 @@ from byteps_espresso.worker.topology import Topology
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, enumerate_options, validate
 from byteps_espresso.strategy.costs import CompressedSizes, Pricer
-from byteps_espresso.strategy.options import Kind, Option, OptionError
-from byteps_espresso.strategy.program import RULES, Form, Pairing, compile_option
+from byteps_espresso.strategy.options import Kind, Option, OptionError, Scope
+from byteps_espresso.strategy.program import (
+    RULES,
+    Form,
+    Pairing,
+    compile_option,
+    payload_count,
+)
 
 MACHINES, LOCAL = 2, 3  # intra groups of 3, inter groups of 2: uneven shards
 OPTIONS = [
@@ -39,6 +45,19 @@ OPTIONS = [
     "Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(cpu) -> PushPullC(inter) "
     "-> Decomp(cpu) -> Allgather(intra)",
 ]
+# Gathered payloads forwarded undecoded through the next compressed step(s): every step kind
+# that forwards (summing AllgatherC, GatherC, BroadcastC), once and twice in a row.
+FORWARDED = [
+    "Comp(gpu) -> GatherC(flat) -> BroadcastC(flat) -> Decomp(gpu)",
+    "Comp(gpu) -> AlltoallC(intra) -> AllgatherC(inter) -> Decomp(cpu) -> Allgather(intra)",
+    "Comp(cpu) -> GatherC(intra) -> AllgatherC(inter) -> BroadcastC(intra) -> Decomp(gpu)",
+    "Comp(gpu) -> GatherC(intra) -> GatherC(inter) -> BroadcastC(inter) -> BroadcastC(intra) "
+    "-> Decomp(gpu)",
+    "Comp(gpu) -> AlltoallC(intra) -> GatherC(inter) -> BroadcastC(inter) -> Decomp(gpu) "
+    "-> Comp(gpu) -> AllgatherC(intra) -> Decomp(gpu)",
+    "Reduce(intra) -> Comp(gpu) -> AllgatherC(inter) -> BroadcastC(intra) -> Decomp(gpu)",
+]
+OPTIONS += FORWARDED
 NUMELS = [2, 11, 301]  # fewer elements than members (empty shards), odd, larger
 
 
@@ -107,8 +126,9 @@ def test_the_executor_holds_the_programs_forms_and_extents(text, numel):
             elif form is Form.PAYLOAD:
                 assert len(value) == (1 if ext.numel else 0) or op.origin.ps
             elif form is not Form.NONE:
-                group = op.chunks or op.payloads
-                assert len(value) == topo.size(group), f"rank {r} after step {i} {op.step}"
+                count = topo.size(op.chunks) if op.chunks else payload_count(op.payloads,
+                                                                             topo.size)
+                assert len(value) == count, f"rank {r} after step {i} {op.step}"
 
 
 def _reference_trace(text: str, numel: int) -> dict:
@@ -150,6 +170,44 @@ def test_every_option_of_the_tree_compiles_and_pairs_as_the_tree_says():
         for pair in prog.pairs:
             assert prog.ops[pair.close].closes == pair
             assert option.steps[pair.open].scope is option.steps[pair.close].scope
+
+
+def test_forwarded_payloads_are_counted_through_every_gather():
+    """A forwarding step sends the list the gather before it left; the Decomp at the end
+    decodes one payload per member of every gathering group."""
+    topo = Topology(MACHINES, LOCAL)
+    prog = compile_option(Option.parse(FORWARDED[3]))
+    # Comp, GatherC(intra), GatherC(inter), BroadcastC(inter), BroadcastC(intra), Decomp
+    assert [op.makes for op in prog.ops] == [Form.PAYLOAD, Form.SUM, Form.SUM, Form.SUM,
+                                            Form.SUM, Form.DENSE]
+    assert [op.forwards for op in prog.ops] == [(), (), (Scope.INTRA,), *[(Scope.INTRA,
+                                                Scope.INTER)] * 2, ()]
+    decomp = prog.ops[-1]
+    assert decomp.takes is Form.SUM and decomp.payloads == (Scope.INTRA, Scope.INTER)
+    assert payload_count(decomp.payloads, topo.size) == LOCAL * MACHINES
+    # a gather of one payload forwards nothing
+    assert prog.ops[1].forwards == () and prog.ops[1].payloads == (Scope.INTRA,)
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    # a closing AllgatherC concatenates one payload per shard
+    ("Comp(gpu) -> AlltoallC(flat) -> AllgatherC(flat) -> Decomp(gpu)", "concatenates one"),
+    # the servers sum one payload per pusher
+    ("Comp(gpu) -> AlltoallC(intra) -> PushPullC(inter) -> Decomp(gpu) -> Allgather(intra)",
+     "servers sum one payload"),
+    # AlltoallC splits the chunks of a Comp
+    ("Comp(gpu) -> GatherC(intra) -> AlltoallC(inter) -> Decomp(gpu) -> Allgather(inter) "
+     "-> Broadcast(intra)", "cannot forward"),
+    # gathered shards are decoded at once
+    ("Reduce(intra) -> ReduceScatter(inter) -> Comp(gpu) -> AllgatherC(inter) "
+     "-> BroadcastC(intra) -> Decomp(gpu)", "decoded at once"),
+])
+def test_what_cannot_forward_gathered_payloads_says_why(text, why):
+    option = Option.parse(text)
+    with pytest.raises(OptionError, match=why):
+        compile_option(option)
+    with pytest.raises(OptionError, match=why):
+        validate(option)
 
 
 @pytest.mark.parametrize("text", [

@@ -22,7 +22,7 @@ def test_placements_cover_the_tree_and_price_like_the_walk(cluster):
     ctx.prepare()
     reached = set()
     for opt in ctx.single_device(Device.GPU):
-        table = ctx.placements(ctx.evaluator.index[opt])
+        table = ctx.placements(int(ctx.index([opt])[0]))
         reached.update(ctx.evaluator.options[k] for k in table[table >= 0])
     assert reached == set(ctx.options)  # every Option is a placement of an all-GPU one
     mixed = [o for o in ctx.options if o.devices == {Device.GPU, Device.CPU}]

@@ -16,7 +16,7 @@ def test_every_option_is_priced_and_simulated():
     wl = Workload((TensorProfile("a", 3_000_000, 500.0), TensorProfile("b", 1000, 10.0)), 100.0)
     ctx = PlanContext(wl, Cluster.preset(4, 4, "pcie", 25), COMPRESSOR, PARAMS)
     idx = ctx.index(ctx.options)
-    assert len(idx) == len(ctx.options) == 2340
+    assert len(idx) == len(ctx.options) == 2776
     for k in idx:
         t = ctx.iteration_us(np.full(2, k))
         assert np.isfinite(t) and t >= wl.forward_time_us + wl.backward_us
@@ -127,11 +127,11 @@ def test_search_catalogue_agrees_with_the_options():
     ctx.prepare()
     options = ctx.evaluator.options
     fronts = ctx.fronts(ctx.primary_device())
-    for u, front in enumerate(ctx.front(ctx.single_device(ctx.primary_device()))):
+    for u, front in enumerate(ctx.front(ctx.searched(ctx.primary_device()))):
         assert [options[k] for k in fronts.index[u]] == front
         assert (u in fronts.compressible) == any(o.is_compressed for o in front)
         assert options[fronts.fastest_alone[u]] in front
-    for opt in ctx.single_device(Device.GPU):
+    for opt in ctx.searched(Device.GPU):
         if not opt.is_compressed:
             continue
         k = ctx.evaluator.index[opt]
@@ -207,3 +207,28 @@ def test_best_of_against_the_incumbent_equals_simulating_it_first(seed):
         keep = int(choice[i])
         first = np.array([keep, *[k for k in cands.tolist() if k != keep]], dtype=np.int64)
         assert ev.best_of(choice, i, cands, current=now[:2]) == ev.best_of(choice, i, first)
+
+
+def test_forwarding_options_are_searched_where_their_decoding_twin_is_not_allowed():
+    """Algorithms 1 and 2 choose from the options that decode and re-compress where the
+    constraints allow them, and from their forwarding twins only where not; the last pass
+    tries the twins of the options chosen."""
+    from byteps_espresso.strategy import Option
+
+    wl = Workload((TensorProfile("a", 3_000_000, 500.0), TensorProfile("b", 1000, 10.0)), 100.0)
+    cluster = Cluster.preset(2, 2, "pcie", 25)
+    decoded = Option.parse("Comp(gpu) -> GatherC(intra) -> Decomp(gpu) -> Comp(gpu) "
+                           "-> AllgatherC(inter) -> Decomp(gpu) -> Comp(gpu) -> BroadcastC(intra) "
+                           "-> Decomp(gpu)")
+    forwarded = Option.parse("Comp(gpu) -> GatherC(intra) -> AllgatherC(inter) "
+                             "-> BroadcastC(intra) -> Decomp(gpu)")
+    ctx = PlanContext(wl, cluster, COMPRESSOR, PARAMS)
+    searched = set(ctx.searched(Device.GPU))
+    assert decoded in searched and forwarded not in searched
+    assert forwarded in set(ctx.single_device(Device.GPU))
+    twins = [ctx.evaluator.options[k] for k in ctx.twins(int(ctx.index([decoded])[0]))]
+    assert twins[0] == decoded and forwarded in twins
+    once = PlanContext(wl, cluster, COMPRESSOR, PARAMS,
+                       constraints=Constraints.parse(["max-compressions=1"]))
+    assert forwarded in set(once.searched(Device.GPU))
+    assert baselines.get("espresso").run(once).iteration_us > 0

@@ -305,3 +305,36 @@ def test_memoized_prices_equal_a_fresh_walk_per_option():
         assert np.array_equal(got.resource, alone.resource)
         assert np.array_equal(got.step, alone.step)
         assert np.array_equal(got.duration, alone.duration)
+
+
+def test_forwarded_payloads_cost_their_count_on_the_wire_and_in_the_decomp():
+    """A step that forwards the payloads an earlier gather left moves all of them (q times a
+    payload's bytes in the same messages) and the Decomp at the end decodes all of them."""
+    cluster = Cluster(machines=4, gpus_per_machine=4, intra_gbps=80.0, intra_latency_us=2.0,
+                      inter_gbps=8.0, inter_latency_us=10.0, servers=0)
+    pricer = Pricer(cluster, "fp16", FP16, COSTS, [4096])
+    b_intra, b_inter = 80 * 125.0, 8 * 125.0
+    shard, full = FP16(np.array([1024.0]))[0], FP16(np.array([4096.0]))[0]
+
+    def durations(text):
+        return pricer.tasks(Option.parse(text)).duration[0]
+
+    # AlltoallC(intra) leaves 4 payloads of a quarter; AllgatherC(inter) (4 groups on the NIC)
+    # sends all 4, and the Decomp sums 4 x 4 (COSTS: 1 us per payload decoded on the gpu)
+    forwarded = durations("Comp(gpu) -> AlltoallC(intra) -> AllgatherC(inter) -> Decomp(gpu) "
+                          "-> Allgather(intra)")
+    np.testing.assert_allclose(forwarded[2], 3 * 10.0 + 3 * 4 * shard / (b_inter / 4))
+    assert forwarded[3] == pytest.approx(16.0)
+    decoded = durations("Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(gpu) "
+                        "-> AllgatherC(inter) -> Decomp(gpu) -> Allgather(intra)")
+    np.testing.assert_allclose(decoded[4], 3 * 10.0 + 3 * shard / (b_inter / 4))
+    assert (decoded[2], decoded[5]) == pytest.approx((4.0, 4.0))
+    # the roots gather 4 x 4 payloads across machines (one group on the NIC); both broadcasts
+    # (binomial trees of log2(4) = 2 rounds) carry all 16; one Decomp of 16
+    rooted = durations("Comp(gpu) -> GatherC(intra) -> GatherC(inter) -> BroadcastC(inter) "
+                       "-> BroadcastC(intra) -> Decomp(gpu)")
+    np.testing.assert_allclose(rooted[1:5], [3 * 2.0 + 3 * full / b_intra,
+                                             3 * 10.0 + 3 * 4 * full / b_inter,
+                                             2 * (10.0 + 16 * full / b_inter),
+                                             2 * (2.0 + 16 * full / b_intra)])
+    assert rooted[5] == pytest.approx(16.0)

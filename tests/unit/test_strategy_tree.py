@@ -35,6 +35,17 @@ HAND_DERIVED = [
     # a compressed second half (concatenating AllgatherC)
     "ReduceScatter(intra) -> ReduceScatter(inter) -> Comp(gpu) -> AllgatherC(inter) "
     "-> Decomp(gpu) -> Allgather(intra)",
+    # gathered payloads forwarded undecoded, decoded once at the end
+    "Comp(gpu) -> GatherC(flat) -> BroadcastC(flat) -> Decomp(gpu)",
+    "Comp(gpu) -> AlltoallC(intra) -> AllgatherC(inter) -> Decomp(gpu) -> Allgather(intra)",
+    "Comp(gpu) -> GatherC(intra) -> AllgatherC(inter) -> BroadcastC(intra) -> Decomp(cpu)",
+    "Reduce(intra) -> Comp(gpu) -> GatherC(inter) -> BroadcastC(inter) -> Decomp(gpu) "
+    "-> Broadcast(intra)",
+    "Comp(gpu) -> GatherC(intra) -> GatherC(inter) -> BroadcastC(inter) -> BroadcastC(intra) "
+    "-> Decomp(gpu)",
+    # re-compressing after a Decomp that summed forwarded payloads
+    "Comp(gpu) -> AlltoallC(intra) -> AllgatherC(inter) -> Decomp(gpu) -> Comp(gpu) "
+    "-> AllgatherC(intra) -> Decomp(gpu)",
 ]
 
 INVALID = [
@@ -46,19 +57,50 @@ INVALID = [
     "ReduceScatter(intra) -> Broadcast(intra)",  # wrong closing family
     "Allreduce(intra)",  # intra alone is not a path
     "Reduce(intra) -> Comp(gpu) -> PushPullC(inter) -> Decomp(gpu) -> Comp(gpu) "
-    "-> BroadcastC(intra) -> Decomp(gpu)",  # re-compression without a gathering step
+    "-> BroadcastC(intra) -> Decomp(gpu)",  # re-compression after decoding one payload
     "Comp(gpu) -> Comp(cpu) -> AllgatherC(flat) -> Decomp(gpu)",
     "Allreduce(flat) -> Allreduce(flat)",
+    # gathered payloads forwarded where no step can take them
+    "Comp(gpu) -> AlltoallC(flat) -> AllgatherC(flat) -> Decomp(gpu)",  # shard gather
+    "Comp(gpu) -> AlltoallC(intra) -> PushPullC(inter) -> Decomp(gpu) -> Allgather(intra)",
+    "Comp(gpu) -> GatherC(intra) -> AlltoallC(inter) -> Decomp(gpu) -> Allgather(inter) "
+    "-> Broadcast(intra)",
+    "Reduce(intra) -> ReduceScatter(inter) -> Comp(gpu) -> AllgatherC(inter) "
+    "-> BroadcastC(intra) -> Decomp(gpu)",  # gathered shards travel on
+    "Comp(gpu) -> BroadcastC(flat) -> Decomp(gpu)",  # nothing to close
 ]
 
 
 def test_count_and_decomposition():
     options = enumerate_options(BIG)
     parts = count_decomposition(BIG)
-    assert len(options) == parts["total"] == 2340
-    assert sum(v for k, v in parts.items() if k != "total") == 2340
+    assert len(options) == parts["total"] == 2776
+    assert sum(v for k, v in parts.items() if k != "total") == 2776
     assert parts["flat allreduce(flat)"] == 5  # Allreduce + Comp(d)->AllgatherC->Decomp(d')
     assert parts["flat ps(flat)"] == 5
+    # 25 without forwarding, + Comp(d) -> GatherC -> BroadcastC -> Decomp(d')
+    assert parts["flat reduce/broadcast(flat)"] == 29
+    # a shard gather does not forward the AlltoallC's payloads: unchanged
+    assert parts["flat scatter/gather(flat)"] == 25
+    assert parts["hierarchical scatter/gather(inter)"] == 1250
+    assert (parts["hierarchical allreduce(inter)"], parts["hierarchical ps(inter)"],
+            parts["hierarchical reduce/broadcast(inter)"]) == (314, 130, 1018)
+    assert len(enumerate_options(BIG, Constraints.parse(["no-ps"]))) == 2641
+    assert len(enumerate_options(BIG, Constraints.parse(["no-cpu"]))) == 139
+
+
+def test_forwarding_adds_options_that_decode_once():
+    """The options in which a step forwards gathered payloads are the ones the tree gained;
+    they compress once, so one-compression plans (max-lossy=1) get more schemes."""
+    from byteps_espresso.strategy.program import compile_option
+
+    forwarding = [o for o in enumerate_options(BIG)
+                  if any(op.forwards for op in compile_option(o).ops)]
+    assert len(forwarding) == 2776 - 2340
+    once = Constraints.parse(["max-lossy=1"])
+    assert len(enumerate_options(BIG, once)) == 196  # 144 without forwarding
+    assert Option.parse("Comp(gpu) -> GatherC(intra) -> AllgatherC(inter) -> BroadcastC(intra) "
+                        "-> Decomp(gpu)") in enumerate_options(BIG, once)
 
 
 def test_no_duplicates_and_every_option_validates():

@@ -29,6 +29,8 @@ OPTIONS = [
     "Comp(gpu) -> AlltoallC(flat) -> Decomp(gpu) -> Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
     "Comp(gpu) -> GatherC(flat) -> Decomp(gpu) -> Comp(gpu) -> BroadcastC(flat) -> Decomp(gpu)",
     "ReduceScatter(flat) -> Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
+    # the broadcast forwards the p payloads the gather left: p times the bytes
+    "Comp(gpu) -> GatherC(flat) -> BroadcastC(flat) -> Decomp(gpu)",
 ]
 # PushPull/PushPullC go through the PS, not the transport (their model is the servers').
 TRANSPORT_KINDS = {k for k in Kind if not k.is_compute} - {Kind.PUSH_PULL, Kind.PUSH_PULL_C}
