@@ -26,7 +26,8 @@ from byteps_espresso.kernels.base import (
 )
 from numba import njit
 
-__all__ = ["Sparse", "SparseNumba", "SparseTorch", "keep_count", "warmup_ratio"]
+__all__ = ["WARMUP_STAGE_FACTOR", "Sparse", "SparseNumba", "SparseTorch", "keep_count",
+           "warmup_ratio", "warmup_stage", "warmup_stages"]
 
 
 def keep_count(numel: int, ratio: float) -> int:
@@ -34,21 +35,48 @@ def keep_count(numel: int, ratio: float) -> int:
     return max(1, min(numel, int(numel * ratio)))
 
 
+#: Largest fall of the kept fraction between two warm-up stages: DGC's factor 4 per epoch
+#: (Lin et al., ICLR 2018, 3.3: kept 25%, 6.25%, 1.5625%, 0.4%, 0.1%).
+WARMUP_STAGE_FACTOR = 4.0
+
+
+def warmup_stages(ratio: float, start: float) -> int:
+    """Stages of the warm-up from ``start`` down to ``ratio``: the fewest with each stage at
+    most :data:`WARMUP_STAGE_FACTOR` sparser than the one before (0: no warm-up)."""
+    stages, kept = 0, start
+    while kept > ratio * (1 + 1e-12):  # 1e-12: 0.25 / 4**4 is the final ratio, not a stage
+        kept /= WARMUP_STAGE_FACTOR
+        stages += 1
+    return stages
+
+
+def warmup_stage(step: int | None, ratio: float, start: float, steps: int) -> int | None:
+    """The warm-up stage of iteration ``step`` (0, 1, ...), None after it (or without one)."""
+    stages = warmup_stages(ratio, start)
+    if step is None or steps <= 0 or step >= steps or not stages:
+        return None
+    return max(step, 0) * stages // steps
+
+
 def warmup_ratio(step: int | None, ratio: float, start: float, steps: int) -> float:
     """The kept fraction at ``step`` under DGC's sparsity warm-up (Lin et al., ICLR 2018, 3.3).
 
-    DGC raises the sparsity exponentially from 75% to 99.9% over the first epochs (kept
-    fraction 0.25, 0.0625, 0.015625, 0.004, 0.001: a factor 4 per epoch). Here the kept
-    fraction falls exponentially from ``start`` to ``ratio`` over ``steps`` iterations::
+    DGC raises the sparsity exponentially from 75% to 99.9% over the first epochs, one level
+    per epoch (kept fraction 0.25, 0.0625, 0.015625, 0.004, 0.001: a factor 4 per epoch).
+    Here the ``steps`` iterations are cut into :func:`warmup_stages` equal stages ``s``
+    (``S`` of them), and the kept fraction falls exponentially from stage to stage::
 
-        ratio(t) = start * (ratio / start) ** (t / steps)   for 0 <= t < steps
-        ratio(t) = ratio                                     for t >= steps (or t None)
+        ratio(t) = start * (ratio / start) ** (s / S),  s = t * S // steps   for t < steps
+        ratio(t) = ratio                                                      for t >= steps
 
-    computed in float64 on the host, so every worker and backend gets the same ``k``.
+    computed in float64 on the host, so every worker and backend gets the same ``k``. Each
+    stage keeps one payload length per tensor size, so the runtime binds one layout per
+    stage (:meth:`Sparse.stage`).
     """
-    if step is None or steps <= 0 or step >= steps or start <= ratio:
+    stage = warmup_stage(step, ratio, start, steps)
+    if stage is None:
         return ratio
-    return start * (ratio / start) ** (max(step, 0) / steps)
+    return start * (ratio / start) ** (stage / warmup_stages(ratio, start))
 
 
 @njit(cache=True)
@@ -84,6 +112,15 @@ class Sparse(Compressor):
     def ratio_at(self, step: int | None) -> float:
         """The kept fraction at iteration ``step`` (None: after the warm-up)."""
         return warmup_ratio(step, self.ratio, self.warmup_start, self.warmup_steps)
+
+    def stage(self, step: int | None) -> int | None:
+        """The warm-up stage of ``step``: payload lengths change only from stage to stage."""
+        return warmup_stage(step, self.ratio, self.warmup_start, self.warmup_steps)
+
+    @property
+    def steady_step(self) -> int:
+        """The first iteration after the warm-up."""
+        return self.warmup_steps
 
     def keep(self, numel: int, step: int | None = None) -> int:
         """Elements kept for a tensor of ``numel`` elements at iteration ``step``."""

@@ -250,6 +250,16 @@ class Compressor(abc.ABC):
                 total += int(arr.nbytes)
         return total
 
+    def stage(self, step: int | None) -> int | None:
+        """The stage of a schedule that iteration ``step`` is in: payload lengths are the same
+        for every step of one stage (dgc's sparsity warm-up); None: the steady state."""
+        return None
+
+    @property
+    def steady_step(self) -> int:
+        """The first iteration of the steady state (0 without a schedule)."""
+        return 0
+
     def payload_lengths(self, numel: int, step: int | None = None) -> tuple[int, ...]:
         """Element count of each payload array for a tensor of ``numel`` elements.
 

@@ -108,6 +108,13 @@ class Wrapper(Compressor):
     def payload_lengths(self, numel: int, step: int | None = None) -> tuple[int, ...]:
         return self.inner.payload_lengths(numel, step)
 
+    def stage(self, step: int | None) -> int | None:
+        return self.inner.stage(step)
+
+    @property
+    def steady_step(self) -> int:
+        return self.inner.steady_step
+
     def check_payload(self, payload: Payload, ctx: Ctx) -> None:
         self.inner.check_payload(payload, ctx)
 

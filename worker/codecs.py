@@ -34,11 +34,13 @@ EMPTY: tuple = ()
 _BACKEND = {Device.GPU: "torch", Device.CPU: "numba"}
 
 
-def payload_spec(compressor: kbase.Compressor, numel: int) -> tuple[tuple[np.dtype, int], ...]:
-    """(dtype, element count) of each payload array for ``numel`` elements; () when empty."""
+def payload_spec(compressor: kbase.Compressor, numel: int,
+                 step: int | None = None) -> tuple[tuple[np.dtype, int], ...]:
+    """(dtype, element count) of each payload array for ``numel`` elements at iteration
+    ``step`` (None: the steady state); () when empty."""
     if numel == 0:
         return ()
-    lengths = compressor.payload_lengths(numel)
+    lengths = compressor.payload_lengths(numel, step)
     return tuple((np.dtype(d), int(n)) for d, n in zip(compressor.payload_dtypes, lengths,
                                                        strict=True))
 
@@ -107,9 +109,20 @@ class CodecPair:
     def compressor(self, device: Device) -> kbase.Compressor:
         return self._by_device[device]
 
-    def spec(self, numel: int) -> tuple[tuple[np.dtype, int], ...]:
-        """Payload layout for ``numel`` elements (identical on both backends)."""
-        return payload_spec(self._by_device[Device.CPU], numel)
+    def spec(self, numel: int, step: int | None = None) -> tuple[tuple[np.dtype, int], ...]:
+        """Payload layout for ``numel`` elements at ``step`` (None: the steady state;
+        identical on both backends)."""
+        return payload_spec(self._by_device[Device.CPU], numel, step)
+
+    def stage(self, step: int) -> int | None:
+        """The compressor's schedule stage at ``step`` (None: steady); payload layouts are
+        the same for every step of a stage (dgc's sparsity warm-up)."""
+        return self._by_device[Device.CPU].stage(step)
+
+    @property
+    def steady_step(self) -> int:
+        """The first iteration after any schedule: what start-up probes time."""
+        return self._by_device[Device.CPU].steady_step
 
     # ---- state between iterations (checkpoints) ---------------------------------------------
     def state_dict(self) -> dict[str, dict[str, dict[str, torch.Tensor]]]:

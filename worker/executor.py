@@ -90,9 +90,10 @@ class _Parts:
 
     __slots__ = ("arrays", "names", "spec")
 
-    def __init__(self, names: list[tuple[Extent, str]], codec: CodecPair | None) -> None:
+    def __init__(self, names: list[tuple[Extent, str]], codec: CodecPair | None,
+                 step: int | None = None) -> None:
         self.names = names
-        specs = [codec.spec(e.numel) for e, _ in names] if codec is not None else []
+        specs = [codec.spec(e.numel, step) for e, _ in names] if codec is not None else []
         self.spec: PayloadSpec = tuple(a for s in specs for a in s)
         self.arrays = [len(s) for s in specs]  # arrays per piece (to unflatten)
 
@@ -130,6 +131,7 @@ class _Bound:
     members: list[_Parts] | None = None  # per group member (or chunk) pieces
     fwd: int | None = None  # payloads each member sends on (a forwarded list); None: one
     key: str = ""  # PS key
+    step: int | None = None  # an iteration of the codec's schedule stage (None: steady)
 
 
 class Executor:
@@ -162,7 +164,8 @@ class Executor:
         # When set: called with (step index, value held) after every step (tests compare
         # the values' forms and extents with the compiled program).
         self.trace: Callable[[int, Any], None] | None = None
-        self._bound: dict[tuple[Option, str, int], list[_Bound]] = {}
+        # (Option, tensor name, size, the codec's schedule stage) -> its bound steps
+        self._bound: dict[tuple[Option, str, int, int | None], list[_Bound]] = {}
 
     # ---- entry point -------------------------------------------------------------------------
     def run(self, option: Option, tensor: torch.Tensor, *, name: str, step: int) -> torch.Tensor:
@@ -192,9 +195,13 @@ class Executor:
             ExecutionError: as :meth:`run` (the returned call raises it for the last step).
         """
         numel = tensor.numel()
-        bound = self._bound.get((option, name, numel))
+        # A compressor with a schedule (dgc's sparsity warm-up) changes its payload lengths
+        # from stage to stage: each stage is bound once, with that stage's layouts.
+        stage = self.codec.stage(step) if self.codec is not None else None
+        bound = self._bound.get((option, name, numel, stage))
         if bound is None:
-            bound = self._bound[option, name, numel] = self._bind(option, name, numel)
+            bound = self._bound[option, name, numel, stage] = self._bind(
+                option, name, numel, None if stage is None else step)
         value: Any = tensor.detach().reshape(-1)
         if value.dtype is not torch.float32 or value.device != self.device:
             value = value.to(self.device, torch.float32)
@@ -224,7 +231,8 @@ class Executor:
         return lambda: out
 
     # ---- binding: everything a run would otherwise recompute ---------------------------------
-    def _bind(self, option: Option, name: str, numel: int) -> list[_Bound]:
+    def _bind(self, option: Option, name: str, numel: int,
+              step: int | None = None) -> list[_Bound]:
         try:
             prog = compile_option(option)
         except OptionError as exc:
@@ -235,7 +243,7 @@ class Executor:
             after = self._extent(numel, op.shards)
             try:
                 b = _Bound(op, _HANDLERS[op.kind], self._asleep(op), owned=op.index > 0,
-                           ext=ext, after=after)
+                           ext=ext, after=after, step=step)
                 if op.scope is not None:
                     b.k, b.me = self.topo.size(op.scope), self.topo.index(op.scope)
                     b.root = b.me == 0
@@ -260,9 +268,11 @@ class Executor:
             ext = split(ext, self.topo.size(scope))[self.topo.index(scope)]
         return ext
 
-    def _parts(self, name: str, origin: Origin | None, extent: Extent) -> _Parts:
+    def _parts(self, name: str, origin: Origin | None, extent: Extent,
+               step: int | None = None) -> _Parts:
         assert origin is not None
-        return _Parts(piece_names(name, origin, extent, self._partition_bytes()), self.codec)
+        return _Parts(piece_names(name, origin, extent, self._partition_bytes()), self.codec,
+                      step)
 
     def _partition_bytes(self) -> int:
         return self.ps.partition_bytes if self.ps is not None else _DEFAULT_PARTITION_BYTES
@@ -286,11 +296,17 @@ class Executor:
         op = b.op
         if op.chunks is not None:
             b.exts = split(b.ext, self.topo.size(op.chunks))
-            b.members = [self._parts(name, op.origin, e) for e in b.exts]
+            b.members = [self._parts(name, op.origin, e, b.step) for e in b.exts]
             return
-        b.parts = self._parts(name, op.origin, b.ext)
+        b.parts = self._parts(name, op.origin, b.ext, b.step)
         if op.origin is not None and op.origin.ps and b.ext.numel:
             assert op.feeds is not None and b.feeds is not None
+            if b.step is not None:
+                raise ExecutionError(
+                    "a PS key keeps one payload layout, and the compressor's schedule "
+                    "(dgc's sparsity warm-up) changes it from stage to stage; plan without "
+                    "PushPullC (Compression.espresso does for a compressor with warmup_steps) "
+                    "or set warmup_steps=0")
             b.key = ps_key(name, op.feeds, b.ext, compressed=True)
             ps = self._need_ps()
             ps.declare(b.key, b.ext.numel, self.topo.group(b.feeds), codec)
@@ -303,10 +319,10 @@ class Executor:
         self._need_codec()
         op = b.op
         if op.takes is Form.CONCAT:
-            b.members = [self._parts(name, op.origin, e)
+            b.members = [self._parts(name, op.origin, e, b.step)
                          for e in split(b.ext, payload_count(op.payloads, self.topo.size))]
         else:
-            b.parts = self._parts(name, op.origin, b.ext)
+            b.parts = self._parts(name, op.origin, b.ext, b.step)
 
     def _bind_split(self, b: _Bound, name: str) -> None:
         """ReduceScatter opens a split of the extent it finds; Allgather closes one and
@@ -322,11 +338,11 @@ class Executor:
         assert op.scope is not None
         k = self.topo.size(op.scope)
         if op.kind is Kind.ALLGATHER_C and op.closes is not None:
-            b.members = [self._parts(name, op.origin, e) for e in split(b.after, k)]
+            b.members = [self._parts(name, op.origin, e, b.step) for e in split(b.after, k)]
         elif op.kind is Kind.ALLTOALL_C:
-            b.members = [self._parts(name, op.origin, e) for e in split(b.ext, k)]
+            b.members = [self._parts(name, op.origin, e, b.step) for e in split(b.ext, k)]
         else:  # AllgatherC (summing), GatherC, BroadcastC: every member's pieces are alike
-            b.parts = self._parts(name, op.origin, b.after)
+            b.parts = self._parts(name, op.origin, b.after, b.step)
             if op.takes is Form.SUM:
                 b.fwd = payload_count(op.forwards, self.topo.size)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from byteps_espresso.worker.topology import Topology
-from byteps_espresso.worker.transport import PayloadSpec, packed_nbytes
+from byteps_espresso.worker.transport import PayloadSpec, pack, packed_nbytes
 
 from byteps_espresso.strategy.options import Scope
 from byteps_espresso.strategy.program import reduce_splits
@@ -233,6 +233,7 @@ class LocalTransport:
 
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]:
+        _fits(payload, specs[self.topology.index(scope)])
         values, me = self._all(scope, tuple(payload))
         self._count("allgather_payloads", scope, me, "ring",
                     max(packed_nbytes(s) for s in specs), rounds=self.topology.size(scope) - 1)
@@ -241,6 +242,8 @@ class LocalTransport:
     def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
                           send_specs: Sequence[PayloadSpec],
                           recv_specs: Sequence[PayloadSpec]) -> list[tuple]:
+        for payload, spec in zip(payloads, send_specs, strict=True):
+            _fits(payload, spec)
         values, me = self._all(scope, list(payloads))
         self._count("alltoall_payloads", scope, me, "pairwise",
                     max(packed_nbytes(s) for s in [*send_specs, *recv_specs]))
@@ -248,12 +251,24 @@ class LocalTransport:
 
     def gather_payloads(self, scope: Scope, payload: tuple,
                         specs: Sequence[PayloadSpec]) -> list[tuple] | None:
+        _fits(payload, specs[self.topology.index(scope)])
         values, me = self._all(scope, tuple(payload))
         self._count("gather_payloads", scope, me, "gather", max(packed_nbytes(s) for s in specs))
         return list(values) if me == 0 else None
 
     def broadcast_payload(self, scope: Scope, payload: tuple | None,
                           spec: PayloadSpec) -> tuple:
+        if payload is not None:
+            _fits(payload, spec)
         values, me = self._all(scope, payload)
         self._count("broadcast_payload", scope, me, "tree", packed_nbytes(spec))
         return tuple(values[0])
+
+
+def _fits(payload: tuple, spec: PayloadSpec) -> None:
+    """Refuse a payload that does not match its layout, as DistTransport's packing does.
+
+    Raises:
+        ValueError: the array count or an array's byte size differs from ``spec``.
+    """
+    pack(payload, spec, packed_nbytes(spec), torch.device("cpu"))

@@ -402,15 +402,16 @@ def _isolated_samples(codec: CodecPair, numels: Sequence[int], device: torch.dev
     the profile entry the sample is for; sizes as :func:`_within_budget` yields them."""
     # Time the bare codec: error-feedback state must not be touched by the probes.
     bare = CodecPair(codec.name, codec.params, device=device)
+    steady = bare.steady_step  # after any warm-up: what the steady state runs
     samples: list[dict[str, Any]] = []
     for n in _within_budget(_timed_sizes(numels), budget_s):
         x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device)
         for dev, entry in devices.items():
-            payload = bare.compress(dev, x, "espresso.probe", 0)
-            comp_us = _time(lambda dev=dev, x=x: bare.compress(dev, x, "espresso.probe", 0),
-                            _TIMING_REPS)
+            payload = bare.compress(dev, x, "espresso.probe", steady)
+            comp_us = _time(lambda dev=dev, x=x: bare.compress(dev, x, "espresso.probe",
+                                                               steady), _TIMING_REPS)
             dec_us = _time(lambda dev=dev, p=payload, n=n: bare.decompress(
-                dev, p, n, "espresso.probe", 0), _TIMING_REPS)
+                dev, p, n, "espresso.probe", steady), _TIMING_REPS)
             samples.append({"compressor": codec.name, "device": entry, "op": "compress",
                             "numel": n, "us": comp_us})
             samples.append({"compressor": codec.name, "device": entry, "op": "decompress",
@@ -540,8 +541,9 @@ class LaneProbes:
         if self.codec is not None:  # load the kernels now, not in a lane during backward
             x = next(iter(self._timed.values()))
             for dev in (Device.GPU, Device.CPU):
-                payload = self.codec.compress(dev, x, "espresso.probe", 0)
-                self.codec.decompress(dev, payload, x.numel(), "espresso.probe", 0)
+                payload = self.codec.compress(dev, x, "espresso.probe", self.codec.steady_step)
+                self.codec.decompress(dev, payload, x.numel(), "espresso.probe",
+                                      self.codec.steady_step)
         # Rank 0 (which plans) loads the planner's numba kernels now, before the first step,
         # as it loads the codec's: once per process, like an import. At planning time every
         # rank waited for it (most of a first plan's 250-310 ms in the main job, against 7 ms
@@ -670,15 +672,17 @@ class LaneProbes:
     def _codec(self, ex: Any) -> None:
         codec = self.codec
         assert codec is not None
+        steady = codec.steady_step  # after any warm-up: what the steady state runs
         for n in _within_budget(list(self._timed), _CODEC_BUDGET_S):
             x = self._timed[n]
             for _ in range(_CODEC_REPS):
                 for dev in (Device.GPU, Device.CPU):
                     pool = ex.cpu_pool if dev is Device.CPU else None
                     payload, comp = self._timed_call(
-                        lambda dev=dev, x=x: codec.compress(dev, x, "espresso.probe", 0), pool)
+                        lambda dev=dev, x=x: codec.compress(dev, x, "espresso.probe", steady),
+                        pool)
                     _, dec = self._timed_call(lambda dev=dev, p=payload, n=n: codec.decompress(
-                        dev, p, n, "espresso.probe", 0), pool)
+                        dev, p, n, "espresso.probe", steady), pool)
                     self.compressor.setdefault((dev.value, "compress", n), []).append(comp)
                     self.compressor.setdefault((dev.value, "decompress", n), []).append(dec)
 

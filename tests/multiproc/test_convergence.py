@@ -18,9 +18,11 @@ collectives were priced at their in-training latency, a randomk plan compressed 
 three times on their way (GatherC -> AllgatherC -> BroadcastC, each hop re-compressing a
 partial sum at 10%) and ended at 1.524 (+33%); the plans are now held to one Comp per
 Option (``Constraints(max_compressions=1)``, what a user who bounds compression error sets).
-Since dgc runs DGC's recipe by default (momentum correction and masking in the codec, SGD's
-momentum moved before communication): fp32 1.150, randomk 10% 1.208 (+5.0%), efsignsgd 1.153
-(+0.3%), dgc 5% 1.161 (+1.0%, against +3.2% with plain error feedback and SGD's own momentum).
+With DGC's recipe (momentum correction and masking in the codec, SGD's momentum moved before
+communication): fp32 1.150, randomk 10% 1.208 (+5.0%), efsignsgd 1.153 (+0.3%), dgc 5% 1.161
+(+1.0%, against +3.2% with plain error feedback and SGD's own momentum). On the example's
+LSTM the recipe learns far slower (docs/worker.md, "Convergence"), so dgc runs without it by
+default; both are held to 10% here (``dgc`` and ``dgc-recipe``).
 PowerSGD at rank 4 (``Compression.powersgd``: every matrix compressed after its 10
 uncompressed iterations, both sums through the server) ended at 1.175 (+2.2%) beside fp32's
 1.150; it is held to the issue's 5%.
@@ -35,7 +37,7 @@ STEPS = 150
 # randomk keeps 10%: at 1% its error-feedback delay (about 100 steps per entry) is half the
 # run; dgc (top-k) keeps 5%, see the docstring.
 RUNS = {"fp32": "fp32", "randomk": "randomk:0.1", "efsignsgd": "efsignsgd", "dgc": "dgc:0.05",
-        "powersgd": "powersgd:4"}
+        "dgc-recipe": "dgc+recipe:0.05", "powersgd": "powersgd:4"}
 
 
 @pytest.mark.timeout(400)
@@ -55,7 +57,7 @@ def test_compressed_training_reaches_fp32_loss(tmp_path, cluster):
     # PowerSGD (its own scheme, not planned) compresses every matrix: all three here
     assert results["powersgd"]["compressed_tensors"] == 3, results["powersgd"]
     assert final["powersgd"] <= 1.05 * final["fp32"], f"powersgd is not within 5%: {summary}"
-    for name in ("randomk", "efsignsgd", "dgc"):
+    for name in ("randomk", "efsignsgd", "dgc", "dgc-recipe"):
         assert results[name]["compressed_tensors"] == results[name]["tensors"] > 0, \
             f"{name}: the plan leaves tensors uncompressed: {results[name]['options']}"
         assert final[name] <= 1.10 * final["fp32"], f"{name} is not within 10%: {summary}"

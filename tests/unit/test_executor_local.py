@@ -70,6 +70,33 @@ def test_threads_equal_reference(option, layout, numel):
             assert torch.equal(got[step][r], expected[r]), f"rank {r}, step {step}"
 
 
+@pytest.mark.parametrize("option", [
+    "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
+    "ReduceScatter(intra) -> Comp(cpu) -> AllgatherC(inter) -> Decomp(cpu) -> Allgather(intra)",
+    "Comp(gpu) -> AlltoallC(flat) -> Decomp(gpu) -> Comp(cpu) -> AllgatherC(flat) -> Decomp(cpu)"])
+def test_a_compressor_schedule_runs_each_stage_with_its_own_layout(option):
+    # dgc's warm-up from 25% to 1% over 6 iterations: 3 stages of 2, then the steady state;
+    # every stage's payloads have their own length, bound once per stage.
+    machines, local, steps, numel = 2, 2, 8, 1000
+    world = machines * local
+    g = torch.Generator().manual_seed(3)
+    inputs = [[torch.randn(numel, generator=g) for _ in range(world)] for _ in range(steps)]
+
+    def factory():
+        return CodecPair("dgc", {"ratio": 0.01, "warmup_steps": 6})
+
+    got = run_threads(machines, local, Option.parse(option), inputs, factory, steps=steps)
+    ref = Reference(machines, local, [factory() for _ in range(world)])
+    for step in range(steps):
+        expected = ref.run(Option.parse(option), inputs[step], name="w", step=step)
+        for r in range(world):
+            assert torch.equal(got[step][r], expected[r]), f"rank {r}, step {step}"
+    # the first stage keeps a quarter, the steady state 1%: the sums differ accordingly
+    dense = sum(inputs[0][1:], inputs[0][0])
+    assert int((got[0][0] != 0).sum()) > int((got[7][0] != 0).sum())
+    assert int((got[0][0] != 0).sum()) <= int((dense != 0).sum())
+
+
 def test_engine_runs_lanes_concurrently_in_submission_order():
     hub = LocalHub(2, 2, timeout_s=10)
     engines = [Engine([Executor(hub.transport(r, 0)), Executor(hub.transport(r, 1))])

@@ -9,26 +9,34 @@ import numpy as np
 import pytest
 import torch
 from byteps_espresso.kernels import MomentumCorrection, PayloadError, create, to_numpy, to_torch
-from byteps_espresso.kernels._sparse import warmup_ratio
+from byteps_espresso.kernels._sparse import warmup_ratio, warmup_stage, warmup_stages
 from byteps_espresso.kernels.dgc import DGC_WARMUP_RATIO, recipe
 from byteps_espresso.kernels.momentum import clip_factor
 
 
-def test_warmup_follows_the_exponential_formula():
-    # Over 4 x 100 iterations the kept fraction passes DGC's per-epoch values 0.25, 0.0625,
-    # 0.015625, 0.00390625 and ends at 0.001 (sparsity 75% -> 99.9%).
+def test_warmup_falls_exponentially_stage_by_stage():
+    # 0.25 -> 0.001 takes 4 stages of at most a factor 4 (DGC's per-epoch values); over
+    # 4 x 100 iterations each stage keeps one fraction for 100 iterations.
     final, steps = 0.001, 400
+    assert warmup_stages(final, DGC_WARMUP_RATIO) == 4
     for t in range(0, steps, 7):
-        want = DGC_WARMUP_RATIO * (final / DGC_WARMUP_RATIO) ** (t / steps)
+        stage = t * 4 // steps
+        assert warmup_stage(t, final, DGC_WARMUP_RATIO, steps) == stage
+        want = DGC_WARMUP_RATIO * (final / DGC_WARMUP_RATIO) ** (stage / 4)
         assert warmup_ratio(t, final, DGC_WARMUP_RATIO, steps) == pytest.approx(want, rel=1e-12)
     assert warmup_ratio(0, final, 0.25, steps) == 0.25
+    assert warmup_ratio(99, final, 0.25, steps) == 0.25  # still the first stage
     assert warmup_ratio(steps, final, 0.25, steps) == final
     assert warmup_ratio(10**6, final, 0.25, steps) == final
     assert warmup_ratio(None, final, 0.25, steps) == final  # steady state
     assert warmup_ratio(5, final, 0.25, 0) == final  # no warm-up
+    assert warmup_stage(steps, final, 0.25, steps) is None
     # DGC's epoch boundaries with a factor-4 schedule from 0.25 to 0.25 / 4**4
+    assert warmup_stages(0.25 / 4**4, 0.25) == 4
     quarter = [warmup_ratio(e * 100, 0.25 / 4**4, 0.25, 400) for e in range(5)]
     np.testing.assert_allclose(quarter, [0.25, 0.0625, 0.015625, 0.00390625, 0.0009765625])
+    # 0.25 -> 0.01: 3 stages, each a factor 0.04 ** (1 / 3) = 0.342 sparser
+    assert warmup_stages(0.01, 0.25) == 3
     # monotone falling
     ratios = [warmup_ratio(t, final, 0.25, steps) for t in range(steps + 1)]
     assert all(a >= b for a, b in itertools.pairwise(ratios))
@@ -50,6 +58,8 @@ def test_warmup_sets_k_and_the_payload_lengths_per_step(backend):
         np.testing.assert_array_equal(np.asarray(to_numpy(payload)[1]), idx)
         c.decompress(payload, ctx)
     assert c.payload_lengths(n) == (10, 10)  # None: the steady state the cost model prices
+    assert [c.stage(t) for t in (0, 24, 25, 99, 100)] == [0, 0, 1, 3, None]
+    assert c.steady_step == 100 and create("topk").stage(0) is None
     # a payload of another step's length is refused
     payload, _ = c.compress(arg, name="w", step=0)
     with pytest.raises(PayloadError, match="expected"):

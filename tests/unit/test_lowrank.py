@@ -108,7 +108,7 @@ def test_which_members_it_compresses_and_what_it_sends():
 def test_the_sums_run_under_their_own_names_once_it_compresses():
     _, executors = _run([LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)], 3)
     sizes: dict[str, set[int]] = {}
-    for _, name, numel in executors[0]._bound:
+    for _, name, numel, _ in executors[0]._bound:
         sizes.setdefault(name, set()).add(numel)
     # one size per name (a PS key keeps its length): P beside b, s and the flag; then Q
     _, numel = _layout()

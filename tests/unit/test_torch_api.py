@@ -140,6 +140,14 @@ def test_espresso_compressor_and_seed_apply_to_unchosen_compression():
     assert bps.job_compression(_cfg(), bps.Compression.none) is bps.Compression.none
 
 
+def test_a_sparsity_warm_up_is_planned_without_the_servers_compression():
+    from byteps_espresso.strategy import Kind
+
+    # a PS key keeps one payload layout; dgc's warm-up changes it from stage to stage
+    assert Kind.PUSH_PULL_C in bps.Compression.espresso("dgc", warmup_steps=10).constraints.forbid
+    assert Kind.PUSH_PULL_C not in bps.Compression.espresso("dgc").constraints.forbid
+
+
 def test_powersgd_is_its_own_compression_not_a_planned_one():
     chosen = bps.job_compression(_cfg(ESPRESSO_COMPRESSOR="powersgd", ESPRESSO_SEED="7"),
                                  bps.Compression.none)
@@ -222,7 +230,9 @@ def test_exclusion_by_pattern_or_by_default_every_parameter_of_one_dimension():
 def test_dgc_recipe_takes_the_optimizers_momentum_or_says_why_it_cannot():
     from byteps_espresso.worker.optimizer import _take_momentum
 
-    assert bps.Compression.espresso("dgc", clip_norm=5.0).recipe == {"clip_norm": 5.0}
+    assert bps.Compression.espresso("dgc", momentum_correction=True, clip_norm=5.0
+                                    ).recipe == {"clip_norm": 5.0}
+    assert bps.Compression.espresso("dgc").recipe is None  # off by default (measured)
     assert bps.Compression.espresso("dgc", momentum_correction=False).recipe is None
     assert bps.Compression.espresso("topk").recipe is None
     with pytest.raises(ValueError, match="clip_norm is part of DGC's recipe"):

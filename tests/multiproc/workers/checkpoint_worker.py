@@ -36,7 +36,7 @@ def model() -> torch.nn.Module:
 
 def compression(arg: str):
     if arg == "espresso":  # DGC's recipe: momentum correction, and velocities for biases
-        return bps.Compression.espresso("dgc", ratio=0.25)
+        return bps.Compression.espresso("dgc", ratio=0.25, momentum_correction=True)
     return bps.Compression.strategy(arg)
 
 

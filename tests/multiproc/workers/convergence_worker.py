@@ -1,7 +1,8 @@
 """Worker of test_convergence: trains the example's MLP on the Markov task once per compression.
 
 Usage: convergence_worker.py OUT_DIR STEPS NAME=COMPRESSOR[:RATIO] ...  (COMPRESSOR ``fp32``
-means uncompressed; ``powersgd:R`` is ``Compression.powersgd`` at rank R, not planned).
+means uncompressed; ``powersgd:R`` is ``Compression.powersgd`` at rank R, not planned;
+``dgc+recipe`` is dgc with DGC's momentum correction).
 Compressed runs are planned by Espresso under a constraint that forbids
 the uncompressed collectives and push/pull, so every tensor is compressed whatever this
 machine's timings favour (on a fast loopback the planner may rightly compress nothing, which
@@ -43,6 +44,8 @@ def run(name: str, spec: str, steps: int, out: Path) -> None:
         compression = bps.Compression.powersgd(int(ratio or 1))
     else:
         params = {"ratio": float(ratio)} if ratio else {}
+        if compressor == "dgc+recipe":  # DGC's momentum correction and masking
+            compressor, params["momentum_correction"] = "dgc", True
         compression = bps.Compression.espresso(
             compressor, constraints=Constraints(forbid=DENSE, max_compressions=1), exclude=[],
             **params)

@@ -56,7 +56,7 @@ def main() -> None:
         if compression == "espresso-trials":
             profiler._TRIAL_WITHIN = float("inf")  # every alternative a finalist, however slow
         if compression == "dgc":  # DGC's recipe: momentum applied before communication
-            spec = bps.Compression.espresso("dgc", ratio=0.5)
+            spec = bps.Compression.espresso("dgc", ratio=0.5, momentum_correction=True)
         elif compression.startswith("espresso"):
             spec = bps.Compression.espresso("randomk", ratio=0.5)
         else:
