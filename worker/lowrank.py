@@ -63,6 +63,17 @@ class LowRank:
         self.state = PowerSGD(**params)
         self.shapes = dict(shapes)
         self.workers = workers
+        # Set for one iteration in ESPRESSO_COMPRESSION_ERROR_EVERY (worker/optimizer.py).
+        self.measuring = False
+        self._errors: dict[str, tuple[float, float]] = {}
+
+    def take_errors(self) -> dict[str, tuple[float, float]]:
+        """{``<bucket>#powersgd``: (squared norm of each worker's error, squared norm of its
+        input)} over the compressed members, for every bucket since the last call. The input
+        is the gradient plus the error carried in, the error ``M_w - estimate / workers``
+        (what error feedback carries out), as PowerSGD's reference hook defines it."""
+        errors, self._errors = self._errors, {}
+        return errors
 
     @property
     def params(self) -> dict[str, Any]:
@@ -94,6 +105,9 @@ class LowRank:
         ends = [*offsets[1:], offsets[-1] + math.prod(self.shapes[members[-1]])]
         spans = [(offsets[i], ends[i]) for i in chosen]
         dense = _complement(spans, flat.numel())
+        inputs = [self._input(members[i], flat[a:b]) for i, (a, b) in zip(chosen, spans,
+                                                                             strict=True)
+                  ] if self.measuring else None
         # 1-2: P of every compressed member beside the uncompressed values, one sum
         ps = [self.state.start(members[i], flat[a:b].view(self.shapes[members[i]]), step)
               for i, (a, b) in zip(chosen, spans, strict=True)]
@@ -118,7 +132,18 @@ class LowRank:
             q_sum = second[at:at + q.numel()].view(q.shape)
             at += q.numel()
             out[a:b] = self.state.finish(members[i], q_sum, self.workers)
+        if inputs is not None:
+            err2 = sum(float(torch.sum((m - out[a:b] / self.workers) ** 2))
+                       for m, (a, b) in zip(inputs, spans, strict=True))
+            self._errors[name + "#powersgd"] = (err2, sum(float(torch.sum(m * m))
+                                                          for m in inputs))
         return out
+
+    def _input(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """What PowerSGD compresses for ``name``: the gradient plus the error carried in."""
+        err = self.state.error.get(name) if self.state.params["error_feedback"] else None
+        return grad.to(torch.float32) + err.reshape(-1) if err is not None \
+            else grad.to(torch.float32).clone()
 
     def wire_numel(self, members: Sequence[str], numel: int) -> int:
         """Elements one worker sends per iteration once PowerSGD compresses (both sums)."""

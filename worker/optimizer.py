@@ -549,10 +549,11 @@ class _Sync:
             self.submitted += 1
 
     def _submit(self, bucket: _Bucket) -> None:
-        if self.submitted == 0 and self.codec is not None:  # the iteration's first bucket
+        measured = self.codec if self.codec is not None else self.lowrank
+        if self.submitted == 0 and measured is not None:  # the iteration's first bucket
             every = self.session.runtime.cfg.compression_error_every
-            self.codec.measuring = bool(self.options is not None and self.trials is None
-                                        and every and self.iteration % every == 0)
+            measured.measuring = bool(self.options is not None and self.trials is None
+                                      and every and self.iteration % every == 0)
         option = self._option(bucket)
         flat = self._corrected(bucket, option) if self.momentum is not None \
             else self._gathered(bucket)
@@ -684,8 +685,9 @@ class _Sync:
         self._check_finite(results, timeout)
         for bucket, total in results:
             self._write_back(bucket, total)
-        if self.codec is not None and self.codec.measuring:
-            self.codec.measuring = False
+        measured = self.codec if self.codec is not None else self.lowrank
+        if measured is not None and measured.measuring:
+            measured.measuring = False
             self._compression_errors(timeout)
         self.handles.clear()
         self.count = dict.fromkeys(self.order, 0)
@@ -758,13 +760,20 @@ class _Sync:
         """Log this iteration's relative compression error per compressed bucket and, with
         ``ESPRESSO_COMPRESSION_ERROR_BUDGET``, send the buckets over it uncompressed from now
         on (decided on the largest error over ranks, so every rank switches alike)."""
-        assert self.codec is not None and self.options is not None
+        assert self.options is not None
+        lowrank = self.lowrank
+        source = self.codec if self.codec is not None else lowrank
+        assert source is not None
         sums: dict[str, list[float]] = {}
-        for cname, (err2, norm2) in self.codec.take_errors().items():
+        for cname, (err2, norm2) in source.take_errors().items():
             acc = sums.setdefault(cname.rpartition("#")[0], [0.0, 0.0])
             acc[0] += err2
             acc[1] += norm2
-        names = [b.name for b in self.buckets if self.options[b.name].is_compressed]
+        # The same names on every rank (the budget all-gathers one error per name).
+        names = ([b.name for b in self.buckets
+                  if lowrank.compressed(b.tensors, lowrank.state.start_iter)]
+                 if lowrank is not None else
+                 [b.name for b in self.buckets if self.options[b.name].is_compressed])
         errors = [math.sqrt(sums[n][0] / sums[n][1]) if n in sums and sums[n][1] > 0 else 0.0
                   for n in names]
         budget = self.session.runtime.cfg.compression_error_budget
@@ -780,7 +789,9 @@ class _Sync:
             log.info("relative compression error at iteration %d (%s), largest first: %s",
                      self.iteration, "largest over ranks" if budget is not None else "rank 0",
                      ", ".join(f"{n} {e:.3f}" for e, n in measured[:_ERRORS_LOGGED]))
-        over = [n for e, n in measured if budget is not None and e > budget]
+        # PowerSGD's buckets already run the fp32 Option: the budget does not move them.
+        over = [n for e, n in measured if budget is not None and e > budget
+                and lowrank is None]
         if over:
             self.options = {**self.options, **dict.fromkeys(over, self.session.fp32)}
             log.warning("%d bucket(s) over ESPRESSO_COMPRESSION_ERROR_BUDGET=%g are "

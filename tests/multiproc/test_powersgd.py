@@ -51,11 +51,17 @@ def _oracle(steps: int) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.timeout(200)
 def test_powersgd_buckets_match_its_steps_on_every_rank(tmp_path, cluster):
     steps = 3
-    env = {"ESPRESSO_BUCKET_CAP_MB": str(CAP_MB)}
+    # errors measured in iterations 0 and 2 (nothing is compressed in 0: start_iter)
+    env = {"ESPRESSO_BUCKET_CAP_MB": str(CAP_MB), "ESPRESSO_COMPRESSION_ERROR_EVERY": "2"}
     with cluster.ps_job(servers=1) as root:
         cluster.run_workers("powersgd_worker.py", [str(tmp_path), str(steps)],
                             root_port=root, servers=1, timeout=150, extra_env=env)
     runs = [json.loads((tmp_path / f"run_{r}.json").read_text()) for r in range(WORLD)]
+    # each rank's own relative error, for every bucket holding a compressed matrix
+    errors = [run.pop("errors") for run in runs]
+    compressed = [b for b in runs[0]["buckets"] if set(b) & {"w", "conv", "big"}]
+    assert all(len(e) == len(compressed) and all(0 < v < 1 for v in e.values())
+               for e in errors), errors
     assert all(run == runs[0] for run in runs)
     assert ["big"] in runs[0]["buckets"] and len(runs[0]["buckets"]) >= 2
     assert runs[0]["options"] == [runs[0]["fp32"]] and "PushPull" in runs[0]["fp32"]

@@ -116,6 +116,41 @@ def test_the_sums_run_under_their_own_names_once_it_compresses():
                      "bucket" + Q_SUFFIX: {12 * 2 + 12 * 2}}
 
 
+def test_the_measured_error_is_each_workers_error_feedback_over_its_input():
+    lowranks = [LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)]
+    _run(lowranks, 2)
+    offsets, _ = _layout()
+    spans = [(offsets[i], offsets[i] + math.prod(SHAPES[MEMBERS[i]])) for i in (0, 2)]
+    carried = [{n: lr.state.error[n].reshape(-1).clone() for n in ("w", "c")} for lr in lowranks]
+    for lr in lowranks:
+        lr.measuring = True
+    got, _ = _run(lowranks, 1, first=2)
+    flats = _inputs(2)
+    for r, lr in enumerate(lowranks):
+        ms = [flats[r][a:b] + carried[r][n] for n, (a, b) in zip(("w", "c"), spans, strict=True)]
+        err2 = sum(float(((m - got[0][r][a:b] / WORLD) ** 2).sum())
+                   for m, (a, b) in zip(ms, spans, strict=True))
+        norm2 = sum(float((m * m).sum()) for m in ms)
+        (key, (e2, n2)), = lr.take_errors().items()
+        assert key == "bucket#powersgd"
+        assert e2 == pytest.approx(err2, rel=1e-6) and n2 == pytest.approx(norm2, rel=1e-6)
+        assert 0 < e2 < n2  # rank 2 of 12: a real, partial error
+        assert lr.take_errors() == {}
+
+
+def test_a_full_rank_approximation_has_no_error():
+    one = LowRank({"rank": 12, "start_iter": 0, "min_compression_rate": 0.0}, {"w": SHAPES["w"]},
+                  workers=1)
+    hub = LocalHub(1, 1, timeout_s=10)
+    x = torch.randn(192, generator=torch.Generator().manual_seed(5))
+    one.measuring = True
+    out = one.reduce(Executor(hub.transport(0), None), OPTION, x, name="b", members=["w"],
+                     offsets=[0], step=0)
+    torch.testing.assert_close(out, x, rtol=1e-4, atol=1e-4)
+    (e2, n2), = one.take_errors().values()
+    assert e2 < 1e-8 * n2
+
+
 def test_a_restored_state_continues_as_an_uninterrupted_run():
     whole, _ = _run([LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)], 4)
     first = [LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)]

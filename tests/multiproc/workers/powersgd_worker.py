@@ -50,7 +50,8 @@ def main() -> None:
             "options": sorted({str(o) for o in opt._bps.options.values()}),
             "fp32": str(opt._bps.session.fp32),
             "compression": json.loads(section["compression"]),
-            "state": {n: sorted(slots) for n, slots in section["codec"]["powersgd"].items()}}))
+            "state": {n: sorted(slots) for n, slots in section["codec"]["powersgd"].items()},
+            "errors": opt._bps.compression_errors}))
     finally:
         bps.shutdown()
 
