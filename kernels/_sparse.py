@@ -52,10 +52,10 @@ def warmup_stages(ratio: float, start: float) -> int:
 
 def warmup_stage(step: int | None, ratio: float, start: float, steps: int) -> int | None:
     """The warm-up stage of iteration ``step`` (0, 1, ...), None after it (or without one)."""
-    stages = warmup_stages(ratio, start)
-    if step is None or steps <= 0 or step >= steps or not stages:
+    if step is None or steps <= 0 or step >= steps:  # the common case: no loop below
         return None
-    return max(step, 0) * stages // steps
+    stages = warmup_stages(ratio, start)
+    return max(step, 0) * stages // steps if stages else None
 
 
 def warmup_ratio(step: int | None, ratio: float, start: float, steps: int) -> float:

@@ -633,13 +633,19 @@ class Engine:
         Returns:
             A :class:`Handle` for the dense sum over all workers.
         """
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
+        step = self.next_step(name)
         lane = self.lane_of(name) if lane is None else lane
         handle = Handle(name, deferred=True)
         self._queues[lane % self.lanes].put(
             (handle, lambda ex: ex.start(option, tensor, name=name, step=step)))
         return handle
+
+    def next_step(self, name: str) -> int:
+        """Tensor ``name``'s iteration counter, then counted one on (what :meth:`submit`
+        stamps on each run; PS rounds and random draws follow it)."""
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        return step
 
     def run(self, name: str, tensor: torch.Tensor, option: Option) -> torch.Tensor:
         """Synchronous :meth:`submit` + wait."""

@@ -145,15 +145,6 @@ class LowRank:
         return grad.to(torch.float32) + err.reshape(-1) if err is not None \
             else grad.to(torch.float32).clone()
 
-    def wire_numel(self, members: Sequence[str], numel: int) -> int:
-        """Elements one worker sends per iteration once PowerSGD compresses (both sums)."""
-        sent = numel
-        for i in self.compressed(members, self.state.start_iter):
-            n = members[i]
-            p, q = self.state.wire_numel(self.shapes[n])
-            sent += p + q - math.prod(self.shapes[n])
-        return sent
-
     # ---- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
         """Each compressed parameter's error and warm-start Q (CPU copies)."""

@@ -473,6 +473,8 @@ class _Sync:
         self.codec = compression.codec(self.session)
         self.lowrank = compression.lowrank(self.session,
                                            {name: p.shape for name, p in named})
+        # What measures the compression error (ESPRESSO_COMPRESSION_ERROR_EVERY), if anything.
+        self.measured = self.codec if self.codec is not None else self.lowrank
         # DGC's recipe: (momentum, weight decay) applied before communication, and each
         # parameter's velocity while its bucket goes uncompressed (see _corrected).
         self.momentum: tuple[float, float] | None = None
@@ -549,7 +551,7 @@ class _Sync:
             self.submitted += 1
 
     def _submit(self, bucket: _Bucket) -> None:
-        measured = self.codec if self.codec is not None else self.lowrank
+        measured = self.measured
         if self.submitted == 0 and measured is not None:  # the iteration's first bucket
             every = self.session.runtime.cfg.compression_error_every
             measured.measuring = bool(self.options is not None and self.trials is None
@@ -586,9 +588,7 @@ class _Sync:
             return self.engine.submit(bucket.name, flat, option)
         # PowerSGD runs its matrix products and both sums on the bucket's lane, counting
         # the bucket's iterations as a submitted Option would (PS rounds, start_iter).
-        counters = self.session.runtime.counters
-        step = counters.get(bucket.name, 0)
-        counters[bucket.name] = step + 1
+        step = self.engine.next_step(bucket.name)
         lowrank, name, members, offsets = self.lowrank, bucket.name, bucket.tensors, \
             bucket.offsets
         return self.engine.call(
@@ -685,7 +685,7 @@ class _Sync:
         self._check_finite(results, timeout)
         for bucket, total in results:
             self._write_back(bucket, total)
-        measured = self.codec if self.codec is not None else self.lowrank
+        measured = self.measured
         if measured is not None and measured.measuring:
             measured.measuring = False
             self._compression_errors(timeout)
@@ -761,8 +761,7 @@ class _Sync:
         ``ESPRESSO_COMPRESSION_ERROR_BUDGET``, send the buckets over it uncompressed from now
         on (decided on the largest error over ranks, so every rank switches alike)."""
         assert self.options is not None
-        lowrank = self.lowrank
-        source = self.codec if self.codec is not None else lowrank
+        lowrank, source = self.lowrank, self.measured
         assert source is not None
         sums: dict[str, list[float]] = {}
         for cname, (err2, norm2) in source.take_errors().items():
