@@ -108,6 +108,13 @@ def _nonfinite(text: str) -> str:
     return mode
 
 
+def _device_kernels(text: str) -> str:
+    choice = text.strip().lower()
+    if choice not in ("auto", "torch", "numba"):
+        raise ValueError("must be `auto`, `torch` or `numba`")
+    return choice
+
+
 def _role(text: str) -> Role:
     return Role(text.strip().lower())
 
@@ -313,6 +320,10 @@ VARIABLES: tuple[Variable, ...] = (
              "Directory where rank 0 writes the measured workload and planned strategy."),
     Variable("ESPRESSO_CPU_THREADS", "cpu_threads", _int(1, 1024), 2,
              "Host threads per machine for CPU (numba) compression on workers."),
+    Variable("ESPRESSO_DEVICE_KERNELS", "device_kernels", _device_kernels, "auto",
+             "Kernels of `Comp(gpu)`/`Decomp(gpu)`: `torch` ops on the training device, or "
+             "`numba` (host memory only; bit-identical payloads). `auto`: torch on GPUs; on "
+             "a CPU training device numba, but torch for fp16 and bf16 (faster there)."),
     Variable("ESPRESSO_SEED", "seed", _int(0), 0,
              "Seed of every stochastic compressor (random-k, QSGD, TernGrad, ...) planned "
              "with `Compression.espresso` unless its parameters name one (a strategy file "
@@ -426,6 +437,7 @@ class Config:
     compression_error_budget: float | None = None
     profile_out: str | None = None
     cpu_threads: int = 2
+    device_kernels: str = "auto"
     seed: int = 0
     log_level: str = "INFO"
     # Addresses and GPUs as BytePS / ps-lite / the container runtime hand them out.

@@ -1,9 +1,13 @@
 """One compressor per device for one job: torch backend on the training device, numba on the host.
 
-``Comp(gpu)``/``Decomp(gpu)`` run the torch backend on the tensor's own device (the GPU on a
-cluster, the CPU in tests); ``Comp(cpu)``/``Decomp(cpu)`` run the numba backend on host
-arrays, copying dense values device -> host before and host -> device after. Payloads cross
-backends with :func:`~byteps_espresso.kernels.base.to_numpy` / ``to_torch``.
+``Comp(gpu)``/``Decomp(gpu)`` run on the tensor's own device: the torch backend on an
+accelerator; where the training device is the CPU, by default the numba backend on zero-copy
+views of the tensors for every compressor but the casts (``ESPRESSO_DEVICE_KERNELS``: both
+backends produce bit-identical payloads, and on host memory numba's kernels are up to 31x
+faster than the same torch ops, BENCHMARKS.md "Kernels on the training device").
+``Comp(cpu)``/``Decomp(cpu)`` run the numba backend on host arrays in the host pool, copying
+dense values device -> host before and host -> device after. Payloads cross backends with
+:func:`~byteps_espresso.kernels.base.to_numpy` / ``to_torch``.
 
 Empty extents (a shard of a tensor with fewer elements than group members) are never handed
 to a compressor: their payload is the empty tuple and they decode to an empty tensor.
@@ -25,13 +29,45 @@ from byteps_espresso.worker.layout import Extent, Piece
 
 from byteps_espresso.strategy.options import Device
 
-__all__ = ["EMPTY", "CodecPair", "payload_spec"]
+__all__ = ["DEVICE_KERNELS", "EMPTY", "CodecPair", "device_backend", "payload_spec"]
 
 Pieces = Sequence[Piece]
 
 EMPTY: tuple = ()
 
-_BACKEND = {Device.GPU: "torch", Device.CPU: "numba"}
+# ``ESPRESSO_DEVICE_KERNELS``: the kernels of ``gpu`` steps (see device_backend).
+DEVICE_KERNELS = ("auto", "torch", "numba")
+
+
+# Compressors whose torch kernels are at least as fast as numba's on host memory: the casts
+# (fp16 compresses at 35.8 GB/s with torch against 19.1 with numba at 2^18 elements; bf16
+# within 5% either way; BENCHMARKS.md "Kernels on the training device"). On every other
+# compressor numba is 1.2-31x faster there.
+_TORCH_ON_HOST = frozenset({"fp16", "bf16"})
+
+
+def device_backend(device: torch.device, kernels: str = "auto", compressor: str = "") -> str:
+    """The backend that runs ``Comp(gpu)``/``Decomp(gpu)`` of ``compressor`` on training
+    ``device``.
+
+    Args:
+        device: the training device.
+        kernels: ``torch``; ``numba`` (host memory only); ``auto``: torch on accelerators,
+            and on the CPU the faster of the two for ``compressor`` (numba, but for the casts).
+        compressor: the compressor's registered name.
+
+    Raises:
+        ValueError: an unknown choice, or numba for an accelerator's memory.
+    """
+    if kernels not in DEVICE_KERNELS:
+        raise ValueError(f"unknown device kernels {kernels!r}; use one of "
+                         f"{', '.join(DEVICE_KERNELS)} (ESPRESSO_DEVICE_KERNELS)")
+    if kernels == "auto":
+        return "numba" if device.type == "cpu" and compressor not in _TORCH_ON_HOST else "torch"
+    if kernels == "numba" and device.type != "cpu":
+        raise ValueError(f"ESPRESSO_DEVICE_KERNELS=numba needs host memory, but the training "
+                         f"device is {device}; use torch or auto")
+    return kernels
 
 
 def payload_spec(compressor: kbase.Compressor, numel: int,
@@ -59,21 +95,27 @@ class CodecPair:
         params: its JSON-scalar parameters (ratio, seed, ...).
         error_feedback: wrap both backends in ``kernels.ErrorFeedback``.
         device: the training device (where ``gpu`` steps run and results land).
+        device_kernels: the backend of ``gpu`` steps, as :func:`device_backend` reads it.
 
     Raises:
-        ValueError: unknown compressor or bad parameters (the kernels' message).
+        ValueError: unknown compressor or bad parameters (the kernels' message), or device
+            kernels the device cannot run.
     """
 
     def __init__(self, name: str, params: Mapping[str, Any] | None = None, *,
-                 error_feedback: bool = False, device: torch.device | str = "cpu") -> None:
+                 error_feedback: bool = False, device: torch.device | str = "cpu",
+                 device_kernels: str = "auto") -> None:
         from byteps_espresso import kernels
 
         self.name = name
         self.params = dict(params or {})
         self.error_feedback = error_feedback
         self.device = torch.device(device)
+        self.device_kernels = device_kernels
+        self._backend = {Device.GPU: device_backend(self.device, device_kernels, name),
+                         Device.CPU: "numba"}
         self._by_device: dict[Device, kbase.Compressor] = {}
-        for dev, backend in _BACKEND.items():
+        for dev, backend in self._backend.items():
             comp = kernels.create(name, backend=backend, **self.params)
             if error_feedback:
                 comp = kernels.ErrorFeedback(comp)
@@ -93,7 +135,7 @@ class CodecPair:
 
         from byteps_espresso import kernels
 
-        for dev, backend in _BACKEND.items():
+        for dev, backend in self._backend.items():
             self._by_device[dev] = MomentumCorrection(
                 kernels.create(self.name, backend=backend, **self.params), momentum=momentum,
                 masking=True, clip_norm=clip_norm, workers=workers)
@@ -106,8 +148,18 @@ class CodecPair:
         errors, self._errors = self._errors, {}
         return errors
 
+    def bare(self) -> CodecPair:
+        """The same compressor on the same kernels, without error feedback or state (what
+        probes time: they must not touch the job's residuals)."""
+        return CodecPair(self.name, self.params, device=self.device,
+                         device_kernels=self.device_kernels)
+
     def compressor(self, device: Device) -> kbase.Compressor:
         return self._by_device[device]
+
+    def on_host(self, device: Device) -> bool:
+        """Whether ``device``'s steps run the numba backend (host arrays)."""
+        return self._backend[device] == "numba"
 
     def spec(self, numel: int, step: int | None = None) -> tuple[tuple[np.dtype, int], ...]:
         """Payload layout for ``numel`` elements at ``step`` (None: the steady state;
@@ -145,7 +197,7 @@ class CodecPair:
             raise ValueError(f"codec state for unknown device(s) {unknown}")
         for dev, comp in self._by_device.items():
             saved = state.get(dev.value, {})
-            if dev is Device.CPU:
+            if self.on_host(dev):
                 comp.import_state({n: {s: t.detach().cpu().numpy().copy() for s, t in sl.items()}
                                    for n, sl in saved.items()})
             else:
@@ -158,7 +210,7 @@ class CodecPair:
         if dense.numel() == 0:
             return EMPTY
         comp = self._by_device[device]
-        if device is Device.CPU:
+        if self.on_host(device):  # zero-copy where the training device is the CPU
             host = np.ascontiguousarray(dense.detach().cpu().numpy())
             payload, _ = comp.compress(host, name=cname, step=step)
         else:
@@ -175,7 +227,7 @@ class CodecPair:
         return self._by_device[device].context((numel,), "float32", name=cname, step=step)
 
     def _as_backend(self, device: Device, payload: tuple) -> tuple:
-        if device is Device.CPU:
+        if self.on_host(device):
             return kbase.to_numpy(payload)
         return kbase.to_torch(payload, self.device)
 

@@ -161,7 +161,9 @@ class _Uniform(CompressionSpec):
     def codec(self, session: Session) -> CodecPair | None:
         if self.compressor is None:
             return None
-        return CodecPair(self.compressor, dict(self.params), device=session.runtime.device)
+        rt = session.runtime
+        return CodecPair(self.compressor, dict(self.params), device=rt.device,
+                         device_kernels=rt.cfg.device_kernels)
 
     def option(self, session: Session) -> Option:
         if self.compressor is None:

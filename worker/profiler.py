@@ -137,7 +137,9 @@ def excluded_names(params: Mapping[str, Any], patterns: Sequence[str] | None) ->
 def _codec(session: Session, compressor: str, params: Mapping[str, Any],
            error_feedback: bool | None) -> CodecPair:
     ef = default_error_feedback(compressor, params) if error_feedback is None else error_feedback
-    return CodecPair(compressor, dict(params), error_feedback=ef, device=session.runtime.device)
+    rt = session.runtime
+    return CodecPair(compressor, dict(params), error_feedback=ef, device=rt.device,
+                     device_kernels=rt.cfg.device_kernels)
 
 
 # ---- workload ----------------------------------------------------------------------------------
@@ -401,7 +403,7 @@ def _isolated_samples(codec: CodecPair, numels: Sequence[int], device: torch.dev
     """Timings of the bare codec, one call at a time; ``devices`` maps the device run on to
     the profile entry the sample is for; sizes as :func:`_within_budget` yields them."""
     # Time the bare codec: error-feedback state must not be touched by the probes.
-    bare = CodecPair(codec.name, codec.params, device=device)
+    bare = codec.bare()
     steady = bare.steady_step  # after any warm-up: what the steady state runs
     samples: list[dict[str, Any]] = []
     for n in _within_budget(_timed_sizes(numels), budget_s):
@@ -519,8 +521,7 @@ class LaneProbes:
         self.device = rt.device
         self.servers = rt.cfg.num_servers
         self.cpu_threads = rt.cfg.cpu_threads
-        self.codec = None if codec is None else CodecPair(codec.name, codec.params,
-                                                          device=rt.device)
+        self.codec = None if codec is None else codec.bare()
         self.links: dict[tuple[str, int], list[float]] = {}
         self.compressor: dict[tuple[str, str, int], list[float]] = {}
         self.handles: list[Any] = []

@@ -37,6 +37,7 @@ def test_missing_required_variable_is_named(missing):
     ("ESPRESSO_TIMEOUT", "-1"),
     ("ESPRESSO_BIND_ALL", "maybe"),
     ("ESPRESSO_LOG_LEVEL", "chatty"),
+    ("ESPRESSO_DEVICE_KERNELS", "cuda"),
 ])
 def test_malformed_variable_is_named(name, value):
     with pytest.raises(ConfigError, match=name):

@@ -56,13 +56,17 @@ def run_threads(machines, local, option, inputs, codec_factory, *, steps=1):
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("layout", [(2, 2), (3, 2), (2, 3)])
 @pytest.mark.parametrize("numel", [1, 5, 257])
-def test_threads_equal_reference(option, layout, numel):
+# The executor's gpu steps on the torch backend (what runs on GPUs) and on numba (a CPU
+# training device's default but for the casts); the reference on the default: both must give
+# the same bits.
+@pytest.mark.parametrize("kernels", ["numba", "torch"])
+def test_threads_equal_reference(option, layout, numel, kernels):
     machines, local = layout
     world = machines * local
     g = torch.Generator().manual_seed(numel)
     inputs = [[torch.randn(numel, generator=g) for _ in range(world)] for _ in range(2)]
-    got = run_threads(machines, local, Option.parse(option), inputs, lambda: CodecPair("fp16"),
-                      steps=2)
+    got = run_threads(machines, local, Option.parse(option), inputs,
+                      lambda: CodecPair("fp16", device_kernels=kernels), steps=2)
     ref = Reference(machines, local, [CodecPair("fp16") for _ in range(world)])
     for step in range(2):
         expected = ref.run(Option.parse(option), inputs[step], name="w", step=step)
