@@ -19,7 +19,8 @@ of the clock). Per run: the training seconds until the held-out loss first reach
 target (``--target-loss``, default fp32's final held-out loss x1.05, median over rounds),
 the final held-out loss, the throughput (global batch over the median iteration time of the
 epochs after the first) and the start-up split into profiling, planning and trials (rank 0's
-step clock, its "planned in" log line and ``trials.json``), also in fp32 iterations. Each
+step clock, its "planned in" log line and ``trials.json``), also in fp32 iterations, and what
+it cost beyond the same first steps of the round's fp32 run ("beyond", fp32 iterations). Each
 strategy runs ``--repeats`` times, interleaved with the others (so slow phases of a shared,
 noisy machine hit every strategy alike); the table shows medians over the rounds. The
 planner's predicted iteration time (``predicted_ms`` written by rank 0; fp32's: BytePS'
@@ -100,7 +101,7 @@ def _cells(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
          profiles: list[Path | None], predicted: list, target: float,
-         args: argparse.Namespace) -> dict:
+         args: argparse.Namespace, fp32_runs: list[RunResult]) -> dict:
     strategy, compressor = cell
     measured = _median([r.iteration_ms for r in runs])
     predicted_ms = _median(predicted)
@@ -108,6 +109,10 @@ def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
     global_batch = args.batch_size * runs[0].metrics["world_size"]
     steps = 0 if strategy in FIXED else profile_steps(os.environ)
     startups = [r.startup(steps, prof) for r, prof in zip(runs, profiles, strict=True)]
+    # What each start-up cost beyond the same first steps of its round's fp32 run (those
+    # steps train the model in both; fp32's first steps are slow too).
+    # (No fp32 runs: none; they are as many as these, one per round, otherwise.)
+    beyond = [s.beyond_s(f) for s, f in zip(startups, fp32_runs, strict=False) if s.steps]
     reached = [r.time_to(target) for r in runs]
     return {"gbps": gbps, "strategy": strategy, "compressor": compressor,
             "params": _params(compressor, args) if strategy != "fp32" else {},
@@ -123,6 +128,7 @@ def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
             "epoch_samples_per_s": [r.samples_per_s for r in runs],
             "predicted_ms": predicted_ms, "prediction_error": error,
             "startup_s": _median([s.total_s for s in startups]),
+            "startup_beyond_fp32_s": _median([b for b in beyond if b is not None]),
             "startup_runs": [{"profiling_s": s.profiling_s, "planning_s": s.planning_s,
                               "trials_s": s.trials_s, "before_first_step_s": s.before_s,
                               "steps": s.steps} for s in startups],
@@ -167,7 +173,7 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
         else:
             predicted = [r.metrics.get("predicted_ms") for r in done]
         rows.append(_row(gbps, cell, done, profiles=profiles[cell], predicted=predicted,
-                         target=target, args=args))
+                         target=target, args=args, fp32_runs=runs.get(("fp32", "-"), [])))
         if strategy == "espresso":
             rows[-1]["trials"] = [_trials(p) for p in profiles[cell]]
     fp32 = next((r for r in rows if r["strategy"] == "fp32"), None)
@@ -181,6 +187,9 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
             else None
         row["startup_fp32_iterations"] = (row["startup_s"] * 1e3 / fp32["iteration_ms"]
                                           if fp32 else None)
+        beyond = row["startup_beyond_fp32_s"]
+        row["startup_beyond_fp32_iterations"] = (beyond * 1e3 / fp32["iteration_ms"]
+                                                 if fp32 and beyond is not None else None)
     return rows
 
 
@@ -205,7 +214,7 @@ def _accuracy_table(rows: list[dict]) -> str:
     """The leading table: time to the target loss, final loss and start-up per strategy."""
     lines = [f"{'Gbit/s':>6} {'strategy':9} {'compressor':10} {'to target':>10} {'vs fp32':>8} "
              f"{'final loss':>10} {'vs fp32':>8} {'start-up s':>10} {'(prof+plan+trials)':>19} "
-             f"{'fp32 its':>8}  compressed"]
+             f"{'fp32 its':>8} {'beyond':>6}  compressed"]
     for r in rows:
         never = f"never {r['reached']}/{len(r['time_to_target_s_runs'])}"
         parts = r["startup_runs"]
@@ -218,7 +227,8 @@ def _accuracy_table(rows: list[dict]) -> str:
             f"{_fmt(r['time_to_target_s'], '.1f', 10, never, 's')} "
             f"{_fmt(r['time_vs_fp32'], '.2f', 8, unit='x')} {r['final_heldout_loss']:10.3f} "
             f"{_fmt(r['loss_vs_fp32'], '.3f', 8, unit='x')} {r['startup_s']:10.1f} {split:>19} "
-            f"{_fmt(r['startup_fp32_iterations'], '.0f', 8)}  {comp}")
+            f"{_fmt(r['startup_fp32_iterations'], '.0f', 8)} "
+            f"{_fmt(r['startup_beyond_fp32_iterations'], '.0f', 6)}  {comp}")
     return "\n".join(lines)
 
 
