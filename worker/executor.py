@@ -593,10 +593,13 @@ class Engine:
         executors: one :class:`Executor` per lane (each over its own process groups).
         timeout_s: how long :meth:`Handle.wait` callers should wait (``ESPRESSO_TIMEOUT``).
         counters: iteration counters per tensor name to share with other engines.
+        thread_init: called first in every lane thread (per-thread settings such as numba's
+            thread count, which numba keeps per calling thread).
     """
 
     def __init__(self, executors: Sequence[Executor], timeout_s: float = 60.0,
-                 counters: dict[str, int] | None = None) -> None:
+                 counters: dict[str, int] | None = None,
+                 thread_init: Callable[[], None] | None = None) -> None:
         if not executors:
             raise ValueError("the engine needs at least one executor (lane)")
         self.executors = list(executors)
@@ -605,6 +608,7 @@ class Engine:
         # (PS rounds and random draws move on) when its Options change engine after planning.
         self._steps: dict[str, int] = counters if counters is not None else {}
         self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in self.executors]
+        self._thread_init = thread_init
         self._threads = [threading.Thread(target=self._loop, args=(lane,), daemon=True,
                                           name=f"espresso-lane-{lane}")
                          for lane in range(len(self.executors))]
@@ -662,6 +666,8 @@ class Engine:
         return handle
 
     def _loop(self, lane: int) -> None:
+        if self._thread_init is not None:
+            self._thread_init()
         executor = self.executors[lane]
         while True:
             item = self._queues[lane].get()

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -114,10 +115,15 @@ class Runtime:
         # ESPRESSO_CPU_THREADS is per machine: this process's share runs its numba kernels
         # (parallel kernels otherwise start one thread per core in every worker process and
         # the processes of one machine oversubscribe its cores).
+        # numba keeps the count per calling thread (a new thread starts with one per core),
+        # so the lanes and the host pool set it too: otherwise each ran every parallel kernel
+        # on its own team of one OpenMP thread per core.
         threads = max(1, cfg.cpu_threads // cfg.local_size)
-        _set_numba_threads(threads)
+        self._thread_init = functools.partial(_set_numba_threads, threads)
+        self._thread_init()
         torch.set_num_threads(intra_op_threads(cfg.local_size, cfg.intra_op_threads))
-        self.cpu_pool = ThreadPoolExecutor(threads, thread_name_prefix="espresso-cpu")
+        self.cpu_pool = ThreadPoolExecutor(threads, thread_name_prefix="espresso-cpu",
+                                           initializer=self._thread_init)
         self._engines: list[Engine] = []
         self._counters: dict[str, int] = {}  # iterations per tensor, shared by the engines
         log.info("rank %d/%d (machine %d, local rank %d) on %s, %s, %d lanes, %d servers, "
@@ -140,7 +146,8 @@ class Runtime:
         """An asynchronous engine running Options with ``codec`` on every lane."""
         executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool)
                      for t in self.transports]
-        engine = Engine(executors, timeout_s=self.cfg.op_timeout_s, counters=self._counters)
+        engine = Engine(executors, timeout_s=self.cfg.op_timeout_s, counters=self._counters,
+                        thread_init=self._thread_init)
         self._engines.append(engine)
         return engine
 

@@ -193,3 +193,25 @@ def test_closing_an_engine_with_blocked_lanes_waits_one_timeout_in_all():
     waited = time.monotonic() - t0
     release.set()
     assert 0.9 <= waited < 1.9  # one timeout (1.0 s), not one per lane (2.0 s)
+
+
+def test_every_lane_thread_runs_the_thread_init_before_its_work():
+    """numba keeps its thread count per calling thread: the runtime sets it in each lane."""
+    import numba
+
+    hub = LocalHub(1, 1)
+    inits = []
+
+    def init():
+        numba.set_num_threads(1)
+        inits.append(threading.current_thread().name)
+
+    engine = Engine([Executor(hub.transport(0, 0)), Executor(hub.transport(0, 1))],
+                    thread_init=init)
+    try:
+        counts = [engine.call(lane, lambda ex: numba.get_num_threads()).wait(10)
+                  for lane in range(engine.lanes)]
+    finally:
+        engine.close()
+    assert sorted(inits) == ["espresso-lane-0", "espresso-lane-1"]
+    assert counts == [1, 1]
