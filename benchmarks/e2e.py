@@ -10,8 +10,9 @@ setting, each strategy trains the example model for the same steps, with each co
               measured trials of its finalists (worker/trials.py; "kept" says which)
     all-gpu   every tensor compressed on the GPU (baseline; on request)
     cpu-only  every compression on the host CPUs (baseline; on request)
-    powersgd  Compression.powersgd(--powersgd-rank): PowerSGD on every bucket, its sums on
-              the fp32 path, no planning (on request); once per setting and round
+    powersgd  Compression.powersgd(--powersgd-rank, sums=--powersgd-sums): PowerSGD on every
+              bucket, its sums on the collectives or the servers, no planning (on request);
+              once per setting and round
 
 The yardstick is time to accuracy: every ``--eval-every`` steps each run evaluates its loss
 on one fixed held-out batch (examples/train.py ``--eval-every``; evaluation time is left out
@@ -72,14 +73,15 @@ def _train_args(strategy: str, compressor: str, args: argparse.Namespace) -> lis
     if strategy == "fp32":
         return [*base, "--compression", "fp32"]
     if strategy == "powersgd":
-        return [*base, "--compression", "powersgd", "--powersgd-rank", str(args.powersgd_rank)]
+        return [*base, "--compression", "powersgd", "--powersgd-rank", str(args.powersgd_rank),
+                "--powersgd-sums", args.powersgd_sums]
     return [*base, "--compression", "espresso", "--compressor", compressor,
             "--ratio", str(args.ratio), "--algorithm", strategy]
 
 
 def _params(compressor: str, args: argparse.Namespace) -> dict:
     if compressor == "powersgd":
-        return {"rank": args.powersgd_rank}
+        return {"rank": args.powersgd_rank, "sums": args.powersgd_sums}
     return {"ratio": args.ratio} if compressor in SPARSIFIERS else {}
 
 
@@ -262,6 +264,8 @@ def main() -> int:
     p.add_argument("--ratio", type=float, default=0.01, help="sparsifiers' kept fraction")
     # 8: at 4 it ended 5.2% above fp32 after 160 steps, at 8 2.1% (BENCHMARKS "End-to-end")
     p.add_argument("--powersgd-rank", type=int, default=8, help="for the powersgd strategy")
+    p.add_argument("--powersgd-sums", choices=["allreduce", "ps"], default="allreduce",
+                   help="for the powersgd strategy: where its sums run")
     p.add_argument("--eval-every", type=int, default=10,
                    help="steps between held-out evaluations (time-to-target resolution)")
     p.add_argument("--target-loss", type=float, default=None,

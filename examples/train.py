@@ -222,7 +222,7 @@ def compression(args: argparse.Namespace) -> bps.CompressionSpec:
     if args.compression == "fp16":
         return bps.Compression.fp16
     if args.compression == "powersgd":
-        return bps.Compression.powersgd(args.powersgd_rank)
+        return bps.Compression.powersgd(args.powersgd_rank, sums=args.powersgd_sums)
     if args.compression == "strategy":
         if not args.strategy:
             raise SystemExit("--compression strategy needs --strategy FILE")
@@ -250,6 +250,9 @@ def parse_args() -> argparse.Namespace:
                         "e.g. --param warmup_steps=100; repeatable")
     p.add_argument("--powersgd-rank", type=int, default=4,
                    help="for --compression powersgd: the approximation rank")
+    p.add_argument("--powersgd-sums", choices=["allreduce", "ps"], default="allreduce",
+                   help="for --compression powersgd: sum P and Q on the collectives or "
+                        "through the parameter servers")
     p.add_argument("--algorithm", default="espresso",
                    help="planner algorithm: espresso or a baseline (all-gpu, cpu-only, ...)")
     p.add_argument("--strategy", help="strategy JSON for --compression strategy")

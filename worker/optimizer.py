@@ -184,11 +184,17 @@ class _Uniform(CompressionSpec):
         return Plan({b.name: option for b in buckets}, buckets=buckets)
 
 
+# Where Compression.powersgd's sums run (see its ``sums``).
+POWERSGD_SUMS = ("allreduce", "ps")
+
+
 @dataclass(frozen=True)
 class _PowerSGD(CompressionSpec):
-    """PowerSGD on every bucket, its two sums on the job's fp32 Option (``worker.lowrank``)."""
+    """PowerSGD on every bucket, its two sums on a dense Option (``worker.lowrank``):
+    ``sums="allreduce"`` the job's collectives, ``"ps"`` its fp32 Option (the servers)."""
 
     params: Mapping[str, Any] = field(default_factory=dict)
+    sums: str = "allreduce"
 
     def codec(self, session: Session) -> CodecPair | None:
         return None
@@ -200,7 +206,8 @@ class _PowerSGD(CompressionSpec):
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
         buckets = default_layout(session, tensors)
-        return Plan(dict.fromkeys((b.name for b in buckets), session.fp32), buckets=buckets)
+        option = session.fp32 if self.sums == "ps" else session.allreduce
+        return Plan(dict.fromkeys((b.name for b in buckets), option), buckets=buckets)
 
 
 class Compression:
@@ -280,14 +287,13 @@ class Compression:
     @staticmethod
     def powersgd(rank: int = 1, *, start_iter: int = 10, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True,
-                 **params: Any) -> CompressionSpec:
+                 sums: str = "allreduce", **params: Any) -> CompressionSpec:
         """Rank-``rank`` PowerSGD (Vogels et al., NeurIPS 2019) on every bucket, as PyTorch's
         ``powerSGD_hook`` runs it on DDP's buckets.
 
         Each bucket's matrices (parameters of two or more dimensions, the trailing ones
-        flattened) are compressed to ``P`` and ``Q``; both are summed over every worker on
-        the job's fp32 path (through the parameter servers where there are any). The first
-        ``start_iter`` iterations, vectors, and matrices that would not shrink by
+        flattened) are compressed to ``P`` and ``Q``; both are summed over every worker.
+        The first ``start_iter`` iterations, vectors, and matrices that would not shrink by
         ``min_compression_rate`` are summed uncompressed.
 
         Args:
@@ -296,17 +302,27 @@ class Compression:
             min_compression_rate: compress a matrix only if it shrinks by more than this.
             error_feedback: keep each worker's error and add it next iteration.
             warm_start: reuse the last ``Q`` (else a fresh random one every iteration).
+            sums: where the sums run: ``allreduce``, the job's collectives (the
+                uncompressed path without servers: each machine's reduce-scatter, an
+                all-reduce between machines, the all-gather), as PyTorch's hook runs them;
+                ``ps``, the job's fp32 path through the parameter servers (BytePS's).
+                PowerSGD's sums are small and latency-bound, and through one server machine
+                every machine's share crosses the server's link: on the emulated cluster
+                ``allreduce`` measured faster (BENCHMARKS.md "End-to-end").
             **params: ``seed`` (default ``ESPRESSO_SEED``) or ``epsilon``.
 
         Raises:
             ValueError: a parameter is unknown or out of range (the message lists the valid
                 ones).
         """
+        if sums not in POWERSGD_SUMS:
+            raise ValueError(f"Compression.powersgd: sums={sums!r}; use one of "
+                             f"{', '.join(POWERSGD_SUMS)}")
         settings = {"rank": rank, "start_iter": start_iter,
                     "min_compression_rate": min_compression_rate,
                     "error_feedback": error_feedback, "warm_start": warm_start, **params}
         PowerSGD(**settings)  # validates now, not at the first step
-        return _PowerSGD(settings)
+        return _PowerSGD(settings, sums)
 
     @staticmethod
     def strategy(path: str) -> CompressionSpec:

@@ -39,6 +39,8 @@ class Session:
         self.runtime = runtime
         self.plain: Engine = runtime.engine(None)
         self.fp32 = fp32_option(runtime.topology, runtime.cfg.num_servers, runtime.shared_host)
+        # The uncompressed path on the collectives alone (what it is without servers).
+        self.allreduce = fp32_option(runtime.topology, 0, runtime.shared_host)
         self.lock = threading.Lock()
         # The Strategy planned at start-up or loaded (set by the optimizer's compression).
         self.strategy: Any = None

@@ -1,6 +1,7 @@
 """PowerSGD in training over real processes: 2 machines x 2 workers and a server (gloo and
 the PS on loopback). Both of each bucket's sums (P beside the uncompressed members, then Q)
-run on the job's fp32 Option through the server. Every rank ends with the same gradients,
+run on the job's collectives (``sums="allreduce"``) or on its fp32 Option through the server
+(``sums="ps"``). Every rank ends with the same gradients,
 bit for bit, and they match PowerSGD's steps computed here from every rank's inputs (within
 float32 rounding: the servers and the intra-machine reduce sum in another order than this
 oracle). The checkpoint section holds each compressed matrix's error and Q.
@@ -48,12 +49,13 @@ def _oracle(steps: int) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.timeout(200)
-def test_powersgd_buckets_match_its_steps_on_every_rank(tmp_path, cluster):
+@pytest.mark.parametrize("sums", ["allreduce", "ps"])
+def test_powersgd_buckets_match_its_steps_on_every_rank(tmp_path, cluster, sums):
     steps = 3
     # errors measured in iterations 0 and 2 (nothing is compressed in 0: start_iter)
     env = {"ESPRESSO_BUCKET_CAP_MB": str(CAP_MB), "ESPRESSO_COMPRESSION_ERROR_EVERY": "2"}
     with cluster.ps_job(servers=1) as root:
-        cluster.run_workers("powersgd_worker.py", [str(tmp_path), str(steps)],
+        cluster.run_workers("powersgd_worker.py", [str(tmp_path), str(steps), sums],
                             root_port=root, servers=1, timeout=150, extra_env=env)
     runs = [json.loads((tmp_path / f"run_{r}.json").read_text()) for r in range(WORLD)]
     # each rank's own relative error, for every bucket holding a compressed matrix
@@ -63,7 +65,11 @@ def test_powersgd_buckets_match_its_steps_on_every_rank(tmp_path, cluster):
                for e in errors), errors
     assert all(run == runs[0] for run in runs)
     assert ["big"] in runs[0]["buckets"] and len(runs[0]["buckets"]) >= 2
-    assert runs[0]["options"] == [runs[0]["fp32"]] and "PushPull" in runs[0]["fp32"]
+    if sums == "ps":
+        assert runs[0]["options"] == [runs[0]["fp32"]] and "PushPull" in runs[0]["fp32"]
+    else:
+        # the machines share this host: the flat all-reduce (the hierarchy only adds latency)
+        assert runs[0]["options"] == [runs[0]["allreduce"]] == ["Allreduce(flat)"]
     assert runs[0]["compression"]["compressor"] == "powersgd"
     assert runs[0]["state"] == {n: ["error", "q"] for n in ("big", "conv", "w")}
     want = _oracle(steps)

@@ -175,3 +175,7 @@ def test_compression_powersgd_checks_its_parameters_at_once():
     with pytest.raises(ValueError, match="rank"):
         Compression.powersgd(0)
     assert Compression.powersgd(4).params["rank"] == 4
+    with pytest.raises(ValueError, match=r"sums='servers'; use one of allreduce, ps"):
+        Compression.powersgd(4, sums="servers")
+    assert Compression.powersgd(4).sums == "allreduce"
+    assert Compression.powersgd(4, sums="ps").sums == "ps"

@@ -29,13 +29,14 @@ def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    out, steps = Path(sys.argv[1]), int(sys.argv[2])
+    out, steps, sums = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     bps.init()
     try:
         params = {name: torch.nn.Parameter(torch.zeros(shape)) for name, shape in PARAMS}
         opt = bps.DistributedOptimizer(
             torch.optim.SGD(params.values(), lr=0.0), named_parameters=list(params.items()),
-            compression=bps.Compression.powersgd(RANK, start_iter=START_ITER, seed=3))
+            compression=bps.Compression.powersgd(RANK, start_iter=START_ITER, seed=3,
+                                                 sums=sums))
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
             want = grads(bps.rank(), step)
@@ -49,6 +50,7 @@ def main() -> None:
             "buckets": [list(b.tensors) for b in opt._bps.buckets],
             "options": sorted({str(o) for o in opt._bps.options.values()}),
             "fp32": str(opt._bps.session.fp32),
+            "allreduce": str(opt._bps.session.allreduce),
             "compression": json.loads(section["compression"]),
             "state": {n: sorted(slots) for n, slots in section["codec"]["powersgd"].items()},
             "errors": opt._bps.compression_errors}))
