@@ -1,12 +1,14 @@
-"""PowerSGD over the runtime's buckets: two dense sums per bucket, on the job's fp32 path.
+"""PowerSGD over the runtime's buckets: two dense sums per bucket, on a dense Option.
 
 PowerSGD (``kernels/powersgd.py``) is not a codec with a payload to decode: its compression
 is itself two all-reduces, of ``P`` and then of ``Q``, with an orthogonalization between
 them. Every worker holds the same sums, so the sums can run on any dense Option that sums
-over every worker: the job's fp32 Option (BytePS's path, ``Reduce(intra) -> PushPull ->
-Broadcast(intra)`` with servers). The parameter servers then aggregate what PowerSGD sends:
-dense ``P`` and ``Q`` keys of ``n * r`` and ``m * r`` floats (CONTRACT.md, "Options
-PowerSGD can follow").
+over every worker (CONTRACT.md, "Options PowerSGD can follow"): by default the job's
+collectives (``Compression.powersgd(sums="allreduce")``: the uncompressed path without
+servers, as PyTorch's hook all-reduces), or its fp32 Option through the parameter servers
+(``sums="ps"``: BytePS's ``ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)``),
+whose servers then aggregate what PowerSGD sends: dense ``P`` and ``Q`` keys of ``n * r``
+and ``m * r`` floats.
 
 One bucket and iteration, on the bucket's lane (so the matrix products overlap the rest of
 the backward pass, as a ``Comp`` does), batched like PyTorch's ``powerSGD_hook``:

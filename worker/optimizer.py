@@ -806,7 +806,7 @@ class _Sync:
             log.info("relative compression error at iteration %d (%s), largest first: %s",
                      self.iteration, "largest over ranks" if budget is not None else "rank 0",
                      ", ".join(f"{n} {e:.3f}" for e, n in measured[:_ERRORS_LOGGED]))
-        # PowerSGD's buckets already run the fp32 Option: the budget does not move them.
+        # PowerSGD's buckets already run a dense Option: the budget does not move them.
         over = [n for e, n in measured if budget is not None and e > budget
                 and lowrank is None]
         if over:
