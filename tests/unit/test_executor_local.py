@@ -215,3 +215,42 @@ def test_every_lane_thread_runs_the_thread_init_before_its_work():
         engine.close()
     assert sorted(inits) == ["espresso-lane-0", "espresso-lane-1"]
     assert counts == [1, 1]
+
+
+def test_a_shared_device_lock_runs_the_lanes_gpu_steps_one_at_a_time():
+    """As a device stream does: the lanes' gpu compute steps never overlap."""
+    hub = LocalHub(1, 1)
+    codec = CodecPair("efsignsgd")
+    inside, most = [0], [0]
+    guard = threading.Lock()
+    compress = codec.compress
+
+    def slow_compress(*args, **kwargs):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.1)  # long enough for the other lane to arrive meanwhile
+        try:
+            return compress(*args, **kwargs)
+        finally:
+            with guard:
+                inside[0] -= 1
+
+    codec.compress = slow_compress
+    option = Option.parse("Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)")
+
+    def overlap(lock):
+        most[0] = 0
+        engine = Engine([Executor(hub.transport(0, lane), codec, device_lock=lock)
+                         for lane in range(2)])
+        try:
+            handles = [engine.submit(f"t{i}", torch.ones(64), option, lane=i % 2)
+                       for i in range(6)]
+            for h in handles:
+                assert torch.equal(h.wait(10), torch.ones(64))
+        finally:
+            engine.close()
+        return most[0]
+
+    assert overlap(threading.Lock()) == 1
+    assert overlap(None) == 2  # without it the two lanes compress side by side
