@@ -147,21 +147,17 @@ class Executor:
         ps: the PS path (None: Options with PushPull/PushPullC are refused).
         device: the training device; dense results land there.
         cpu_pool: host threads for ``cpu`` compute steps (None: run them inline).
-        device_lock: held by every ``gpu`` compute step (shared by a process's lanes): one
-            at a time, as one device stream runs a process's kernels (None: no lock).
     """
 
     def __init__(self, transport: Transport, codec: CodecPair | None = None,
                  ps: PSPath | None = None, device: torch.device | str = "cpu",
-                 cpu_pool: ThreadPoolExecutor | None = None, *,
-                 device_lock: threading.Lock | None = None) -> None:
+                 cpu_pool: ThreadPoolExecutor | None = None) -> None:
         self.transport = transport
         self.topo: Topology = transport.topology
         self.codec = codec
         self.ps = ps
         self.device = torch.device(device)
         self.cpu_pool = cpu_pool
-        self.device_lock = device_lock
         # When a list: every step's wall time, appended as (tensor, iteration, step index,
         # seconds); the start-up profile prices the links from them (worker/profiler.py).
         self.timings: list[tuple[str, int, int, float]] | None = None
@@ -366,9 +362,6 @@ class Executor:
     def _compute(self, b: _Bound, value: Any, name: str, step: int) -> Any:
         if b.op.device is Device.CPU and self.cpu_pool is not None:
             return self.cpu_pool.submit(_COMPUTE[b.op.kind], self, b, value, step).result()
-        if self.device_lock is not None:
-            with self.device_lock:
-                return _COMPUTE[b.op.kind](self, b, value, step)
         return _COMPUTE[b.op.kind](self, b, value, step)
 
     def _comp(self, b: _Bound, value: torch.Tensor, step: int) -> list:

@@ -24,7 +24,6 @@ import gc
 import logging
 import os
 import socket
-import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -125,10 +124,6 @@ class Runtime:
         torch.set_num_threads(intra_op_threads(cfg.local_size, cfg.intra_op_threads))
         self.cpu_pool = ThreadPoolExecutor(threads, thread_name_prefix="espresso-cpu",
                                            initializer=self._thread_init)
-        # On a CPU training device the lanes' gpu compute steps take turns, as a GPU's
-        # stream runs them: side by side they ran on the cores the backward pass uses, and
-        # measured 1.6x the host pool's one-at-a-time (BENCHMARKS.md "End-to-end").
-        self._device_lock = threading.Lock() if self.device.type == "cpu" else None
         self._engines: list[Engine] = []
         self._counters: dict[str, int] = {}  # iterations per tensor, shared by the engines
         log.info("rank %d/%d (machine %d, local rank %d) on %s, %s, %d lanes, %d servers, "
@@ -149,8 +144,7 @@ class Runtime:
 
     def engine(self, codec: CodecPair | None = None) -> Engine:
         """An asynchronous engine running Options with ``codec`` on every lane."""
-        executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool,
-                              device_lock=self._device_lock)
+        executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool)
                      for t in self.transports]
         engine = Engine(executors, timeout_s=self.cfg.op_timeout_s, counters=self._counters,
                         thread_init=self._thread_init)
