@@ -112,8 +112,7 @@ def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
     steps = 0 if strategy in FIXED else profile_steps(os.environ)
     startups = [r.startup(steps, prof) for r, prof in zip(runs, profiles, strict=True)]
     # What each start-up cost beyond the same first steps of its round's fp32 run (those
-    # steps train the model in both; fp32's first steps are slow too).
-    # (No fp32 runs: none; they are as many as these, one per round, otherwise.)
+    # steps train the model in both); fp32_runs holds one run per round, or none.
     beyond = [s.beyond_s(f) for s, f in zip(startups, fp32_runs, strict=False) if s.steps]
     reached = [r.time_to(target) for r in runs]
     return {"gbps": gbps, "strategy": strategy, "compressor": compressor,

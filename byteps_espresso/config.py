@@ -108,10 +108,14 @@ def _nonfinite(text: str) -> str:
     return mode
 
 
+# ESPRESSO_DEVICE_KERNELS: the kernels of Comp(gpu)/Decomp(gpu) (worker.codecs.device_backend).
+DEVICE_KERNELS = ("auto", "torch", "numba")
+
+
 def _device_kernels(text: str) -> str:
     choice = text.strip().lower()
-    if choice not in ("auto", "torch", "numba"):
-        raise ValueError("must be `auto`, `torch` or `numba`")
+    if choice not in DEVICE_KERNELS:
+        raise ValueError(f"must be one of {', '.join(DEVICE_KERNELS)}")
     return choice
 
 

@@ -27,22 +27,19 @@ import torch
 from byteps_espresso.kernels import base as kbase
 from byteps_espresso.worker.layout import Extent, Piece
 
+from byteps_espresso.config import DEVICE_KERNELS
 from byteps_espresso.strategy.options import Device
 
-__all__ = ["DEVICE_KERNELS", "EMPTY", "CodecPair", "device_backend", "payload_spec"]
+__all__ = ["EMPTY", "CodecPair", "device_backend", "payload_spec"]
 
 Pieces = Sequence[Piece]
 
 EMPTY: tuple = ()
 
-# ``ESPRESSO_DEVICE_KERNELS``: the kernels of ``gpu`` steps (see device_backend).
-DEVICE_KERNELS = ("auto", "torch", "numba")
-
-
-# Compressors whose torch kernels are at least as fast as numba's on host memory: the casts
-# (fp16 compresses at 35.8 GB/s with torch against 19.1 with numba at 2^18 elements; bf16
-# within 5% either way; BENCHMARKS.md "Kernels on the training device"). On every other
-# compressor numba is 1.2-31x faster there.
+# Compressors whose torch kernels are as fast as numba's on host memory or faster: the casts
+# (at 2^17-2^18 elements fp16 compresses 2-2.7x faster with torch, bf16 0.8-1.1x; BENCHMARKS.md
+# "Kernels on the training device"). On the other compressors measured there numba is
+# 1.2-31x faster.
 _TORCH_ON_HOST = frozenset({"fp16", "bf16"})
 
 
