@@ -151,6 +151,11 @@ class CodecPair:
         return CodecPair(self.name, self.params, device=self.device,
                          device_kernels=self.device_kernels)
 
+    def partner(self, name: str) -> CodecPair:
+        """Compressor ``name`` on the same device and kernels, without error feedback: the
+        partner that mixed Options use inside the machine (``Comp(gpu,fp16)``)."""
+        return CodecPair(name, device=self.device, device_kernels=self.device_kernels)
+
     def compressor(self, device: Device) -> kbase.Compressor:
         return self._by_device[device]
 

@@ -49,7 +49,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +66,6 @@ from byteps_espresso.strategy.program import (
     RULES,
     Form,
     Op,
-    Origin,
     compile_option,
     payload_count,
 )
@@ -132,6 +131,7 @@ class _Bound:
     fwd: int | None = None  # payloads each member sends on (a forwarded list); None: one
     key: str = ""  # PS key
     step: int | None = None  # an iteration of the codec's schedule stage (None: steady)
+    codec: CodecPair | None = None  # the compressor of the payloads it makes / decodes / moves
 
 
 class Executor:
@@ -144,6 +144,8 @@ class Executor:
     Args:
         transport: collectives per scope for this rank.
         codec: the job's compressor on both devices (None: uncompressed Options only).
+        partners: the compressors mixed Options name on their steps (``Comp(gpu,fp16)``), by
+            name.
         ps: the PS path (None: Options with PushPull/PushPullC are refused).
         device: the training device; dense results land there.
         cpu_pool: host threads for ``cpu`` compute steps (None: run them inline).
@@ -151,10 +153,12 @@ class Executor:
 
     def __init__(self, transport: Transport, codec: CodecPair | None = None,
                  ps: PSPath | None = None, device: torch.device | str = "cpu",
-                 cpu_pool: ThreadPoolExecutor | None = None) -> None:
+                 cpu_pool: ThreadPoolExecutor | None = None, *,
+                 partners: Mapping[str, CodecPair] | None = None) -> None:
         self.transport = transport
         self.topo: Topology = transport.topology
         self.codec = codec
+        self.partners = dict(partners or {})
         self.ps = ps
         self.device = torch.device(device)
         self.cpu_pool = cpu_pool
@@ -268,19 +272,28 @@ class Executor:
             ext = split(ext, self.topo.size(scope))[self.topo.index(scope)]
         return ext
 
-    def _parts(self, name: str, origin: Origin | None, extent: Extent,
-               step: int | None = None) -> _Parts:
-        assert origin is not None
-        return _Parts(piece_names(name, origin, extent, self._partition_bytes()), self.codec,
-                      step)
+    def _parts(self, b: _Bound, name: str, extent: Extent) -> _Parts:
+        assert b.op.origin is not None
+        return _Parts(piece_names(name, b.op.origin, extent, self._partition_bytes()), b.codec,
+                      b.step)
 
     def _partition_bytes(self) -> int:
         return self.ps.partition_bytes if self.ps is not None else _DEFAULT_PARTITION_BYTES
 
-    def _need_codec(self) -> CodecPair:
-        if self.codec is None:
-            raise ExecutionError("this Option compresses but no compressor is configured")
-        return self.codec
+    def _need_codec(self, b: _Bound) -> CodecPair:
+        """The compressor of ``b``'s payloads (set on it): the job's, or a partner's."""
+        partner = b.op.codec
+        if partner is None or (self.codec is not None and partner == self.codec.name):
+            if self.codec is None:
+                raise ExecutionError("this Option compresses but no compressor is configured")
+            b.codec = self.codec
+        else:
+            b.codec = self.partners.get(partner)
+            if b.codec is None:
+                raise ExecutionError(f"this Option compresses with {partner} inside the "
+                                     f"machine but no {partner} codec is configured (partners: "
+                                     f"{', '.join(sorted(self.partners)) or 'none'})")
+        return b.codec
 
     def _need_ps(self) -> PSPath:
         if self.ps is None:
@@ -292,13 +305,13 @@ class Executor:
         return None
 
     def _bind_comp(self, b: _Bound, name: str) -> None:
-        codec = self._need_codec()
+        codec = self._need_codec(b)
         op = b.op
         if op.chunks is not None:
             b.exts = split(b.ext, self.topo.size(op.chunks))
-            b.members = [self._parts(name, op.origin, e, b.step) for e in b.exts]
+            b.members = [self._parts(b, name, e) for e in b.exts]
             return
-        b.parts = self._parts(name, op.origin, b.ext, b.step)
+        b.parts = self._parts(b, name, b.ext)
         if op.origin is not None and op.origin.ps and b.ext.numel:
             assert op.feeds is not None and b.feeds is not None
             if b.step is not None:
@@ -316,13 +329,13 @@ class Executor:
                                      f"from the expected {expected}")
 
     def _bind_decomp(self, b: _Bound, name: str) -> None:
-        self._need_codec()
+        self._need_codec(b)
         op = b.op
         if op.takes is Form.CONCAT:
-            b.members = [self._parts(name, op.origin, e, b.step)
+            b.members = [self._parts(b, name, e)
                          for e in split(b.ext, payload_count(op.payloads, self.topo.size))]
         else:
-            b.parts = self._parts(name, op.origin, b.ext, b.step)
+            b.parts = self._parts(b, name, b.ext)
 
     def _bind_split(self, b: _Bound, name: str) -> None:
         """ReduceScatter opens a split of the extent it finds; Allgather closes one and
@@ -333,16 +346,16 @@ class Executor:
         b.sizes = [e.numel for e in split(parent, self.topo.size(op.scope))]
 
     def _bind_payload_comm(self, b: _Bound, name: str) -> None:
-        self._need_codec()
+        self._need_codec(b)
         op = b.op
         assert op.scope is not None
         k = self.topo.size(op.scope)
         if op.kind is Kind.ALLGATHER_C and op.closes is not None:
-            b.members = [self._parts(name, op.origin, e, b.step) for e in split(b.after, k)]
+            b.members = [self._parts(b, name, e) for e in split(b.after, k)]
         elif op.kind is Kind.ALLTOALL_C:
-            b.members = [self._parts(name, op.origin, e, b.step) for e in split(b.ext, k)]
+            b.members = [self._parts(b, name, e) for e in split(b.ext, k)]
         else:  # AllgatherC (summing), GatherC, BroadcastC: every member's pieces are alike
-            b.parts = self._parts(name, op.origin, b.after, b.step)
+            b.parts = self._parts(b, name, b.after)
             if op.takes is Form.SUM:
                 b.fwd = payload_count(op.forwards, self.topo.size)
 
@@ -355,7 +368,7 @@ class Executor:
             b.key = ps_key(name, b.op.index, b.ext)
             ps.declare(b.key, b.ext.numel, self.topo.group(b.op.scope))
         else:  # declared by the Comp that feeds it
-            self._need_codec()
+            self._need_codec(b)
             b.key = ps_key(name, b.op.index, b.ext, compressed=True)
 
     # ---- compute -----------------------------------------------------------------------------
@@ -365,7 +378,7 @@ class Executor:
         return _COMPUTE[b.op.kind](self, b, value, step)
 
     def _comp(self, b: _Bound, value: torch.Tensor, step: int) -> list:
-        codec, dev = self.codec, b.op.device
+        codec, dev = b.codec, b.op.device
         assert codec is not None and dev is not None
         if b.members is not None:  # one payload per chunk (AlltoallC destination)
             assert b.exts is not None
@@ -377,7 +390,7 @@ class Executor:
         return codec.compress_pieces(dev, value, b.ext, b.parts.at(step))
 
     def _decomp(self, b: _Bound, value: Any, step: int) -> torch.Tensor:
-        codec, dev = self.codec, b.op.device
+        codec, dev = b.codec, b.op.device
         assert codec is not None and dev is not None
         takes = b.op.takes
         if takes is Form.CONCAT:
@@ -422,7 +435,7 @@ class Executor:
 
     # A forwarded list of payloads travels as one payload of the layout repeated (b.fwd times).
     def _send(self, b: _Bound, value: list) -> tuple:
-        codec = self.codec
+        codec = b.codec
         assert codec is not None
         if b.fwd is None:
             return codec.flatten(value)
@@ -447,7 +460,7 @@ class Executor:
         return self._received(b, got)
 
     def _allgather_c(self, b: _Bound, value: list, name: str, step: int) -> list:
-        codec = self.codec
+        codec = b.codec
         assert codec is not None
         if b.members is not None:  # shards of the split: one payload per member
             got = self.transport.allgather_payloads(b.op.scope, codec.flatten(value),
@@ -459,7 +472,7 @@ class Executor:
             else [self._received(b, g) for g in got]
 
     def _alltoall_c(self, b: _Bound, value: list, name: str, step: int) -> list:
-        codec, members = self.codec, b.members
+        codec, members = b.codec, b.members
         assert codec is not None and members is not None
         specs = [p.spec for p in members]
         got = self.transport.alltoall_payloads(b.op.scope, [codec.flatten(c) for c in value],

@@ -53,6 +53,7 @@ from byteps_espresso.worker.session import Session, slowest_across_ranks
 
 from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope
+from byteps_espresso.strategy.tree import PARTNER
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
            "in_training_latency", "measure_cluster", "measure_costs", "probe_lanes",
@@ -745,6 +746,12 @@ class LaneProbes:
                    for (dev, op, n), us in sorted(self.compressor.items())]
         if self.servers:
             samples += _isolated_samples(codec, numels, self.device, {Device.CPU: "server"},
+                                         _CODEC_BUDGET_S)
+        topo = self.topology
+        if topo.machines > 1 and topo.local_size > 1 and codec.name != PARTNER:
+            # mixed Options (the partner inside the machine) are priced only with its profile
+            samples += _isolated_samples(codec.partner(PARTNER), numels, self.device,
+                                         {Device.GPU: "gpu", Device.CPU: "cpu"},
                                          _CODEC_BUDGET_S)
         return CompressorCosts.fit(samples, note=f"measured in the lanes during the profiled "
                                    f"iterations on {self.device} (gpu) and the host pool (cpu); "

@@ -35,7 +35,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,19 +102,28 @@ class Reference:
         machines: worker machines; ``local_size``: workers per machine.
         codecs: one :class:`CodecPair` per worker (each keeps its own error-feedback state),
             or None for uncompressed Options only.
+        partners: per partner compressor that mixed Options name (``Comp(gpu,fp16)``), one
+            :class:`CodecPair` per worker.
         server: the PS model for PushPull/PushPullC steps.
         partition_bytes: the PS's largest key (``BYTEPS_PARTITION_BYTES``); keys split as
             ``server.keys.split`` does, partitions named by ``server.keys.part_names``.
     """
 
     def __init__(self, machines: int, local_size: int, codecs: Sequence[CodecPair] | None = None,
-                 server: ServerModel | None = None, partition_bytes: int = 4_096_000) -> None:
+                 server: ServerModel | None = None, partition_bytes: int = 4_096_000, *,
+                 partners: Mapping[str, Sequence[CodecPair]] | None = None) -> None:
         self.topo = Topology(machines, local_size)
         self.codecs = list(codecs) if codecs is not None else None
+        self.partners = {k: list(v) for k, v in (partners or {}).items()}
         self.server = server or ServerModel()
         self.partition_bytes = partition_bytes
 
-    def _codec(self, rank: int) -> CodecPair:
+    def _codec(self, rank: int, partner: str | None) -> CodecPair:
+        if partner is not None:
+            if partner not in self.partners:
+                raise OptionError(f"this Option compresses with {partner}; give the reference "
+                                  f"partners={{{partner!r}: one CodecPair per worker}}")
+            return self.partners[partner][rank]
         if self.codecs is None:
             raise OptionError("this Option compresses; give the reference one CodecPair per worker")
         return self.codecs[rank]
@@ -145,7 +154,7 @@ class Reference:
             if st.kind.is_compute:
                 for r, w in enumerate(ws):
                     if w.asleep is None:
-                        self._compute(self._codec(r), w, at)
+                        self._compute(self._codec(r, st.codec), w, at)
             else:
                 for members in self.topo.all_groups(st.scope):  # type: ignore[arg-type]
                     self._communicate([ws[r] for r in members], at)

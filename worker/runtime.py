@@ -36,6 +36,7 @@ from byteps_espresso.worker.transport import PSPath, create_groups, host_store, 
 
 from byteps_espresso.config import Config
 from byteps_espresso.strategy.options import Scope
+from byteps_espresso.strategy.tree import PARTNER
 
 __all__ = ["DEFAULT_LANES", "Runtime", "intra_op_threads"]
 
@@ -143,8 +144,11 @@ class Runtime:
         return len(self.transports)
 
     def engine(self, codec: CodecPair | None = None) -> Engine:
-        """An asynchronous engine running Options with ``codec`` on every lane."""
-        executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool)
+        """An asynchronous engine running Options with ``codec`` on every lane (and, in mixed
+        Options, the tree's intra-machine partner)."""
+        mixed = codec is not None and codec.name != PARTNER
+        executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool,
+                              partners={PARTNER: codec.partner(PARTNER)} if mixed else None)
                      for t in self.transports]
         engine = Engine(executors, timeout_s=self.cfg.op_timeout_s, counters=self._counters,
                         thread_init=self._thread_init)

@@ -173,7 +173,8 @@ def _all_gpu(ctx: PlanContext) -> Solution:
 @register("hipress", "large tensors compressed on GPU, each tensor's scheme chosen alone")
 def _hipress(ctx: PlanContext) -> Solution:
     dense = fp32_baseline_option(ctx)
-    gpu_options = ctx.single_device(Device.GPU)
+    # HiPress runs one compressor: no mixed Options
+    gpu_options = [o for o in ctx.single_device(Device.GPU) if not o.partners]
     if not any(o.is_compressed for o in gpu_options):
         raise BaselineUnavailable("hipress: no GPU compression allowed")
     alone = np.stack([ctx.pricer.tasks(o).total for o in gpu_options])  # (O, U)

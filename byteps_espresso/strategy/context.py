@@ -169,8 +169,8 @@ def _placements_in_tree(option: Option, cluster: Cluster, constraints: Constrain
     masks, options = [], []
     for mask in range(1 << len(where)):
         cand = tree.get(Option(tuple(
-            Step(st.kind, device=Device.CPU if (mask >> where.index(j)) & 1
-                 else Device.GPU) if st.device is not None else st
+            st.on(Device.CPU if (mask >> where.index(j)) & 1 else Device.GPU)
+            if st.device is not None else st
             for j, st in enumerate(option.steps))))
         if cand is not None:
             masks.append(mask)
@@ -188,7 +188,9 @@ def _decoded_twin(option: Option) -> Option | None:
     for op in ops:
         if op.forwards:
             device = next(o.device for o in ops[op.index:] if o.kind is Kind.DECOMP)
-            steps += [Step(Kind.DECOMP, device=device), Step(Kind.COMP, device=device)]
+            codec = ops[op.index - 1].codec  # the forwarded payloads' compressor
+            steps += [Step(Kind.DECOMP, device=device, codec=codec),
+                      Step(Kind.COMP, device=device, codec=codec)]
         steps.append(op.step)
     return Option(tuple(steps))
 
@@ -291,23 +293,34 @@ class PlanContext:
         self.size_groups = {u: np.array(m, dtype=np.int64) for u, m in groups.items()}
 
     def _restrict_to_profiled_devices(self, constraints: Constraints) -> Constraints:
-        """A profile measured on one device only (e.g. the worker's GPU) forbids the other."""
+        """A profile measured on one device only (e.g. the worker's GPU) forbids the other;
+        mixed Options need the partner's profile on the devices left (and a partner other
+        than the job's compressor)."""
         assert self.costs is not None
+        partner = constraints.partner
+        if partner == self.compressor:
+            constraints = constraints.without_partner()
         if self.free_compression:
             return constraints
         known = {d for d in ("gpu", "cpu") if self.costs.has(self.compressor, d)}
         if not known:
             self.costs.compress_us(self.compressor, "gpu", 1)  # raises naming the compressor
-        changes = {}
+        changes: dict[str, Any] = {}
+        if constraints.partner is not None and not all(
+                self.costs.has(constraints.partner, d) for d in known):
+            log.info("cost profile lacks partner %s on %s: no mixed options",
+                     constraints.partner, "/".join(sorted(known)))
+            changes["partner"] = None
         if "cpu" not in known and constraints.allow_cpu:
             # the servers' aggregation of PushPullC runs the CPU kernels too
             changes["allow_cpu"] = False
             changes["forbid"] = constraints.forbid | {Kind.PUSH_PULL_C}
         if "gpu" not in known and constraints.allow_gpu:
             changes["allow_gpu"] = False
-        if changes:
+        if "allow_cpu" in changes or "allow_gpu" in changes:
             log.info("cost profile of %s lacks %s: those options are left out", self.compressor,
                      "cpu" if "allow_cpu" in changes else "gpu")
+        if changes:
             return dataclasses.replace(constraints, **changes)
         return constraints
 
@@ -493,6 +506,5 @@ class PlanContext:
         got = self._moved.get(key)
         if got is None:
             got = self._moved[key] = Option(tuple(
-                Step(s.kind, device=device) if s.device is not None else s
-                for s in option.steps))
+                s.on(device) if s.device is not None else s for s in option.steps))
         return got

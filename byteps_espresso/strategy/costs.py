@@ -161,19 +161,22 @@ def _log2(p: int) -> int:
 
 
 class Pricer:
-    """Prices options for one workload's distinct sizes on one cluster with one compressor.
+    """Prices options for one workload's distinct sizes on one cluster with one compressor
+    (and the partner compressors that mixed Options name on their steps, ``Comp(gpu,fp16)``).
 
     Args:
         cluster: the machines and links.
         compressor: registry name (its cost profile must be in ``costs``).
         sizes: payload bytes per element count.
-        costs: compression cost profiles.
+        costs: compression cost profiles (a partner's too, to price Options that use it).
         numels: the distinct tensor sizes (element counts) to price.
+        partner_sizes: payload bytes per partner (default: from the kernels registry).
     """
 
     def __init__(self, cluster: Cluster, compressor: str, sizes: CompressedSizes,
                  costs: CompressorCosts, numels: Sequence[int], *,
-                 free_compression: bool = False):
+                 free_compression: bool = False,
+                 partner_sizes: dict[str, CompressedSizes] | None = None):
         self.cluster = cluster
         self.compressor = compressor
         self.sizes = sizes
@@ -181,6 +184,7 @@ class Pricer:
         self.numels = np.asarray(numels, dtype=np.float64)
         self.free_compression = free_compression
         self._memo: dict[Option, StepTasks] = {}
+        self._partner_sizes: dict[str, CompressedSizes] = dict(partner_sizes or {})
         self._prefix: dict[tuple[int, ...], tuple] = {}
         self._ops: dict[tuple, tuple] = {}
         c = cluster
@@ -198,6 +202,15 @@ class Pricer:
         got = self._memo.get(option)
         if got is None:
             got = self._memo[option] = self._price(option)
+        return got
+
+    def sizes_of(self, codec: str | None) -> CompressedSizes:
+        """Payload bytes of the job's compressor (None) or of the partner ``codec``."""
+        if codec is None:
+            return self.sizes
+        got = self._partner_sizes.get(codec)
+        if got is None:
+            got = self._partner_sizes[codec] = CompressedSizes(codec)
         return got
 
     # ---- the walk ---------------------------------------------------------------------------
@@ -243,8 +256,9 @@ class Pricer:
         the extents it works on and whether a rooted step before it left one worker per
         machine holding data (``_active``). Options that differ in their prefix share them."""
         prev = self._before(prog, op)
-        key = (op.step, op.shards, op.chunks, op.piece_shards, op.payloads, op.forwards,
-               prev is not None and bool(prev.rooted), prev.shards if prev is not None else ())
+        key = (op.step, op.codec, op.shards, op.chunks, op.piece_shards, op.payloads,
+               op.forwards, prev is not None and bool(prev.rooted),
+               prev.shards if prev is not None else ())
         got = self._ops.get(key)
         if got is None:
             got = self._ops[key] = (self._compute(prog, op),) if op.kind.is_compute else \
@@ -280,17 +294,18 @@ class Pricer:
     def _compute(self, prog: Program, op: Op) -> tuple[int, np.ndarray]:
         dev = op.device.value  # type: ignore[union-attr]
         extent = self.extent(op.shards)
+        compressor = op.codec or self.compressor
         if op.kind is Kind.COMP:
             chunks = self._group(op.chunks) if op.chunks is not None else 1
             numel, count = _ceil_div(extent, chunks), chunks
             work = (np.zeros_like(numel) if self.free_compression else
-                    count * self.costs.compress_us(self.compressor, dev, numel))
+                    count * self.costs.compress_us(compressor, dev, numel))
         else:
             assert op.piece_shards is not None
             numel = self.extent(op.piece_shards)
             count = payload_count(op.payloads, self._group)
             work = (np.zeros_like(numel) if self.free_compression else
-                    self.costs.decompress_us(self.compressor, dev, numel, count))
+                    self.costs.decompress_us(compressor, dev, numel, count))
         copy = extent * FLOAT32_BYTES / self._b_h2d
         if op.device is Device.GPU:
             return GPU, work
@@ -312,7 +327,7 @@ class Pricer:
         prev = self._before(prog, op)
         e = self.extent(prev.shards if prev is not None else ())
         comm = _Comm(p, bw, lat, resource, scope, e, e * FLOAT32_BYTES, active,
-                     payload_count(op.forwards, self._group))
+                     payload_count(op.forwards, self._group), self.sizes_of(op.codec))
         return _COMM_MODELS[op.kind](self, comm)
 
 
@@ -328,6 +343,7 @@ class _Comm(NamedTuple):
     dense: np.ndarray  # extent, bytes of float32
     active: int  # workers per machine holding data
     q: int = 1  # payloads each member moves (an earlier gather's, forwarded)
+    sizes: CompressedSizes | None = None  # payload bytes of the compressor moved here
 
     def task(self, msgs: float | np.ndarray, nbytes: np.ndarray) -> list[_Task]:
         """A collective on the group's link: ``msgs`` latencies + ``nbytes`` over it."""
@@ -361,11 +377,11 @@ def _allgather(pr: Pricer, c: _Comm) -> list[_Task]:
 
 
 def _allgather_c(pr: Pricer, c: _Comm) -> list[_Task]:
-    return c.task(c.p - 1, (c.p - 1) * c.q * pr.sizes(c.e))
+    return c.task(c.p - 1, (c.p - 1) * c.q * c.sizes(c.e))
 
 
 def _alltoall_c(pr: Pricer, c: _Comm) -> list[_Task]:
-    payload = pr.sizes(_ceil_div(c.e, c.p))
+    payload = c.sizes(_ceil_div(c.e, c.p))
     if c.scope is Scope.FLAT and pr._multi:
         g, n = pr.cluster.gpus_per_machine, pr.cluster.world_size
         t = np.maximum((g - 1) * payload / pr._b_intra, g * (n - g) * payload / pr._b_inter)
@@ -394,11 +410,11 @@ def _broadcast(pr: Pricer, c: _Comm) -> list[_Task]:
 
 
 def _broadcast_c(pr: Pricer, c: _Comm) -> list[_Task]:
-    return _tree(c, c.q * pr.sizes(c.e))
+    return _tree(c, c.q * c.sizes(c.e))
 
 
 def _gather_c(pr: Pricer, c: _Comm) -> list[_Task]:
-    payload = c.q * pr.sizes(c.e)
+    payload = c.q * c.sizes(c.e)
     if c.scope is Scope.FLAT and pr._multi:
         g, n = pr.cluster.gpus_per_machine, pr.cluster.world_size
         t = np.maximum((g - 1) * payload / pr._b_intra, (n - g) * payload / pr._b_inter)
@@ -444,12 +460,15 @@ def _push_pull_c(pr: Pricer, c: _Comm) -> list[_Task]:
     return _ps_tasks(pr, c, pr.sizes(c.e), work)
 
 
-# Every step as a small integer (fast prefix keys).
-_CODES: dict[Step, int] = {}
-for _kind in Kind:
-    for _arg in (Device if _kind.is_compute else Scope):
-        _step = Step(_kind, device=_arg) if _kind.is_compute else Step(_kind, scope=_arg)
-        _CODES[_step] = len(_CODES)
+class _Codes(dict):
+    """Every step as a small integer (fast prefix keys), numbered on first sight."""
+
+    def __missing__(self, step: Step) -> int:
+        code = self[step] = len(self)
+        return code
+
+
+_CODES: dict[Step, int] = _Codes()
 
 _COMM_MODELS = {
     Kind.ALLREDUCE: _allreduce,

@@ -24,8 +24,11 @@ Shards: a divisible step splits the current extent into ``group size`` contiguou
 ``torch.tensor_split`` does (the first ``numel % n`` chunks one element longer); member ``i``
 of the group owns chunk ``i``.
 
-- ``Comp(d)``       dense -> payload, on device ``d``. If the next communication step is
-  ``AlltoallC`` the extent is compressed chunk by chunk (one payload per destination).
+- ``Comp(d)``       dense -> payload, on device ``d``, with the job's compressor. If the next
+  communication step is ``AlltoallC`` the extent is compressed chunk by chunk (one payload
+  per destination). ``Comp(d,fp16)`` compresses with the named compressor instead (a
+  *partner*: mixed compressors in one Option, e.g. fp16 inside the machine and the job's
+  compressor between machines); ``Decomp(d,fp16)`` decodes its payloads.
 - ``Decomp(d)``     payload(s) -> dense, on device ``d``; after a gather-like step
   (``AllgatherC``, ``AlltoallC``, ``GatherC``) it decompresses each received payload and sums
   them in group-rank order.
@@ -64,7 +67,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["COLLECTIVES", "Device", "Kind", "Option", "OptionError", "Scope", "Step"]
+__all__ = ["COLLECTIVES", "ROUNDING", "Device", "Kind", "Option", "OptionError", "Scope", "Step"]
 
 
 class OptionError(ValueError):
@@ -116,7 +119,12 @@ _COMPRESSED = frozenset({Kind.ALLGATHER_C, Kind.ALLTOALL_C, Kind.GATHER_C, Kind.
                          Kind.PUSH_PULL_C})
 COLLECTIVES = tuple(k for k in Kind if not k.is_compute)
 
-_STEP_RE = re.compile(r"^\s*([A-Za-z]+)\(\s*([a-z]+)\s*\)\s*$")
+_STEP_RE = re.compile(r"^\s*([A-Za-z]+)\(\s*([a-z]+)\s*(?:,\s*([a-z][a-z0-9_]*)\s*)?\)\s*$")
+
+# Partner compressors whose error is a rounding of each element, not a loss of information
+# (fp16: 11 significant bits, relative error at most 2^-11 = 4.9e-4 per element; DDP's
+# fp16_compress_hook runs whole trainings on it): they do not count under ``max_lossy``.
+ROUNDING = frozenset({"fp16"})
 
 
 @dataclass(frozen=True, order=True)
@@ -126,17 +134,20 @@ class Step:
     kind: Kind
     device: Device | None = None
     scope: Scope | None = None
+    # Comp/Decomp only: the compressor, when not the job's (None); see ``Comp(d,fp16)``.
+    codec: str | None = None
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Steps key the planner's tables thousands of times: hash once.
-        object.__setattr__(self, "_hash", hash((self.kind, self.device, self.scope)))
+        object.__setattr__(self, "_hash", hash((self.kind, self.device, self.scope,
+                                                self.codec)))
         if self.kind.is_compute:
             if self.device is None or self.scope is not None:
                 raise OptionError(f"{self.kind.value} needs a device (gpu or cpu) and no scope")
-        elif self.scope is None or self.device is not None:
+        elif self.scope is None or self.device is not None or self.codec is not None:
             raise OptionError(f"{self.kind.value} needs a scope (flat, intra or inter) "
-                              "and no device")
+                              "and no device or compressor")
 
     def __hash__(self) -> int:
         return self._hash
@@ -146,11 +157,16 @@ class Step:
         return (self.device or self.scope).value  # type: ignore[union-attr]
 
     def __str__(self) -> str:
-        return f"{self.kind.value}({self.arg})"
+        codec = f",{self.codec}" if self.codec is not None else ""
+        return f"{self.kind.value}({self.arg}{codec})"
+
+    def on(self, device: Device) -> Step:
+        """This compute step on ``device`` (its compressor kept)."""
+        return Step(self.kind, device=device, codec=self.codec)
 
     @classmethod
     def parse(cls, text: str) -> Step:
-        """Parse ``"Comp(gpu)"`` or ``"AlltoallC(intra)"``.
+        """Parse ``"Comp(gpu)"``, ``"Decomp(cpu,fp16)"`` or ``"AlltoallC(intra)"``.
 
         Raises:
             OptionError: unknown step kind, device or scope (the message lists valid ones).
@@ -159,7 +175,7 @@ class Step:
         if not match:
             raise OptionError(f"cannot parse step {text!r}; write it like 'Comp(gpu)' or "
                               "'Allreduce(flat)'")
-        kind_name, arg = match.groups()
+        kind_name, arg, codec = match.groups()
         try:
             kind = Kind(kind_name)
         except ValueError:
@@ -167,9 +183,12 @@ class Step:
                               f"{', '.join(k.value for k in Kind)}") from None
         if kind.is_compute:
             try:
-                return cls(kind, device=Device(arg))
+                device = Device(arg)
             except ValueError:
                 raise OptionError(f"unknown device {arg!r} in {text!r}; use gpu or cpu") from None
+            return cls(kind, device=device, codec=codec)
+        if codec is not None:
+            raise OptionError(f"{text!r}: only Comp and Decomp name a compressor")
         try:
             return cls(kind, scope=Scope(arg))
         except ValueError:
@@ -222,9 +241,16 @@ class Option:
 
     @functools.cached_property
     def lossy_compressions(self) -> int:
-        """Lossy compressions a gradient goes through per iteration: every ``Comp``, plus
-        the servers' re-compression of the sum for each ``PushPullC``."""
-        return self.compressions + sum(1 for s in self.steps if s.kind is Kind.PUSH_PULL_C)
+        """Lossy compressions a gradient goes through per iteration: every ``Comp`` but a
+        partner's rounding (:data:`ROUNDING`), plus the servers' re-compression of the sum
+        for each ``PushPullC``."""
+        return sum(1 for s in self.steps if (s.kind is Kind.COMP and s.codec not in ROUNDING)
+                   or s.kind is Kind.PUSH_PULL_C)
+
+    @functools.cached_property
+    def partners(self) -> frozenset[str]:
+        """The partner compressors its steps name (empty: the job's compressor only)."""
+        return frozenset(s.codec for s in self.steps if s.codec is not None)
 
     @functools.cached_property
     def is_compressed(self) -> bool:

@@ -213,6 +213,9 @@ class Op:
         feeds: Comp only: index of the communication step that moves its payload.
         origin: the producer of the payload pieces held after the step (None while dense;
             for a Decomp: of the pieces it decodes).
+        codec: the compressor of the payloads held after the step (for a Comp: its own; for a
+            Decomp: of those it decodes): None for the job's or while dense, else a partner's
+            name (``Comp(gpu,fp16)``).
         sleepers: rooted scopes open during the step (not the one it closes): members that
             are not root (group rank 0) of every one of them hold nothing and skip it.
         rooted: rooted scopes open after the step (any: one worker per machine holds data).
@@ -233,6 +236,7 @@ class Op:
     origin: Origin | None
     sleepers: tuple[Scope, ...]
     rooted: tuple[Scope, ...]
+    codec: str | None = None
 
     @property
     def kind(self) -> Kind:
@@ -309,6 +313,7 @@ class _Walk:
         self.piece_shards: tuple[Scope, ...] | None = None
         self.payloads: tuple[Scope, ...] = ()
         self.origin: Origin | None = None
+        self.codec: str | None = None  # the held payloads' compressor (None: the job's)
         self.closed: dict[int, int] = {}  # opener index -> closer index
 
     def rooted(self) -> tuple[Scope, ...]:
@@ -327,25 +332,41 @@ class _Walk:
         closing = self._closing(step)
         if leaves(step.kind, self.form, closing) is None:
             raise OptionError(f"step {i} {step}: {refusal(step.kind, self.form, closing)}")
+        self._check_codec(i, step)
         row = {"takes": self.form, "opens": False, "closes": None, "chunks": None,
                "feeds": None, "sleepers": self.rooted(), "payloads": (),
                "forwards": self.payloads if self.form is Form.SUM and not step.kind.is_compute
                else (),
                "piece_shards": None, "origin": None}
         if step.kind is Kind.COMP:
+            self.codec = step.codec
             makes = self._comp(i, row)
         elif step.kind is Kind.DECOMP:
             row.update(payloads=self.payloads, piece_shards=self.piece_shards,
-                       origin=self.origin)
+                       origin=self.origin, codec=self.codec)
             makes, self.origin, self.piece_shards, self.payloads = Form.DENSE, None, None, ()
+            self.codec = None
         else:
             makes = self._comm(i, rule, row, closing)
         if step.kind is not Kind.DECOMP and makes is not Form.DENSE:
             row.update(payloads=self.payloads, piece_shards=self.piece_shards,
-                       origin=self.origin)
+                       origin=self.origin, codec=self.codec)
         row.update(makes=makes, shards=self.shards, rooted=self.rooted())
         self.form = makes
         return row
+
+    def _check_codec(self, i: int, step: Step) -> None:
+        """A Decomp names the compressor of the payloads it finds; the servers aggregate
+        with the job's compressor only."""
+        held = self.codec
+        if step.kind is Kind.DECOMP and step.codec != held:
+            raise OptionError(f"step {i} {step}: the payloads here are "
+                              f"{_codec_name(held)}'s; write {step.kind.value}("
+                              f"{step.arg}{'' if held is None else ',' + held})")
+        if step.kind is Kind.PUSH_PULL_C and held is not None:
+            raise OptionError(f"step {i} {step}: the servers aggregate payloads of the job's "
+                              f"compressor, not {held}'s; compress with the job's compressor "
+                              "(Comp(gpu)) before PushPullC")
 
     def _comp(self, i: int, row: dict) -> Form:
         j = _next_comm(self.steps, i)
@@ -411,7 +432,7 @@ def compile_option(option: Option) -> Program:
     ops = tuple(Op(i, step, r["takes"], r["makes"], pairs[i] if r["opens"] else None,
                    pairs[r["closes"]] if r["closes"] is not None else None, r["shards"],
                    r["piece_shards"], r["payloads"], r["forwards"], r["chunks"], r["feeds"],
-                   r["origin"], r["sleepers"], r["rooted"])
+                   r["origin"], r["sleepers"], r["rooted"], r.get("codec"))
                 for i, (step, r) in enumerate(zip(steps, rows, strict=True)))
     return Program(option, ops, tuple(pairs[j] for j in sorted(pairs)))
 
@@ -430,6 +451,10 @@ def reduce_splits(members: int, nbytes: int) -> bool:
     """Whether a dense Reduce over ``members`` of ``nbytes`` each is a reduce-scatter plus a
     gather of shards (else a gather of the whole tensor)."""
     return members > 2 and nbytes >= REDUCE_SPLIT_BYTES
+
+
+def _codec_name(codec: str | None) -> str:
+    return "the job's compressor" if codec is None else codec
 
 
 def _forms(forms: frozenset[Form]) -> str:

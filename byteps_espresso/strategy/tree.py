@@ -44,7 +44,7 @@ import functools
 import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
@@ -78,6 +78,10 @@ SCHEME_SCOPES: dict[str, tuple[Scope, ...]] = {
     "reduce": (Scope.FLAT, Scope.INTRA, Scope.INTER),
 }
 _OPENING_KINDS = {FAMILIES[f][i]: f for f in PAIRS for i in (0, 1)}
+# The intra-machine partner of mixed Options: fp16 halves the bytes on the machine's links at
+# a rounding error (options.ROUNDING), the pairing of the Espresso authors' schemes 2-5 (fp16
+# inside the machine, the chosen compressor between machines).
+PARTNER = "fp16"
 # How each opening family pairs with its closer (program.Pairing).
 _PAIRING = {"scatter": Pairing.DIVISIBLE, "reduce": Pairing.ROOTED}
 assert all(RULES[FAMILIES[f][i]].opens is _PAIRING[f] for f in PAIRS for i in (0, 1))
@@ -98,6 +102,10 @@ class Constraints:
             (:attr:`Option.lossy_compressions`: each ``Comp`` and each re-compression of a sum
             by the servers); 1 keeps every gradient to one compression error per iteration.
         flat_only / hierarchical_only: restrict the path shape.
+        partner: the compressor a ``Comp`` for an intra step may use instead of the job's
+            (mixed compressors in one Option: ``Comp(gpu,fp16) -> AlltoallC(intra) ->
+            Decomp(gpu,fp16) -> Comp(gpu) -> AllgatherC(inter) -> ...``); None: the job's
+            compressor only (``no-mixed``).
     """
 
     allow_cpu: bool = True
@@ -107,6 +115,7 @@ class Constraints:
     max_lossy: int | None = None
     flat_only: bool = False
     hierarchical_only: bool = False
+    partner: str | None = PARTNER
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "forbid", frozenset(self.forbid))
@@ -135,9 +144,16 @@ class Constraints:
                 or (self.max_lossy is not None and option.lossy_compressions > self.max_lossy))
         if over:
             return False
-        if self.flat_only and option.is_hierarchical:
+        if option.partners and option.partners != {self.partner}:
             return False
-        return not (self.hierarchical_only and not option.is_hierarchical)
+        shape_ok = not ((option.is_hierarchical and self.flat_only)
+                        or (not option.is_hierarchical and self.hierarchical_only))
+        return shape_ok
+
+    def without_partner(self) -> Constraints:
+        """These constraints with the job's compressor only (for a job whose compressor is
+        the partner itself, where mixed Options would repeat the others)."""
+        return replace(self, partner=None)
 
     def to_strings(self) -> list[str]:
         """The constraint in the CLI's ``--constraint`` syntax (round-trips through parse)."""
@@ -156,12 +172,17 @@ class Constraints:
             out.append("flat-only")
         if self.hierarchical_only:
             out.append("hierarchical-only")
+        if self.partner is None:
+            out.append("no-mixed")
+        elif self.partner != PARTNER:
+            out.append(f"partner={self.partner}")
         return out
 
     @classmethod
     def parse(cls, items: Iterable[str], where: str = "--constraint") -> Constraints:
         """Parse ``no-cpu``, ``no-gpu``, ``no-ps``, ``forbid=AlltoallC,GatherC``,
-        ``max-compressions=N``, ``max-lossy=N``, ``flat-only``, ``hierarchical-only``.
+        ``max-compressions=N``, ``max-lossy=N``, ``flat-only``, ``hierarchical-only``,
+        ``no-mixed``, ``partner=NAME``.
 
         Raises:
             ConstraintError: unknown constraint or bad value (names ``where``).
@@ -218,6 +239,14 @@ def _count(field_name: str, flag: str):  # type: ignore[no-untyped-def]
     return parse
 
 
+def _partner(values: dict, arg: str) -> None:
+    from byteps_espresso.kernels import names
+
+    if arg not in names():
+        raise ValueError(f"unknown compressor {arg!r}; known: {', '.join(names())}")
+    values["partner"] = arg
+
+
 _CONSTRAINT_PARSERS = {
     "no-cpu": _flag("allow_cpu", False),
     "no-gpu": _flag("allow_gpu", False),
@@ -227,6 +256,8 @@ _CONSTRAINT_PARSERS = {
     "max-lossy": _count("max_lossy", "max-lossy"),
     "flat-only": _flag("flat_only", True),
     "hierarchical-only": _flag("hierarchical_only", True),
+    "no-mixed": _flag("partner", None),
+    "partner": _partner,
 }
 
 
@@ -315,6 +346,15 @@ def validate(option: Option, cluster: Cluster | None = None) -> None:
         raise OptionError("the option must end with dense values (add Decomp)")
     # the forms each step finds (forwarding of gathered payloads included), and re-compression
     ops = compile_option(option).ops
+    for op in ops:
+        if op.codec is not None and op.scope not in (None, Scope.INTRA):
+            raise OptionError(f"step {op.index} {op.step}: {op.codec}'s payloads move only "
+                              "inside the machine (intra steps); compress with the job's "
+                              "compressor between machines")
+    if option.partners and not _pairs_job_compressor((s.kind, s.codec) for s in steps):
+        raise OptionError(f"{', '.join(sorted(option.partners))} compresses inside the machine "
+                          "where the job's compressor crosses machines: add a Comp of the job's "
+                          "compressor, or make the partner the job's compressor")
     for op in ops[2:]:
         before = ops[op.index - 1]
         if op.kind is Kind.COMP and before.kind is Kind.DECOMP and before.takes is Form.PAYLOAD:
@@ -340,10 +380,11 @@ def _check_compute(steps: tuple[Step, ...], i: int, compressed: bool) -> bool:
 
 # ---- enumeration --------------------------------------------------------------------------------
 @functools.cache
-def _step(kind: Kind, *, scope: Scope | None = None, device: Device | None = None) -> Step:
+def _step(kind: Kind, *, scope: Scope | None = None, device: Device | None = None,
+          codec: str | None = None) -> Step:
     """One shared instance per distinct step (steps are immutable): a tree builds 13,296
     steps from about 30 distinct ones, which was half of its enumeration time."""
-    return Step(kind, device=device, scope=scope)
+    return Step(kind, device=device, scope=scope, codec=codec)
 
 
 def _skeletons(hierarchical: bool, servers: bool) -> Iterator[list[tuple[str, Scope]]]:
@@ -367,19 +408,27 @@ def _skeletons(hierarchical: bool, servers: bool) -> Iterator[list[tuple[str, Sc
 _CLOSING_FAMILIES = frozenset(PAIRS.values())
 
 
-def _forms(skeleton: list[tuple[str, Scope]]) -> Iterator[list[Step | str]]:
-    """Every placement of Comp/Decomp along a skeleton; compute steps as "C"/"D" markers.
-    The form after each step is the program's (:func:`program.leaves`)."""
+def _forms(skeleton: list[tuple[str, Scope]], partner: str | None) \
+        -> Iterator[list[Step | tuple[Kind, str | None]]]:
+    """Every placement of Comp/Decomp along a skeleton; compute steps as (kind, compressor)
+    markers (None: the job's compressor). The form after each step is the program's
+    (:func:`program.leaves`). A ``partner`` compresses only for intra steps, and its
+    payloads move only on intra steps: the job's compressor is the one between machines."""
 
-    def walk(k: int, form: Form, recomp_ok: bool, acc: list) -> Iterator[list]:
+    def walk(k: int, form: Form, codec: str | None, recomp_ok: bool, acc: list) \
+            -> Iterator[list]:
         if k == len(skeleton):
-            yield acc + (["D"] if form is not Form.DENSE else [])
+            yield acc + ([(Kind.DECOMP, codec)] if form is not Form.DENSE else [])
             return
         fam, scope = skeleton[k]
-        starts = [(form, [])]
+        starts: list[tuple[Form, str | None, list]] = [(form, codec, [])]
         if form is Form.DENSE and recomp_ok:
-            starts.append((Form.PAYLOAD, ["C"]))
-        for held, pre in starts:
+            starts.append((Form.PAYLOAD, None, [(Kind.COMP, None)]))
+            if partner is not None and scope is Scope.INTRA:
+                starts.append((Form.PAYLOAD, partner, [(Kind.COMP, partner)]))
+        for held, held_codec, pre in starts:
+            if held_codec is not None and scope is not Scope.INTRA:
+                continue  # a partner's payloads stay inside the machine
             kind = FAMILIES[fam][0 if held is Form.DENSE else 1]
             # a Comp before AlltoallC compresses one chunk per destination
             found = Form.CHUNKS if pre and kind is Kind.ALLTOALL_C else held
@@ -388,19 +437,26 @@ def _forms(skeleton: list[tuple[str, Scope]]) -> Iterator[list[Step | str]]:
                 continue
             step = _step(kind, scope=scope)
             if makes is Form.DENSE:
-                yield from walk(k + 1, Form.DENSE, True, [*acc, *pre, step])
+                yield from walk(k + 1, Form.DENSE, None, True, [*acc, *pre, step])
                 continue
             if k + 1 == len(skeleton):  # the final Decomp
-                yield from walk(k + 1, makes, True, [*acc, *pre, step])
+                yield from walk(k + 1, makes, held_codec, True, [*acc, *pre, step])
                 continue
             # decode now (re-compressing next only if the Decomp sums or concatenates) ...
-            yield from walk(k + 1, Form.DENSE, makes is not Form.PAYLOAD,
-                            [*acc, *pre, step, "D"])
+            yield from walk(k + 1, Form.DENSE, None, makes is not Form.PAYLOAD,
+                            [*acc, *pre, step, (Kind.DECOMP, held_codec)])
             # ... or keep the payload(s) for the next step, which may refuse them
             if makes is not Form.CONCAT:
-                yield from walk(k + 1, makes, True, [*acc, *pre, step])
+                yield from walk(k + 1, makes, held_codec, True, [*acc, *pre, step])
 
-    yield from walk(0, Form.DENSE, True, [])
+    yield from walk(0, Form.DENSE, None, True, [])
+
+
+def _pairs_job_compressor(markers: Iterable) -> bool:
+    """Whether a partner, if any Comp uses it, is paired with a Comp of the job's compressor
+    (the partner inside the machine, the job's compressor between machines)."""
+    codecs = {codec for kind, codec in markers if kind is Kind.COMP}
+    return codecs <= {None} or None in codecs
 
 
 @functools.lru_cache(maxsize=64)
@@ -408,14 +464,15 @@ def _enumerate(hierarchical: bool, servers: bool, constraints: Constraints) -> t
     out: list[Option] = []
     devices = constraints.devices
     for skeleton in _skeletons(hierarchical, servers):
-        for form in _forms(skeleton):
-            markers = [i for i, s in enumerate(form) if isinstance(s, str)]
-            if markers and not devices:
+        for form in _forms(skeleton, constraints.partner):
+            markers = [i for i, s in enumerate(form) if isinstance(s, tuple)]
+            if (markers and not devices) or not _pairs_job_compressor(form[i] for i in markers):
                 continue
             for combo in itertools.product(devices, repeat=len(markers)):
                 steps = list(form)
                 for i, dev in zip(markers, combo, strict=True):
-                    steps[i] = _step(Kind.COMP if form[i] == "C" else Kind.DECOMP, device=dev)
+                    kind, codec = form[i]  # type: ignore[misc]
+                    steps[i] = _step(kind, device=dev, codec=codec)
                 option = Option(tuple(steps))  # type: ignore[arg-type]
                 if constraints.allows(option):
                     out.append(option)

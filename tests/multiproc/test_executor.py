@@ -73,6 +73,22 @@ COMPRESSED = [
     "-> AllgatherC(intra) -> Decomp(gpu)",
 ]
 
+# Mixed compressors: fp16 inside the machine, the job's compressor between machines (the
+# runtime's engines carry the fp16 partner).
+MIXED = [
+    "Comp(gpu,fp16) -> AlltoallC(intra) -> Decomp(gpu,fp16) -> Comp(gpu) -> AllgatherC(inter) "
+    "-> Decomp(gpu) -> Comp(gpu,fp16) -> AllgatherC(intra) -> Decomp(gpu,fp16)",
+    "Comp(cpu,fp16) -> GatherC(intra) -> Decomp(cpu,fp16) -> Comp(gpu) -> PushPullC(inter) "
+    "-> BroadcastC(intra) -> Decomp(gpu)",
+    "Comp(gpu,fp16) -> AlltoallC(intra) -> Decomp(cpu,fp16) -> Comp(cpu) -> PushPullC(inter) "
+    "-> Decomp(cpu) -> Allgather(intra)",
+    "Comp(gpu,fp16) -> GatherC(intra) -> Decomp(gpu,fp16) -> Comp(gpu) -> GatherC(inter) "
+    "-> Decomp(gpu) -> Broadcast(inter) -> Comp(cpu,fp16) -> BroadcastC(intra) "
+    "-> Decomp(gpu,fp16)",
+    "ReduceScatter(intra) -> Comp(gpu) -> AllgatherC(inter) -> Decomp(gpu) -> Comp(gpu,fp16) "
+    "-> AllgatherC(intra) -> Decomp(gpu,fp16)",
+]
+
 SIZES = [1, 7, 1000, 4099]
 # Above program.REDUCE_SPLIT_BYTES (64 KiB of float32): a flat Reduce over 4 members runs as a
 # reduce-scatter then a gather of the summed shards.
@@ -126,6 +142,11 @@ def _cases() -> list[dict]:
         for option in COMPRESSED:
             for numel in SIZES:
                 cases.append({"option": option, "numel": numel, "codec": codec, "iters": 2})
+    job = [c for c in TREE_CODECS if c["name"] != "fp16"]  # the partner's a different one
+    for i, option in enumerate(MIXED):
+        for j, numel in enumerate((7, 4099)):
+            cases.append({"option": option, "numel": numel, "iters": 2,
+                          "codec": job[(2 * i + j) % len(job)]})
     return cases
 
 
@@ -168,7 +189,8 @@ def _reference(idx: int, case: dict) -> list[list[np.ndarray]]:
         codecs = [CodecPair(spec["name"], spec["params"], error_feedback=spec["ef"])
                   for _ in range(WORLD)]
         server = ServerModel(CodecPair(spec["name"], spec["params"], error_feedback=spec["ef"]))
-    ref = Reference(MACHINES, LOCAL, codecs, server, partition_bytes=PARTITION_BYTES)
+    ref = Reference(MACHINES, LOCAL, codecs, server, partition_bytes=PARTITION_BYTES,
+                    partners={"fp16": [CodecPair("fp16") for _ in range(WORLD)]})
     option = Option.parse(case["option"])
     return [[t.numpy() for t in ref.run(option, [case_input(idx, it, r, case["numel"])
                                                  for r in range(WORLD)], name=f"t{idx}", step=it)]
@@ -200,3 +222,12 @@ def test_option_matches_reference(results, idx):
         if case["codec"] is None:
             true = sum(case_input(idx, it, r, case["numel"]).double() for r in range(WORLD))
             np.testing.assert_allclose(got[0], true.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("option", MIXED)
+def test_mixed_cases_are_in_the_tree(option):
+    from byteps_espresso.strategy import Cluster
+    from byteps_espresso.strategy.tree import option_set
+
+    assert Option.parse(option) in option_set(Cluster.preset(MACHINES, LOCAL, "pcie", 10,
+                                                             servers=1))

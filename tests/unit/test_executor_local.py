@@ -133,22 +133,27 @@ def _tree():
     return enumerate_options(Cluster.preset(2, 2, "pcie", 10, servers=1))
 
 
-def covering(options):
+def covering(options, codecs=False):
     """One Option per (communication steps with scopes and the forms they take, devices used)
-    signature: the form tells a step that forwards gathered payloads from one that does not."""
+    signature: the form tells a step that forwards gathered payloads from one that does not;
+    ``codecs``: and the compressor of the payloads each step moves."""
     seen = {}
     for o in options:
-        comm = tuple((op.kind, op.scope, op.takes) for op in compile_option(o).ops
-                     if not op.kind.is_compute)
+        comm = tuple((op.kind, op.scope, op.takes, op.codec if codecs else None)
+                     for op in compile_option(o).ops if not op.kind.is_compute)
         seen.setdefault((comm, o.devices), o)
     return list(seen.values())
 
 
-def _check_against_reference(options, codec_factory):
+def _check_against_reference(options, codec_factory, partner=None):
     world, sizes = 4, [1, 6, 131]
     hub = LocalHub(2, 2, timeout_s=10)
-    executors = [Executor(hub.transport(r), codec_factory()) for r in range(world)]
-    ref = Reference(2, 2, [codec_factory() for _ in range(world)])
+    partners = {partner: CodecPair(partner)} if partner else None
+    executors = [Executor(hub.transport(r), codec_factory(), partners=partners)
+                 for r in range(world)]
+    ref = Reference(2, 2, [codec_factory() for _ in range(world)],
+                    partners={partner: [CodecPair(partner) for _ in range(world)]}
+                    if partner else None)
     g = torch.Generator().manual_seed(0)
     with ThreadPoolExecutor(world) as pool:
         for idx, option in enumerate(options):
@@ -215,3 +220,22 @@ def test_every_lane_thread_runs_the_thread_init_before_its_work():
         engine.close()
     assert sorted(inits) == ["espresso-lane-0", "espresso-lane-1"]
     assert counts == [1, 1]
+
+
+
+def test_mixed_options_equal_reference():
+    """Every mixed-compressor signature of the 2 x 2 tree that needs no PS (fp16 inside the
+    machine, the job's compressor between machines), on threads against the reference."""
+    options = covering((o for o in _tree() if o.partners and not o.uses_servers), codecs=True)
+    assert len(options) > 200
+    _check_against_reference(options, lambda: CodecPair("topk", {"ratio": 0.3},
+                                                        error_feedback=True), partner="fp16")
+
+def test_a_mixed_option_without_its_partner_names_it():
+    hub = LocalHub(2, 2)
+    ex = Executor(hub.transport(0), CodecPair("topk", {"ratio": 0.3}))
+    option = Option.parse("Comp(gpu,fp16) -> AlltoallC(intra) -> Decomp(gpu,fp16) -> Comp(gpu) "
+                          "-> AllgatherC(inter) -> Decomp(gpu) -> Allgather(intra)")
+    with pytest.raises(ExecutionError, match="compresses with fp16 inside the machine but no "
+                                             "fp16 codec is configured"):
+        ex.run(option, torch.ones(8), name="w", step=0)

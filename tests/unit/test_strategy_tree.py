@@ -1,5 +1,8 @@
 """The decision tree: count, uniqueness, validity, hand-derived options, constraints."""
 
+import dataclasses
+import itertools
+
 import pytest
 
 from byteps_espresso.strategy import (
@@ -9,6 +12,7 @@ from byteps_espresso.strategy import (
     Kind,
     Option,
     OptionError,
+    Step,
     count_decomposition,
     enumerate_options,
     validate,
@@ -71,9 +75,12 @@ INVALID = [
 ]
 
 
+ONE_COMPRESSOR = Constraints(partner=None)  # no mixed Options (``no-mixed``)
+
+
 def test_count_and_decomposition():
-    options = enumerate_options(BIG)
-    parts = count_decomposition(BIG)
+    options = enumerate_options(BIG, ONE_COMPRESSOR)
+    parts = count_decomposition(BIG, ONE_COMPRESSOR)
     assert len(options) == parts["total"] == 2776
     assert sum(v for k, v in parts.items() if k != "total") == 2776
     assert parts["flat allreduce(flat)"] == 5  # Allreduce + Comp(d)->AllgatherC->Decomp(d')
@@ -85,8 +92,111 @@ def test_count_and_decomposition():
     assert parts["hierarchical scatter/gather(inter)"] == 1250
     assert (parts["hierarchical allreduce(inter)"], parts["hierarchical ps(inter)"],
             parts["hierarchical reduce/broadcast(inter)"]) == (314, 130, 1018)
-    assert len(enumerate_options(BIG, Constraints.parse(["no-ps"]))) == 2641
-    assert len(enumerate_options(BIG, Constraints.parse(["no-cpu"]))) == 139
+    assert len(enumerate_options(BIG, Constraints.parse(["no-ps", "no-mixed"]))) == 2641
+    assert len(enumerate_options(BIG, Constraints.parse(["no-cpu", "no-mixed"]))) == 139
+
+
+def test_mixed_options_add_hierarchical_ones_only():
+    """fp16 as the intra partner: 4,800 more Options, all hierarchical (the partner needs an
+    intra step), none with the partner alone."""
+    parts, alone = count_decomposition(BIG), count_decomposition(BIG, ONE_COMPRESSOR)
+    assert parts["total"] == len(enumerate_options(BIG)) == 7576
+    for path in parts:
+        if path.startswith("flat"):
+            assert parts[path] == alone[path]
+    mixed = [o for o in enumerate_options(BIG) if o.partners]
+    assert len(mixed) == 7576 - 2776
+    assert all(o.is_hierarchical and o.partners == {"fp16"} for o in mixed)
+
+
+def test_mixed_options_are_the_valid_relabelings():
+    """Oracle: the mixed Options are exactly the Options of the one-compressor tree with some
+    Comp/Decomp steps relabelled to the partner that pass :func:`validate` (a compressor
+    does not change forms, so the tree's walk and the relabelling must agree)."""
+    gpu_only = Constraints(allow_cpu=False)
+    found = set()
+    for option in enumerate_options(BIG, dataclasses.replace(gpu_only, partner=None)):
+        where = [j for j, st in enumerate(option.steps) if st.device is not None]
+        for labels in itertools.product((None, "fp16"), repeat=len(where)):
+            steps = list(option.steps)
+            for j, label in zip(where, labels, strict=True):
+                steps[j] = Step(steps[j].kind, device=steps[j].device, codec=label)
+            candidate = Option(tuple(steps))
+            try:
+                validate(candidate, BIG)
+            except OptionError:
+                continue
+            found.add(candidate)
+    tree = set(enumerate_options(BIG, gpu_only))
+    assert found == tree
+    assert sum(1 for o in tree if o.partners) == 96
+
+
+MIXED = [
+    # fp16 inside the machine, the job's compressor between machines (the Espresso
+    # authors' schemes 3 and 2)
+    "Comp(gpu,fp16) -> AlltoallC(intra) -> Decomp(gpu,fp16) -> Comp(gpu) -> AllgatherC(inter) "
+    "-> Decomp(gpu) -> Comp(gpu,fp16) -> AllgatherC(intra) -> Decomp(gpu,fp16)",
+    "Comp(cpu,fp16) -> GatherC(intra) -> Decomp(cpu,fp16) -> Comp(gpu) -> GatherC(inter) "
+    "-> Decomp(gpu) -> Broadcast(inter) -> Comp(gpu,fp16) -> BroadcastC(intra) "
+    "-> Decomp(gpu,fp16)",
+    # the servers aggregate the job's compressor; the machine's sum travels in fp16
+    "Comp(gpu,fp16) -> GatherC(intra) -> Decomp(gpu,fp16) -> Comp(gpu) -> PushPullC(inter) "
+    "-> BroadcastC(intra) -> Decomp(gpu)",
+]
+
+MIXED_INVALID = {
+    "Comp(gpu,fp16) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(gpu) -> AllgatherC(inter) "
+    "-> Decomp(gpu) -> Allgather(intra)": r"payloads here are fp16's; write Decomp\(gpu,fp16\)",
+    "Reduce(intra) -> Comp(gpu,fp16) -> PushPullC(inter) -> Decomp(gpu,fp16) "
+    "-> Broadcast(intra)": "servers aggregate payloads of the job's compressor",
+    "Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(gpu,fp16) -> AllgatherC(inter) "
+    "-> Decomp(gpu,fp16) -> Allgather(intra)": "move only inside the machine",
+    "Comp(gpu,fp16) -> AlltoallC(intra) -> Decomp(gpu,fp16) -> Allreduce(inter) "
+    "-> Allgather(intra)": "add a Comp of the job's compressor",
+    "Comp(gpu,fp16) -> GatherC(intra) -> AllgatherC(inter) -> BroadcastC(intra) "
+    "-> Decomp(gpu,fp16)": "move only inside the machine",
+}
+
+
+@pytest.mark.parametrize("text", MIXED)
+def test_mixed_options_appear_and_round_trip(text):
+    option = Option.parse(text)
+    assert option in set(enumerate_options(BIG))
+    assert option not in set(enumerate_options(BIG, ONE_COMPRESSOR))
+    assert Option.parse(str(option)) == option and option.partners == {"fp16"}
+
+
+@pytest.mark.parametrize("text", sorted(MIXED_INVALID))
+def test_invalid_mixed_options_say_why(text):
+    with pytest.raises(OptionError, match=MIXED_INVALID[text]):
+        validate(Option.parse(text), BIG)
+
+
+@pytest.mark.parametrize("bad", ["Allreduce(flat,fp16)", "Comp(gpu,FP16)", "Comp(gpu,)"])
+def test_only_compute_steps_name_a_compressor(bad):
+    with pytest.raises(OptionError):
+        Option.parse(bad)
+
+
+def test_fp16_partner_is_not_a_lossy_compression():
+    """max-lossy counts compressions that lose information; fp16's rounding (relative error
+    <= 2^-11 per element) is not one, so one-compression plans keep the mixed schemes."""
+    option = Option.parse(MIXED[0])
+    assert option.compressions == 3 and option.lossy_compressions == 1
+    once = Constraints.parse(["max-lossy=1"])
+    assert once.allows(option)
+    assert len(enumerate_options(BIG, once)) == 1604
+    assert len(enumerate_options(BIG, dataclasses.replace(once, partner=None))) == 196
+
+
+@pytest.mark.parametrize("items", [["no-mixed"], ["partner=topk"], []])
+def test_partner_constraints_round_trip(items):
+    c = Constraints.parse(items)
+    assert c.to_strings() == items
+    assert Constraints.parse(c.to_strings()) == c
+    assert c.partner == {"no-mixed": None, "partner=topk": "topk"}.get(
+        items[0] if items else "", "fp16")
 
 
 def test_forwarding_adds_options_that_decode_once():
@@ -94,10 +204,10 @@ def test_forwarding_adds_options_that_decode_once():
     they compress once, so one-compression plans (max-lossy=1) get more schemes."""
     from byteps_espresso.strategy.program import compile_option
 
-    forwarding = [o for o in enumerate_options(BIG)
+    forwarding = [o for o in enumerate_options(BIG, ONE_COMPRESSOR)
                   if any(op.forwards for op in compile_option(o).ops)]
     assert len(forwarding) == 2776 - 2340
-    once = Constraints.parse(["max-lossy=1"])
+    once = Constraints.parse(["max-lossy=1", "no-mixed"])
     assert len(enumerate_options(BIG, once)) == 196  # 144 without forwarding
     assert Option.parse("Comp(gpu) -> GatherC(intra) -> AllgatherC(inter) -> BroadcastC(intra) "
                         "-> Decomp(gpu)") in enumerate_options(BIG, once)

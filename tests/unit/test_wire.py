@@ -71,3 +71,55 @@ def test_the_model_charges_the_messages_and_bytes_the_transport_sends(text, p, n
         assert got.members == p
         np.testing.assert_array_equal(np.broadcast_to(msgs, (1,)), [got.msgs], err_msg=where)
         np.testing.assert_allclose(nbytes, [got.nbytes], rtol=1e-12, err_msg=where)
+
+
+MIXED = [
+    "Comp(gpu,fp16) -> AlltoallC(intra) -> Decomp(gpu,fp16) -> Comp(gpu) -> AllgatherC(inter) "
+    "-> Decomp(gpu) -> Comp(gpu,fp16) -> AllgatherC(intra) -> Decomp(gpu,fp16)",
+    "Comp(gpu,fp16) -> GatherC(intra) -> Decomp(gpu,fp16) -> Comp(gpu) -> GatherC(inter) "
+    "-> Decomp(gpu) -> Broadcast(inter) -> Comp(gpu,fp16) -> BroadcastC(intra) "
+    "-> Decomp(gpu,fp16)",
+]
+
+
+def _packed(name: str) -> CompressedSizes:
+    codec = CodecPair(name)
+    return CompressedSizes(name, nbytes=lambda n: packed_nbytes(codec.spec(n)))
+
+
+@pytest.mark.parametrize("numel", [1000, 4099])
+@pytest.mark.parametrize("layout", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("text", MIXED)
+def test_mixed_options_charge_each_compressors_bytes(text, layout, numel):
+    """fp16 inside the machine, topk between machines: each step moves (and is charged)
+    the bytes of the compressor whose payloads it carries."""
+    machines, local = layout
+    option = Option.parse(text)
+    hub = LocalHub(machines, local, timeout_s=10, count_traffic=True)
+    world = machines * local
+    executors = [Executor(hub.transport(r), CodecPair("topk"),
+                          partners={"fp16": CodecPair("fp16")}) for r in range(world)]
+    with ThreadPoolExecutor(world) as pool:
+        for f in [pool.submit(ex.run, option, torch.randn(numel), name="w", step=0)
+                  for ex in executors]:
+            f.result(timeout=30)
+    cluster = Cluster(machines=machines, gpus_per_machine=local, intra_gbps=10.0,
+                      intra_latency_us=5.0, inter_gbps=10.0, servers=0)
+    pricer = Pricer(cluster, "topk", _packed("topk"), CompressorCosts.default(), [numel],
+                    partner_sizes={"fp16": _packed("fp16")})
+    charged = pricer.wire(option)
+    # the hub records each group's collective once; a step's groups follow each other (no
+    # two consecutive steps here share a collective and scope): the busiest is charged
+    steps: list[list] = []
+    for t in hub.traffic:
+        if steps and (steps[-1][0].collective, steps[-1][0].scope) == (t.collective, t.scope):
+            steps[-1].append(t)
+        else:
+            steps.append([t])
+    assert len(steps) == len(charged)
+    for groups, (i, msgs, nbytes) in zip(steps, charged, strict=True):
+        where = f"step {i} {option.steps[i]} ({groups[0].collective})"
+        np.testing.assert_array_equal(np.broadcast_to(msgs, (1,)),
+                                      [max(g.msgs for g in groups)], err_msg=where)
+        np.testing.assert_allclose(nbytes, [max(g.nbytes for g in groups)], rtol=1e-12,
+                                   err_msg=where)
