@@ -38,7 +38,7 @@ import numpy as np
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
 from byteps_espresso.strategy.costs import CompressedSizes, Pricer, StepTasks
-from byteps_espresso.strategy.options import Device, Kind, Option, Step
+from byteps_espresso.strategy.options import Device, Kind, Option, Scope, Step
 from byteps_espresso.strategy.program import Form, compile_option
 from byteps_espresso.strategy.timeline import Catalogue, Evaluator
 from byteps_espresso.strategy.tree import (
@@ -193,6 +193,35 @@ def _decoded_twin(option: Option) -> Option | None:
                       Step(Kind.COMP, device=device, codec=codec)]
         steps.append(op.step)
     return Option(tuple(steps))
+
+
+def _one_compressor(option: Option) -> Option | None:
+    """``option`` with every partner's Comp/Decomp on the job's compressor; None when it
+    names no partner."""
+    if not option.partners:
+        return None
+    return Option(tuple(Step(st.kind, device=st.device) if st.codec is not None else st
+                        for st in option.steps))
+
+
+def _partner_twins(option: Option, partner: str | None) -> list[Option]:
+    """``option`` with the Comps that feed an intra step (and the Decomps of their payloads)
+    on ``partner``, in every non-empty combination (the tree decides which are valid)."""
+    if partner is None:
+        return []
+    ops = compile_option(option).ops
+    comps = [op.index for op in ops if op.kind is Kind.COMP and op.codec is None
+             and ops[op.feeds].scope is Scope.INTRA]  # type: ignore[index]
+    out = []
+    for n in range(1, len(comps) + 1):
+        for chosen in itertools.combinations(comps, n):
+            out.append(Option(tuple(
+                Step(op.kind, device=op.device, codec=partner)
+                if (op.kind is Kind.COMP and op.index in chosen) or (
+                    op.kind is Kind.DECOMP and op.origin is not None
+                    and op.origin.index in chosen) else op.step
+                for op in ops)))
+    return out
 
 
 def load_kernels() -> None:
@@ -389,25 +418,33 @@ class PlanContext:
 
     def searched(self, device: Device) -> list[Option]:
         """The single-device options on ``device`` that Algorithms 1 and 2 choose from
-        (cached): all but those that forward gathered payloads undecoded where the tree under
-        the constraints also holds their twin that decodes and re-compresses before every
-        forwarding step. In the fronts such an option's low busy time (a Decomp and a Comp
-        fewer) displaced, at FRONT_LIMIT, options the greedy went on to pick, and plans got
-        slower (LSTM and VGG16 on 8 x 8, randomk 1%: 0.2-0.4%); it is tried last instead,
-        as a twin of the option chosen (:meth:`twins`). Where the constraints leave the twin out
-        (``max-compressions``, ``max-lossy``) the forwarding option is the only form of its
-        scheme and stays a candidate."""
+        (cached): all but the twins of other options, where the tree under the constraints
+        holds those others:
+
+        - options that forward gathered payloads undecoded, whose twin decodes and
+          re-compresses before every forwarding step. In the fronts such an option's low busy
+          time (a Decomp and a Comp fewer) displaced, at FRONT_LIMIT, options the greedy went
+          on to pick, and plans got slower (LSTM and VGG16 on 8 x 8, randomk 1%: 0.2-0.4%);
+        - mixed options (a partner inside the machine), whose twin runs the job's compressor
+          throughout. As candidates they made 4 of 42 plans of BENCHMARKS.md (b) slower
+          (up to 1.9%, BERT on PCIe with efsignsgd) where 5 got faster.
+
+        Both are tried last, as twins of the option chosen (:meth:`twins`), so a plan is never
+        slower for them. Where the constraints leave the other out (``max-compressions``,
+        ``max-lossy``) the twin is the only form of its scheme and stays a candidate."""
         got = self._searched.get(device)
         if got is None:
             tree = canonical_options(self.cluster, self.constraints)
-            got = self._searched[device] = [o for o in self.single_device(device)
-                                            if _decoded_twin(o) not in tree]
+            got = self._searched[device] = [
+                o for o in self.single_device(device)
+                if _decoded_twin(o) not in tree and _one_compressor(o) not in tree]
         return got
 
     def twins(self, k: int) -> np.ndarray:
         """Evaluator indices of option ``k`` and of the tree's options that forward the
         gathered payloads where ``k`` decodes them and compresses again (each such
-        ``Decomp -> Comp`` pair dropped, in every combination); cached."""
+        ``Decomp -> Comp`` pair dropped, in every combination), and of those and ``k``
+        with the partner compressing inside the machine (:func:`_partner_twins`); cached."""
         got = self._twins.get(k)
         if got is None:
             option = self.evaluator.options[k]
@@ -415,14 +452,18 @@ class PlanContext:
             pairs = [op.index for op in ops[:-1] if op.kind is Kind.DECOMP
                      and op.takes is Form.SUM and ops[op.index + 1].kind is Kind.COMP]
             tree = canonical_options(self.cluster, self.constraints)
-            found = []
+            forwarded = []
             for n in range(1, len(pairs) + 1):
                 for drop in itertools.combinations(pairs, n):
                     gone = {j for d in drop for j in (d, d + 1)}
                     twin = tree.get(Option(tuple(st for j, st in enumerate(option.steps)
                                                  if j not in gone)))
                     if twin is not None:
-                        found.append(twin)
+                        forwarded.append(twin)
+            found = forwarded + [
+                twin for base in (option, *forwarded)
+                for twin in map(tree.get, _partner_twins(base, self.constraints.partner))
+                if twin is not None]
             got = self._twins[k] = np.concatenate([[k], self.index(found)]).astype(np.int64) \
                 if found else np.array([k], dtype=np.int64)
         return got

@@ -302,11 +302,12 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     return choice
 
 
-def _refine_forwarding(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
+def _refine_twins(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     """Each compressed tensor, in visit order, with the others fixed: its option or one of
-    its twins that forward the gathered payloads where it decodes and re-compresses
-    (:meth:`PlanContext.twins`; Algorithms 1 and 2 leave those out where the twin is
-    allowed, see :meth:`PlanContext.searched`). Only a faster strategy is kept."""
+    its twins, which forward the gathered payloads where it decodes and re-compresses, or
+    compress inside the machine with the partner (:meth:`PlanContext.twins`; Algorithms 1
+    and 2 leave those out where the option they are twins of is allowed, see
+    :meth:`PlanContext.searched`). Only a faster strategy is kept."""
     choice = choice.copy()
     options = ctx.evaluator.options
     now = ctx.evaluator.schedule(choice)  # (time, sum of synchronized times, ...)
@@ -321,6 +322,16 @@ def _refine_forwarding(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
         if best_k != keep:
             choice[i] = best_k
             now = ctx.evaluator.schedule(choice)
+            if options[best_k].partners and ctx.constraints.allow_cpu \
+                    and ctx.constraints.allow_gpu:
+                # the partner's steps may pay on the other device (the devices Algorithm 2
+                # and the device refinement chose were for the job's compressor there)
+                placed = ctx.placements(best_k)
+                best_k, _ = ctx.evaluator.best_of(choice, i, placed[placed >= 0],
+                                                  current=now[:2])
+                if best_k != choice[i]:
+                    choice[i] = best_k
+                    now = ctx.evaluator.schedule(choice)
     return choice
 
 
@@ -349,6 +360,6 @@ def _espresso(ctx: PlanContext) -> np.ndarray:
     choice = gpu_greedy(ctx, start, device, passes=GREEDY_PASSES)
     choice = cpu_offload(ctx, choice)
     choice = _refine_devices(ctx, choice)
-    choice = _refine_forwarding(ctx, choice)
+    choice = _refine_twins(ctx, choice)
     log.debug("espresso: %d evaluations", ctx.evaluator.calls)
     return choice

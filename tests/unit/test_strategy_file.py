@@ -82,3 +82,18 @@ def test_workload_round_trip_and_errors(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(WorkloadError, match=r"tensors\[3\]"):
         Workload.load(path)
+
+
+def test_mixed_compressors_round_trip(tmp_path):
+    """A strategy whose Options name fp16 on their intra steps (``Comp(gpu,fp16)``) saves
+    and loads them by those names; ``no-mixed`` round-trips as a constraint."""
+    cluster = Cluster.preset(8, 8, "nvlink", 100)
+    mixed = plan(Workload.builtin("ugatit"), cluster, "efsignsgd")
+    assert any(o.partners for o in mixed.options.values())
+    mixed.save(tmp_path / "m.json")
+    assert ",fp16)" in (tmp_path / "m.json").read_text()
+    assert Strategy.load(tmp_path / "m.json").options == mixed.options
+    alone = plan(Workload.builtin("lstm"), cluster, "efsignsgd",
+                 constraints=Constraints.parse(["no-mixed"]))
+    alone.save(tmp_path / "a.json")
+    assert Strategy.load(tmp_path / "a.json").constraints.partner is None

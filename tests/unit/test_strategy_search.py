@@ -232,3 +232,28 @@ def test_forwarding_options_are_searched_where_their_decoding_twin_is_not_allowe
                        constraints=Constraints.parse(["max-compressions=1"]))
     assert forwarded in set(once.searched(Device.GPU))
     assert baselines.get("espresso").run(once).iteration_us > 0
+
+
+def test_mixed_compressors_are_reached_and_never_slow_a_plan():
+    """Mixed Options (fp16 inside the machine) enter the search as twins of the option chosen
+    (PlanContext.searched, twins): a plan with them is never slower than without, and on
+    UGATIT over NVLink + 100 Gbit/s with efsignsgd some tensors take one."""
+    from byteps_espresso.strategy import Workload
+    from byteps_espresso.strategy.planner import plan
+
+    cluster = Cluster.preset(8, 8, "nvlink", 100)
+    wl = Workload.builtin("ugatit")
+    mixed = plan(wl, cluster, "efsignsgd")
+    alone = plan(wl, cluster, "efsignsgd", constraints=Constraints(partner=None))
+    assert mixed.predicted_ms < alone.predicted_ms
+    assert any(o.partners for o in mixed.options.values())
+    assert not any(o.partners for o in alone.options.values())
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        numels = rng.integers(1_000, 4_000_000, size=4)
+        small = Workload(tuple(TensorProfile(f"t{i}", int(n), float(rng.uniform(50, 2000)))
+                               for i, n in enumerate(numels)), 100.0)
+        got = plan(small, Cluster.preset(4, 4, "pcie", 25), "randomk", {"ratio": 0.01})
+        without = plan(small, Cluster.preset(4, 4, "pcie", 25), "randomk", {"ratio": 0.01},
+                       constraints=Constraints(partner=None))
+        assert got.predicted_ms <= without.predicted_ms + 1e-9
