@@ -30,9 +30,15 @@ Form rules (compression points; the forms are the program's, ``program.leaves``)
       re-encode the same values).
     - the option ends dense; every ``Comp``/``Decomp`` is on ``gpu`` or ``cpu``.
 
-Count (no constraints, hierarchical cluster with servers): 2,776, see
-:func:`count_decomposition` and docs/strategy.md (2,641 without the ``ps`` family ours adds;
-the paper counts 4,341 for its vocabulary and path shapes).
+Mixed compressors (:attr:`Constraints.partner`): a ``Comp`` for an intra step may use the
+partner (fp16) instead of the job's compressor, ``Comp(gpu,fp16)``; the partner's payloads move
+on intra steps only, its ``Decomp`` names it, and an Option with a partner has a ``Comp`` of
+the job's compressor too (the one between machines).
+
+Count (no constraints, hierarchical cluster with servers): 7,576, of which 2,776 with the
+job's compressor alone, see :func:`count_decomposition` and docs/strategy.md (2,641 of those
+without the ``ps`` family ours adds; the paper counts 4,341 for its vocabulary and path
+shapes).
 
 Example:
     >>> opts = enumerate_options(Cluster.preset(8, 8), Constraints(max_compressions=1))
