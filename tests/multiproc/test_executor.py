@@ -114,14 +114,15 @@ TREE_CODECS = [
 
 def tree_covering() -> list[Option]:
     """From the 2 x 2 decision tree with one server: one Option per communication signature
-    (steps, scopes and the forms they take: a step that forwards gathered payloads differs from
-    one that does not), and one per (signature, devices) among the PS Options."""
+    (steps, scopes, the forms they take and the compressor of the payloads they move: a step
+    that forwards gathered payloads differs from one that does not, fp16 inside the machine
+    from the job's compressor), and one per (signature, devices) among the PS Options."""
     from byteps_espresso.strategy import Cluster, enumerate_options
     from byteps_espresso.strategy.program import compile_option
 
     seen: dict = {}
     for o in enumerate_options(Cluster.preset(MACHINES, LOCAL, "pcie", 10, servers=1)):
-        comm = tuple((op.kind, op.scope, op.takes) for op in compile_option(o).ops
+        comm = tuple((op.kind, op.scope, op.takes, op.codec) for op in compile_option(o).ops
                      if not op.kind.is_compute)
         seen.setdefault((comm, o.devices if o.uses_servers else None), o)
     return list(seen.values())
