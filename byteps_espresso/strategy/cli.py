@@ -113,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Espresso's search, or a baseline to plan as")
     p.add_argument("--constraint", action="append", default=[],
                    help="no-cpu | no-gpu | no-ps | forbid=KIND[,KIND] | max-compressions=N | "
-                        "max-lossy=N | flat-only | hierarchical-only (repeatable)")
+                        "max-lossy=N | flat-only | hierarchical-only | no-mixed | "
+                        "partner=NAME (repeatable)")
     p.add_argument("--costs", help="compression cost profile JSON (default: shipped profile)")
     p.add_argument("--out", help="strategy JSON to write (default: print the plan only)")
     p.add_argument("--timeline", help="Gantt chart image to write (png, svg, pdf)")
