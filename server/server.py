@@ -39,7 +39,13 @@ import zmq
 from byteps_espresso.server import protocol as P
 from byteps_espresso.server.auth import Authenticator, AuthError
 from byteps_espresso.server.keys import KeySpec
-from byteps_espresso.server.link import REGISTER_GRACE_S, SchedulerLink
+from byteps_espresso.server.link import (
+    REGISTER_GRACE_S,
+    SchedulerLink,
+    readable,
+    recv_frames,
+    send_frames,
+)
 
 from byteps_espresso.config import Config
 
@@ -250,9 +256,13 @@ class Server:
                 self._drain_completions()
             if self.router in events:
                 for _ in range(256):  # bounded so heartbeats and completions interleave
-                    if not self.router.poll(0):
+                    try:
+                        raw = recv_frames(self.router, zmq.NOBLOCK)
+                    except zmq.Again:
                         break
-                    self._handle(self.router.recv_multipart(copy=False))
+                    self._handle(raw)
+                    if not readable(self.router):
+                        break
             if self.link.sock in events and self._control():
                 return 0
             if self.link.watch.socket in events and self.link.watch.lost():
@@ -354,9 +364,8 @@ class Server:
         A reply to a peer whose queue is full (it does not read) or that is gone is dropped;
         the first is counted and logged, never blocks the loop."""
         try:
-            self.router.send_multipart(
-                [identity, *(frames if signed else self.auth.sign(frames))], copy=False,
-                flags=zmq.NOBLOCK)
+            send_frames(self.router, [identity, *(frames if signed else self.auth.sign(frames))],
+                        zmq.NOBLOCK)
         except zmq.Again:
             cap = self.router.getsockopt(zmq.SNDHWM)
             self._count_rejection("reply_cap", f"a reply to peer {identity.hex()}",
@@ -465,23 +474,24 @@ class Server:
         the last arrival's share remains at completion. float32 sums in place into the
         first pusher's received frame (then sent on as the reply); float16 accumulates in
         float32 and is cast into that frame at the end."""
-        start = time.thread_time()
-        pushers = state.spec.pushers
-        while state.folded < len(pushers) and pushers[state.folded] in state.pushes:
+        pushers, pushes = state.spec.pushers, state.pushes
+        while state.folded < len(pushers) and pushers[state.folded] in pushes:
             rank = pushers[state.folded]
-            x = state.pushes[rank][0]
-            if state.folded == 0:
+            x = pushes[rank][0]
+            if state.folded == 0:  # nothing to add yet: the first push becomes the sum
                 state.acc_frame = _backing_frame(x, state.frames.get(rank))
                 state.acc = x
                 if (state.acc_frame is None and len(pushers) > 1
                         and x.dtype == np.float32):
                     state.acc = x.copy()  # a misaligned frame was copied; sum in our copy
-            elif state.acc.dtype != np.float32:  # float16: accumulate in float32
-                state.acc = np.add(state.acc, x, dtype=np.float32)
             else:
-                np.add(state.acc, x, out=state.acc)
+                start = time.thread_time()
+                if state.acc.dtype != np.float32:  # float16: accumulate in float32
+                    state.acc = np.add(state.acc, x, dtype=np.float32)
+                else:
+                    np.add(state.acc, x, out=state.acc)
+                self.agg_seconds += time.thread_time() - start
             state.folded += 1
-        self.agg_seconds += time.thread_time() - start
 
     def _finish_dense(self, state: _Key, round_: int) -> None:
         acc, frame = state.acc, state.acc_frame
@@ -784,14 +794,14 @@ class Server:
 
 
 def _backing_frame(array: np.ndarray, frame: Any) -> Any:
-    """``frame`` when it is a writable ``zmq.Frame`` whose buffer ``array`` views (decoding
-    copies misaligned frames), else None."""
-    if not isinstance(frame, zmq.Frame):
+    """``frame`` when it is a ``zmq.Frame`` that ``array`` views writably, else None.
+
+    ``array`` is what :func:`protocol.decode_payload` made of ``frame``: a view of its whole
+    buffer, or a copy (owning its data) when the buffer was misaligned; a read-only buffer
+    gives a read-only view."""
+    if not isinstance(frame, zmq.Frame) or array.flags.owndata or not array.flags.writeable:
         return None
-    view = frame.buffer
-    if view.readonly or view.nbytes != array.nbytes:
-        return None
-    return frame if np.frombuffer(view, np.uint8).ctypes.data == array.ctypes.data else None
+    return frame
 
 
 class _Stateless:
