@@ -45,7 +45,14 @@ import zmq
 from byteps_espresso.server import protocol as P
 from byteps_espresso.server.auth import AuthError
 from byteps_espresso.server.keys import KeySpec, part_names, split
-from byteps_espresso.server.link import RendezvousError, SchedulerLink, dealer
+from byteps_espresso.server.link import (
+    RendezvousError,
+    SchedulerLink,
+    dealer,
+    readable,
+    recv_frames,
+    send_frames,
+)
 
 from byteps_espresso.config import Config
 
@@ -94,18 +101,36 @@ class _Tensor:
     parts: tuple[_Part, ...]
 
 
+class _Flag:
+    """Set once, read by anyone: what a :class:`Handle` needs of ``threading.Event``, at a
+    fraction of its cost (one per push_pull). Nobody blocks on it: a thread waiting for a
+    handle sleeps on the client's condition, which the driving thread notifies after it
+    completed handles (``PSClient._release``)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+
+
 class Handle:
     """An in-flight push_pull; :meth:`wait` returns its result."""
 
     def __init__(self, tensor: _Tensor, round_: int, deadline: float, timeout_s: float,
-                 drive: Callable[[threading.Event, float], bool], *,
+                 drive: Callable[[Any, float], bool], *,
                  out: np.ndarray | None = None) -> None:
         self.tensor = tensor
         self._drive = drive
         self.round = round_
         self.deadline = deadline
         self._timeout_s = timeout_s
-        self._event = threading.Event()
+        self._event = _Flag()
         self._error: PSError | None = None
         self._missing = set(range(len(tensor.parts)))  # partitions without a PULL_REPLY
         if tensor.compressed:
@@ -352,8 +377,7 @@ class PSClient:
         if out is not None:
             if tensor.compressed:
                 raise PSError(f"out= is for dense keys; {name!r} is compressed")
-            self._dense_frames(tensor, out)
-            out = out.reshape(-1)
+            out = self._check_dense(tensor, out)
         now = time.monotonic()
         handle = Handle(tensor, int(round), now + self.cfg.op_timeout_s, self.cfg.op_timeout_s,
                         self._await, out=out)
@@ -481,17 +505,25 @@ class PSClient:
         return tensor
 
     @staticmethod
-    def _dense_frames(tensor: _Tensor, data: Any) -> list[list[np.ndarray]]:
+    def _check_dense(tensor: _Tensor, data: Any) -> np.ndarray:
+        """``data`` as a flat array, once it is a C-contiguous array of the tensor's dtype
+        and numel."""
         if not isinstance(data, np.ndarray):
             raise PSError(f"{tensor.name!r} is dense: pass a numpy array, got "
                           f"{type(data).__name__}")
-        if data.dtype != np.dtype(tensor.dtype) or data.size != tensor.numel:
+        if data.dtype != tensor.dtype or data.size != tensor.numel:
             raise PSError(f"{tensor.name!r} is declared {tensor.dtype}[{tensor.numel}], got "
                           f"{data.dtype}[{data.size}]")
         if not data.flags.c_contiguous:
             raise PSError(f"{tensor.name!r}: the array is not C-contiguous; use "
                           "np.ascontiguousarray")
-        flat = data.reshape(-1)
+        return data.reshape(-1)
+
+    @classmethod
+    def _dense_frames(cls, tensor: _Tensor, data: Any) -> list[list[np.ndarray]]:
+        flat = cls._check_dense(tensor, data)
+        if len(tensor.parts) == 1:
+            return [[flat]]
         return [[flat[p.offset:p.offset + p.spec.numel]] for p in tensor.parts]
 
     @staticmethod
@@ -575,9 +607,11 @@ class PSClient:
     def _send_all(self, sends: list[tuple[int, list[Any]]]) -> None:
         """Send on the server sockets (the caller holds the driving token, not ``_mu``)."""
         for server, frames in sends:  # signed here, outside _mu: hashing takes a while
-            self._socks[server].send_multipart(self._auth.sign(frames), copy=False)
+            send_frames(self._socks[server], self._auth.sign(frames))
 
     def _take_outbox(self) -> list[tuple[int, list[Any]]]:
+        if not self._outbox:  # read without _mu: a send queued after it also wakes the poll
+            return []
         with self._mu:
             sends, self._outbox = self._outbox, []
         return sends
@@ -594,7 +628,7 @@ class PSClient:
                     return
             self._send_all(sends)
 
-    def _await(self, event: threading.Event, deadline: float) -> bool:
+    def _await(self, event: _Flag | threading.Event, deadline: float) -> bool:
         """Wait for ``event`` until ``deadline`` (monotonic), driving the server sockets
         whenever no other thread does. Returns whether the event is set."""
         while not event.is_set():
@@ -630,11 +664,13 @@ class PSClient:
                 continue
             while True:
                 try:
-                    raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    raw = recv_frames(sock, zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 with self._mu:
                     self._on_server_message(i, raw)
+                if not readable(sock):
+                    break
         self._send_all(self._take_outbox())
 
     # ---- background thread: scheduler link and connection monitors ---------------------------

@@ -39,6 +39,9 @@ __all__ = [
     "SchedulerLink",
     "dealer",
     "heartbeats",
+    "readable",
+    "recv_frames",
+    "send_frames",
     "stop_monitor",
 ]
 
@@ -55,6 +58,54 @@ REGISTER_GRACE_S = 5.0
 
 class RendezvousError(RuntimeError):
     """Start-up failed: the scheduler aborted it or could not be reached."""
+
+
+# ---- frames on a socket --------------------------------------------------------------------
+# What pyzmq's send_multipart / recv_multipart / Socket.poll(0) do, without their per-call
+# type checks, per-frame RCVMORE queries and throw-away Poller: a PS message crosses these
+# once per key and round on each side, where that overhead was a visible share of a 1 MB
+# round's interpreter time (benchmarks/ps.py).
+# Plain ints: zmq's flag constants are enum.IntFlag members, and every `|` or `&` on one
+# builds a new member through the enum machinery.
+_SNDMORE = int(zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
+def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
+    """Send one multipart message. ``bytes`` frames (headers, identities, tags) are copied
+    into the message; arrays, memoryviews and ``zmq.Frame`` are sent without copying (an
+    array must then stay unchanged until the message is sent).
+
+    Raises:
+        zmq.Again: ``flags`` has NOBLOCK and the message cannot be queued now (nothing of it
+            was sent: ZeroMQ checks the high-water mark at the first frame).
+    """
+    flags = int(flags)
+    more = flags | _SNDMORE
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, more if i < last else flags, copy=type(frame) is bytes)
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """Receive one multipart message as ``zmq.Frame`` objects (no copy).
+
+    Raises:
+        zmq.Again: ``flags`` has NOBLOCK and no message is waiting.
+    """
+    flags = int(flags)
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:  # the rest of a multipart message is already there
+        frame = sock.recv(flags, copy=False)
+        frames.append(frame)
+    return frames
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """A message is waiting on ``sock`` (a non-blocking check)."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
 
 
 def heartbeats(sock: zmq.Socket, cfg: Config) -> None:

@@ -22,11 +22,12 @@ Example:
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -65,6 +66,8 @@ HEADER = struct.Struct("<4sBBHQqiHBBQ")
 _LENGTH = struct.Struct("<Q")
 # No codec payload has more than a handful of arrays; 16 bounds the header size.
 MAX_FRAMES = 16
+# The frame-length tail of a header with n frames, packed and parsed in one call.
+_LENGTHS = tuple(struct.Struct(f"<{n}Q") for n in range(MAX_FRAMES + 1))
 # JSON control bodies (registration, declare, errors, stats) are small; 1 MiB bounds them.
 MAX_CONTROL_BYTES = 1 << 20
 # Codec id 0 means "dense": one frame holding the tensor in the header's dtype.
@@ -164,9 +167,9 @@ class ProtocolError(ValueError):
         self.detail = message
 
 
-@dataclass(frozen=True)
-class Header:
-    """The parsed fixed header of one message."""
+class Header(NamedTuple):
+    """The parsed fixed header of one message (immutable; a tuple, built once per message
+    received, which a frozen dataclass makes several times slower)."""
 
     type: MsgType
     key: int = 0
@@ -182,8 +185,7 @@ class Header:
         return f"{self.type.name} key={self.key} round={self.round} sender={self.sender}"
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """A decoded message: its header and one buffer per payload frame (not copied).
 
     ``raw`` holds the received payload frame objects themselves (``zmq.Frame`` when received
@@ -206,8 +208,9 @@ class Layout:
     frame_dtypes: tuple[np.dtype, ...]
     frame_lengths: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def frame_nbytes(self) -> tuple[int, ...]:
+        """Bytes of each payload frame (computed once: every message is checked against it)."""
         return tuple(n * d.itemsize for n, d in zip(self.frame_lengths, self.frame_dtypes,
                                                     strict=True))
 
@@ -249,8 +252,7 @@ def encode(type: MsgType, *, key: int = 0, round: int = 0, sender: int = -1,
                            int(dtype), len(frames), numel)
     except struct.error as exc:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"header field out of range: {exc}") from None
-    head += b"".join(_LENGTH.pack(n) for n in lengths)
-    return [head, *frames]
+    return [head + _LENGTHS[len(lengths)].pack(*lengths), *frames]
 
 
 def encode_json(type: MsgType, body: dict[str, Any], **fields: Any) -> list[Any]:
@@ -280,9 +282,13 @@ def encode_error(code: ErrorCode, message: str, *, request: Header | None = None
 
 # ---- decoding ---------------------------------------------------------------------------------
 def _buffer(frame: Any) -> memoryview:
-    buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
-    view = memoryview(buf if buf is not None else frame)
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    view = memoryview(frame)  # zmq.Frame, bytes, arrays: all export their buffer
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+# Known ids of the header's enum fields, looked up without an Enum call per message.
+_MSG_TYPES = {int(t): t for t in MsgType}
+_DTYPES = {int(d): d for d in DType}
 
 
 def decode(frames: Sequence[Any], max_message_bytes: int) -> Message:
@@ -306,18 +312,17 @@ def decode(frames: Sequence[Any], max_message_bytes: int) -> Message:
     if not frames:
         raise ProtocolError(ErrorCode.TRUNCATED, "empty message")
     head = _buffer(frames[0])
-    fields, lengths = _parse_header(head)
-    mtype, flags, key, round_, sender, codec, dtype_id, numel = fields
+    mtype, flags, key, round_, sender, codec, dtype_id, numel, lengths = _parse_header(head)
     total = sum(lengths) + head.nbytes
     if total > max_message_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE,
                             f"message of {total} bytes exceeds ESPRESSO_MAX_MESSAGE_BYTES="
                             f"{max_message_bytes}")
-    views = _check_frames(frames[1:], lengths)
-    try:
-        dtype = DType(dtype_id)
-    except ValueError:
-        raise ProtocolError(ErrorCode.UNKNOWN_DTYPE, f"unknown dtype id {dtype_id}") from None
+    payload = frames[1:]
+    views = _check_frames(payload, lengths)
+    dtype = _DTYPES.get(dtype_id)
+    if dtype is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_DTYPE, f"unknown dtype id {dtype_id}")
     if codec != DENSE_CODEC:
         _check_codec(codec)
     if round_ < 0:
@@ -327,11 +332,12 @@ def decode(frames: Sequence[Any], max_message_bytes: int) -> Message:
     if flags & ~KNOWN_FLAGS:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
     return Message(Header(mtype, key, round_, sender, codec, dtype, numel, lengths, flags),
-                   views, tuple(frames[1:]))
+                   views, tuple(payload))
 
 
-def _parse_header(head: memoryview) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-    """Fixed fields (type, flags, key, round, sender, codec, dtype id, numel), frame lengths."""
+def _parse_header(head: memoryview) -> tuple[Any, ...]:
+    """Fixed fields (type, flags, key, round, sender, codec, dtype id, numel), then the
+    tuple of frame lengths."""
     if head.nbytes < HEADER.size:
         raise ProtocolError(ErrorCode.TRUNCATED,
                             f"header has {head.nbytes} bytes, needs at least {HEADER.size}")
@@ -342,10 +348,9 @@ def _parse_header(head: memoryview) -> tuple[tuple[Any, ...], tuple[int, ...]]:
     if version != VERSION:
         raise ProtocolError(ErrorCode.BAD_VERSION,
                             f"protocol version {version}, this build speaks {VERSION}")
-    try:
-        mtype = MsgType(type_id)
-    except ValueError:
-        raise ProtocolError(ErrorCode.BAD_TYPE, f"unknown message type {type_id}") from None
+    mtype = _MSG_TYPES.get(type_id)
+    if mtype is None:
+        raise ProtocolError(ErrorCode.BAD_TYPE, f"unknown message type {type_id}")
     if nframes > MAX_FRAMES:
         raise ProtocolError(ErrorCode.BAD_LENGTH,
                             f"header announces {nframes} frames, the limit is {MAX_FRAMES}")
@@ -355,9 +360,8 @@ def _parse_header(head: memoryview) -> tuple[tuple[Any, ...], tuple[int, ...]]:
                             else ErrorCode.BAD_LENGTH,
                             f"header of {head.nbytes} bytes, expected {expected} for "
                             f"{nframes} frames")
-    lengths = tuple(_LENGTH.unpack_from(head, HEADER.size + i * _LENGTH.size)[0]
-                    for i in range(nframes))
-    return (mtype, flags, key, round_, sender, codec, dtype_id, numel), lengths
+    lengths = _LENGTHS[nframes].unpack_from(head, HEADER.size)
+    return mtype, flags, key, round_, sender, codec, dtype_id, numel, lengths
 
 
 def _check_frames(frames: Sequence[Any], lengths: tuple[int, ...]) -> tuple[memoryview, ...]:
@@ -367,12 +371,13 @@ def _check_frames(frames: Sequence[Any], lengths: tuple[int, ...]) -> tuple[memo
                             else ErrorCode.BAD_LENGTH,
                             f"header announces {len(lengths)} payload frames, received "
                             f"{len(frames)}")
-    views = tuple(_buffer(f) for f in frames)
-    for i, (view, length) in enumerate(zip(views, lengths, strict=True)):
-        if view.nbytes != length:
-            raise ProtocolError(ErrorCode.TRUNCATED if view.nbytes < length
-                                else ErrorCode.BAD_LENGTH,
-                                f"frame {i} has {view.nbytes} bytes, header says {length}")
+    views = tuple(map(_buffer, frames))
+    if tuple(v.nbytes for v in views) != lengths:
+        for i, (view, length) in enumerate(zip(views, lengths, strict=True)):
+            if view.nbytes != length:
+                raise ProtocolError(ErrorCode.TRUNCATED if view.nbytes < length
+                                    else ErrorCode.BAD_LENGTH,
+                                    f"frame {i} has {view.nbytes} bytes, header says {length}")
     return views
 
 

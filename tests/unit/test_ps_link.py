@@ -1,4 +1,5 @@
-"""A node's watch on its connections: a lost peer is seen only if the connection was seen.
+"""A node's watch on its connections: a lost peer is seen only if the connection was seen;
+and the frame helpers every PS message goes through.
 
 Real ZeroMQ sockets over loopback TCP in one process: a ROUTER as the peer, the node's DEALER
 and its :class:`ConnectionWatch`.
@@ -8,9 +9,17 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import zmq
-from byteps_espresso.server.link import ConnectionWatch, dealer, stop_monitor
+from byteps_espresso.server.link import (
+    ConnectionWatch,
+    dealer,
+    readable,
+    recv_frames,
+    send_frames,
+    stop_monitor,
+)
 
 from byteps_espresso.config import Config
 
@@ -70,3 +79,33 @@ def test_a_watch_attached_after_the_connection_never_sees_it_drop(ctx):
     assert late.connected_at is None
     stop_monitor(sock, late.socket)
     sock.close(linger=0)
+
+
+def test_frames_arrive_whole_in_order_and_zero_copy_arrays_unchanged(ctx):
+    router, endpoint = _peer(ctx)
+    sock, watch = dealer(ctx, endpoint, Config.from_env(ENV), identity=b"w0")
+    x = np.arange(1 << 18, dtype=np.float32)  # above pyzmq's copy threshold: sent uncopied
+    frames = [b"head", x, memoryview(b"view"), zmq.Frame(b"frame"), b""]
+    send_frames(sock, frames)
+    assert router.poll(int(LOST_WITHIN_S * 1000))
+    got = recv_frames(router)
+    assert [f.bytes for f in got[:2]] == [b"w0", b"head"]
+    assert np.array_equal(np.frombuffer(got[2].buffer, np.float32), x)
+    assert [f.bytes for f in got[3:]] == [b"view", b"frame", b""]
+    assert not readable(router)
+    send_frames(router, [b"w0", b"reply"], zmq.NOBLOCK)
+    assert sock.poll(int(LOST_WITHIN_S * 1000)) and readable(sock)
+    assert [f.bytes for f in recv_frames(sock, zmq.NOBLOCK)] == [b"reply"]
+    with pytest.raises(zmq.Again):
+        recv_frames(sock, zmq.NOBLOCK)
+    stop_monitor(sock, watch.socket)
+    sock.close(linger=0)
+
+
+def test_a_message_that_cannot_be_queued_is_not_sent_at_all(ctx):
+    router, _ = _peer(ctx)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    with pytest.raises(zmq.ZMQError) as err:  # no such peer: refused at the first frame
+        send_frames(router, [b"nobody", b"head", b"payload"], zmq.NOBLOCK)
+    assert err.value.errno == zmq.EHOSTUNREACH
+    assert not readable(router)
