@@ -280,10 +280,10 @@ class Executor:
     def _partition_bytes(self) -> int:
         return self.ps.partition_bytes if self.ps is not None else _DEFAULT_PARTITION_BYTES
 
-    def _need_codec(self, b: _Bound) -> CodecPair:
-        """The compressor of ``b``'s payloads (set on it): the job's, or a partner's."""
+    def _bind_codec(self, b: _Bound) -> CodecPair:
+        """The compressor of ``b``'s payloads, set on it: the job's, or a partner's."""
         partner = b.op.codec
-        if partner is None or (self.codec is not None and partner == self.codec.name):
+        if partner is None:
             if self.codec is None:
                 raise ExecutionError("this Option compresses but no compressor is configured")
             b.codec = self.codec
@@ -305,7 +305,7 @@ class Executor:
         return None
 
     def _bind_comp(self, b: _Bound, name: str) -> None:
-        codec = self._need_codec(b)
+        codec = self._bind_codec(b)
         op = b.op
         if op.chunks is not None:
             b.exts = split(b.ext, self.topo.size(op.chunks))
@@ -329,7 +329,7 @@ class Executor:
                                      f"from the expected {expected}")
 
     def _bind_decomp(self, b: _Bound, name: str) -> None:
-        self._need_codec(b)
+        self._bind_codec(b)
         op = b.op
         if op.takes is Form.CONCAT:
             b.members = [self._parts(b, name, e)
@@ -346,7 +346,7 @@ class Executor:
         b.sizes = [e.numel for e in split(parent, self.topo.size(op.scope))]
 
     def _bind_payload_comm(self, b: _Bound, name: str) -> None:
-        self._need_codec(b)
+        self._bind_codec(b)
         op = b.op
         assert op.scope is not None
         k = self.topo.size(op.scope)
@@ -368,7 +368,7 @@ class Executor:
             b.key = ps_key(name, b.op.index, b.ext)
             ps.declare(b.key, b.ext.numel, self.topo.group(b.op.scope))
         else:  # declared by the Comp that feeds it
-            self._need_codec(b)
+            self._bind_codec(b)
             b.key = ps_key(name, b.op.index, b.ext, compressed=True)
 
     # ---- compute -----------------------------------------------------------------------------

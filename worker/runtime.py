@@ -146,9 +146,9 @@ class Runtime:
     def engine(self, codec: CodecPair | None = None) -> Engine:
         """An asynchronous engine running Options with ``codec`` on every lane (and, in mixed
         Options, the tree's intra-machine partner)."""
-        mixed = codec is not None and codec.name != PARTNER
         executors = [Executor(t, codec, self.ps, self.device, self.cpu_pool,
-                              partners={PARTNER: codec.partner(PARTNER)} if mixed else None)
+                              partners=None if codec is None
+                              else {PARTNER: codec.partner(PARTNER)})
                      for t in self.transports]
         engine = Engine(executors, timeout_s=self.cfg.op_timeout_s, counters=self._counters,
                         thread_init=self._thread_init)

@@ -200,7 +200,7 @@ def _one_compressor(option: Option) -> Option | None:
     names no partner."""
     if not option.partners:
         return None
-    return Option(tuple(Step(st.kind, device=st.device) if st.codec is not None else st
+    return Option(tuple(st.with_codec(None) if st.codec is not None else st
                         for st in option.steps))
 
 
@@ -216,7 +216,7 @@ def _partner_twins(option: Option, partner: str | None) -> list[Option]:
     for n in range(1, len(comps) + 1):
         for chosen in itertools.combinations(comps, n):
             out.append(Option(tuple(
-                Step(op.kind, device=op.device, codec=partner)
+                op.step.with_codec(partner)
                 if (op.kind is Kind.COMP and op.index in chosen) or (
                     op.kind is Kind.DECOMP and op.origin is not None
                     and op.origin.index in chosen) else op.step
@@ -290,7 +290,7 @@ class PlanContext:
 
         def make() -> _Model:
             priced = _cached(_PRICED, priced_key, make_priced)
-            constraints = self._restrict_to_profiled_devices(self.constraints)
+            constraints = self._restrict_to_profiles(self.constraints)
             return _Model(priced, constraints)
 
         model = _cached(_MODELS, (*priced_key, self.constraints), make)
@@ -321,13 +321,12 @@ class PlanContext:
             groups.setdefault(self.size_index[tensors[i].numel], []).append(i)
         self.size_groups = {u: np.array(m, dtype=np.int64) for u, m in groups.items()}
 
-    def _restrict_to_profiled_devices(self, constraints: Constraints) -> Constraints:
+    def _restrict_to_profiles(self, constraints: Constraints) -> Constraints:
         """A profile measured on one device only (e.g. the worker's GPU) forbids the other;
         mixed Options need the partner's profile on the devices left (and a partner other
         than the job's compressor)."""
         assert self.costs is not None
-        partner = constraints.partner
-        if partner == self.compressor:
+        if constraints.partner == self.compressor:
             constraints = constraints.without_partner()
         if self.free_compression:
             return constraints

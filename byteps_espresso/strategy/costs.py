@@ -327,7 +327,7 @@ class Pricer:
         prev = self._before(prog, op)
         e = self.extent(prev.shards if prev is not None else ())
         comm = _Comm(p, bw, lat, resource, scope, e, e * FLOAT32_BYTES, active,
-                     payload_count(op.forwards, self._group), self.sizes_of(op.codec))
+                     self.sizes_of(op.codec), payload_count(op.forwards, self._group))
         return _COMM_MODELS[op.kind](self, comm)
 
 
@@ -342,8 +342,8 @@ class _Comm(NamedTuple):
     e: np.ndarray  # extent, elements
     dense: np.ndarray  # extent, bytes of float32
     active: int  # workers per machine holding data
+    sizes: CompressedSizes  # payload bytes of the compressor whose payloads move here
     q: int = 1  # payloads each member moves (an earlier gather's, forwarded)
-    sizes: CompressedSizes | None = None  # payload bytes of the compressor moved here
 
     def task(self, msgs: float | np.ndarray, nbytes: np.ndarray) -> list[_Task]:
         """A collective on the group's link: ``msgs`` latencies + ``nbytes`` over it."""

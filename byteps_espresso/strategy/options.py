@@ -164,6 +164,10 @@ class Step:
         """This compute step on ``device`` (its compressor kept)."""
         return Step(self.kind, device=device, codec=self.codec)
 
+    def with_codec(self, codec: str | None) -> Step:
+        """This compute step with compressor ``codec`` (None: the job's), on its device."""
+        return Step(self.kind, device=self.device, codec=codec)
+
     @classmethod
     def parse(cls, text: str) -> Step:
         """Parse ``"Comp(gpu)"``, ``"Decomp(cpu,fp16)"`` or ``"AlltoallC(intra)"``.

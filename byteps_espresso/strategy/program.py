@@ -337,7 +337,7 @@ class _Walk:
                "feeds": None, "sleepers": self.rooted(), "payloads": (),
                "forwards": self.payloads if self.form is Form.SUM and not step.kind.is_compute
                else (),
-               "piece_shards": None, "origin": None}
+               "piece_shards": None, "origin": None, "codec": None}
         if step.kind is Kind.COMP:
             self.codec = step.codec
             makes = self._comp(i, row)
@@ -432,7 +432,7 @@ def compile_option(option: Option) -> Program:
     ops = tuple(Op(i, step, r["takes"], r["makes"], pairs[i] if r["opens"] else None,
                    pairs[r["closes"]] if r["closes"] is not None else None, r["shards"],
                    r["piece_shards"], r["payloads"], r["forwards"], r["chunks"], r["feeds"],
-                   r["origin"], r["sleepers"], r["rooted"], r.get("codec"))
+                   r["origin"], r["sleepers"], r["rooted"], r["codec"])
                 for i, (step, r) in enumerate(zip(steps, rows, strict=True)))
     return Program(option, ops, tuple(pairs[j] for j in sorted(pairs)))
 

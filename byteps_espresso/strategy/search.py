@@ -288,17 +288,12 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
             # nothing waits for it and host compression cannot shorten the iteration
             if i + 1 < n and now[3][i] <= now[2][i + 1]:
                 continue
-            keep, _ = ctx.evaluator.best_of(choice, i, cpu_front[size_idx[i]], current=now[:2])
-            if keep != choice[i]:
-                choice[i] = keep
-                now = ctx.evaluator.schedule(choice)
+            now = _take_best(ctx, choice, i, cpu_front[size_idx[i]], now)
+            keep = int(choice[i])
             if not options[keep].is_compressed:
                 continue
         table = ctx.placements(keep)
-        best_k, _ = ctx.evaluator.best_of(choice, i, table[table >= 0], current=now[:2])
-        if best_k != keep:
-            choice[i] = best_k
-            now = ctx.evaluator.schedule(choice)
+        now = _take_best(ctx, choice, i, table[table >= 0], now)
     return choice
 
 
@@ -318,21 +313,27 @@ def _refine_twins(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
         table = ctx.twins(keep)
         if len(table) < 2:
             continue
-        best_k, _ = ctx.evaluator.best_of(choice, i, table, current=now[:2])
-        if best_k != keep:
-            choice[i] = best_k
-            now = ctx.evaluator.schedule(choice)
-            if options[best_k].partners and ctx.constraints.allow_cpu \
-                    and ctx.constraints.allow_gpu:
-                # the partner's steps may pay on the other device (the devices Algorithm 2
-                # and the device refinement chose were for the job's compressor there)
-                placed = ctx.placements(best_k)
-                best_k, _ = ctx.evaluator.best_of(choice, i, placed[placed >= 0],
-                                                  current=now[:2])
-                if best_k != choice[i]:
-                    choice[i] = best_k
-                    now = ctx.evaluator.schedule(choice)
+        now = _take_best(ctx, choice, i, table, now)
+        taken = int(choice[i])
+        if taken != keep and options[taken].partners and ctx.constraints.allow_cpu \
+                and ctx.constraints.allow_gpu:
+            # the partner's steps may pay on the other device (the devices Algorithm 2 and
+            # the device refinement chose were for the job's compressor there)
+            placed = ctx.placements(taken)
+            now = _take_best(ctx, choice, i, placed[placed >= 0], now)
     return choice
+
+
+def _take_best(ctx: PlanContext, choice: np.ndarray, i: int, candidates: np.ndarray,
+               now: tuple) -> tuple:
+    """Tensor ``i`` on the best of ``candidates`` with the others fixed (``choice`` is
+    changed in place; a tie keeps the current option); returns the schedule of ``choice``
+    (``now`` when nothing changed)."""
+    best_k, _ = ctx.evaluator.best_of(choice, i, candidates, current=now[:2])
+    if best_k == choice[i]:
+        return now
+    choice[i] = best_k
+    return ctx.evaluator.schedule(choice)
 
 
 @contextlib.contextmanager

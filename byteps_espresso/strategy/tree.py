@@ -152,9 +152,8 @@ class Constraints:
             return False
         if option.partners and option.partners != {self.partner}:
             return False
-        shape_ok = not ((option.is_hierarchical and self.flat_only)
-                        or (not option.is_hierarchical and self.hierarchical_only))
-        return shape_ok
+        return not ((option.is_hierarchical and self.flat_only)
+                    or (not option.is_hierarchical and self.hierarchical_only))
 
     def without_partner(self) -> Constraints:
         """These constraints with the job's compressor only (for a job whose compressor is
@@ -462,7 +461,7 @@ def _pairs_job_compressor(markers: Iterable) -> bool:
     """Whether a partner, if any Comp uses it, is paired with a Comp of the job's compressor
     (the partner inside the machine, the job's compressor between machines)."""
     codecs = {codec for kind, codec in markers if kind is Kind.COMP}
-    return codecs <= {None} or None in codecs
+    return not codecs or None in codecs
 
 
 @functools.lru_cache(maxsize=64)
