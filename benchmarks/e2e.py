@@ -19,9 +19,11 @@ on one fixed held-out batch (examples/train.py ``--eval-every``; evaluation time
 of the clock). Per run: the training seconds until the held-out loss first reaches the
 target (``--target-loss``, default fp32's final held-out loss x1.05, median over rounds),
 the final held-out loss, the throughput (global batch over the median iteration time of the
-epochs after the first) and the start-up split into profiling, planning and trials (rank 0's
-step clock, its "planned in" log line and ``trials.json``), also in fp32 iterations, and what
-it cost beyond the same first steps of the round's fp32 run ("beyond", fp32 iterations). Each
+epochs after the first) and the start-up split into profiling, planning, the plan's
+iterations through a compressor's warm-up (the trials wait for its steady state) and trials
+(rank 0's step clock, its "planned in" log line and ``trials.json``), also in fp32
+iterations, and what it cost beyond the same first steps of the round's fp32 run ("beyond",
+fp32 iterations). Each
 strategy runs ``--repeats`` times, interleaved with the others (so slow phases of a shared,
 noisy machine hit every strategy alike); the table shows medians over the rounds. The
 planner's predicted iteration time (``predicted_ms`` written by rank 0; fp32's: BytePS'
@@ -131,7 +133,8 @@ def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
             "startup_s": _median([s.total_s for s in startups]),
             "startup_beyond_fp32_s": _median([b for b in beyond if b is not None]),
             "startup_runs": [{"profiling_s": s.profiling_s, "planning_s": s.planning_s,
-                              "trials_s": s.trials_s, "before_first_step_s": s.before_s,
+                              "warmup_s": s.warmup_s, "trials_s": s.trials_s,
+                              "before_first_step_s": s.before_s,
                               "steps": s.steps} for s in startups],
             # per run: (tensors compressed, tensors) by the strategy it ended with
             "compressed_tensors": [compressed_tensors(p) if p is not None else None
@@ -214,20 +217,21 @@ def _fmt(value: float | None, spec: str, width: int, none: str = "-", unit: str 
 def _accuracy_table(rows: list[dict]) -> str:
     """The leading table: time to the target loss, final loss and start-up per strategy."""
     lines = [f"{'Gbit/s':>6} {'strategy':9} {'compressor':10} {'to target':>10} {'vs fp32':>8} "
-             f"{'final loss':>10} {'vs fp32':>8} {'start-up s':>10} {'(prof+plan+trials)':>19} "
+             f"{'final loss':>10} {'vs fp32':>8} {'start-up s':>10} "
+             f"{'(prof+plan+warm-up+trials)':>26} "
              f"{'fp32 its':>8} {'beyond':>6}  compressed"]
     for r in rows:
         never = f"never {r['reached']}/{len(r['time_to_target_s_runs'])}"
         parts = r["startup_runs"]
         split = "+".join(f"{_median([p[k] for p in parts]):.1f}"
-                         for k in ("profiling_s", "planning_s", "trials_s"))
+                         for k in ("profiling_s", "planning_s", "warmup_s", "trials_s"))
         comp = ",".join("-" if c is None else ("none" if c[0] == 0 else f"{c[0]}/{c[1]}")
                         for c in r["compressed_tensors"])
         lines.append(
             f"{r['gbps']:6g} {r['strategy']:9} {r['compressor']:10} "
             f"{_fmt(r['time_to_target_s'], '.1f', 10, never, 's')} "
             f"{_fmt(r['time_vs_fp32'], '.2f', 8, unit='x')} {r['final_heldout_loss']:10.3f} "
-            f"{_fmt(r['loss_vs_fp32'], '.3f', 8, unit='x')} {r['startup_s']:10.1f} {split:>19} "
+            f"{_fmt(r['loss_vs_fp32'], '.3f', 8, unit='x')} {r['startup_s']:10.1f} {split:>26} "
             f"{_fmt(r['startup_fp32_iterations'], '.0f', 8)} "
             f"{_fmt(r['startup_beyond_fp32_iterations'], '.0f', 6)}  {comp}")
     return "\n".join(lines)

@@ -108,14 +108,18 @@ class RunResult:
             if match:
                 before = float(match.group(1))
         planned_at = ends[min(profile_steps, len(ends)) - 1]  # the last profiled step plans
+        start = profile_steps  # the step the trials begin at (later after a warm-up)
         trial_steps = 0
         trials = profile / "trials.json" if profile is not None else None
         if trials is not None and trials.exists():
             data = json.loads(trials.read_text())
             trial_steps = sum(len(f["iteration_ms"]) for f in data["finalists"])
-        steps = min(profile_steps + trial_steps, len(ends))
-        return Startup(planned_at - planning, planning, ends[steps - 1] - planned_at,
-                       before_s=before, steps=steps)
+            start = max(start, int(data.get("start", start)))
+        start = min(start, len(ends))
+        steps = min(start + trial_steps, len(ends))
+        begun = ends[start - 1]
+        return Startup(planned_at - planning, planning, ends[steps - 1] - begun,
+                       warmup_s=begun - planned_at, before_s=before, steps=steps)
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,9 @@ class Startup:
         profiling_s: the profiled (uncompressed) iterations, planning left out.
         planning_s: the planner's search (rank 0's "planned in" log line).
         trials_s: the finalists' trial iterations (0 without trials).
+        warmup_s: the planned strategy's iterations before the trials, while the compressor's
+            schedule runs (dgc's sparsity warm-up; worker/optimizer.py): training under the
+            plan, part of the start-up only in that the kept strategy comes after them.
         before_s: before the first step, outside the training clock: rank 0 loading the
             planner's kernels (once per process).
         steps: the steps until the first under the kept strategy (profiled + trials).
@@ -134,12 +141,13 @@ class Startup:
     profiling_s: float
     planning_s: float
     trials_s: float
+    warmup_s: float = 0.0
     before_s: float = 0.0
     steps: int = 0
 
     @property
     def total_s(self) -> float:
-        return self.profiling_s + self.planning_s + self.trials_s
+        return self.profiling_s + self.planning_s + self.warmup_s + self.trials_s
 
     def beyond_s(self, fp32: RunResult) -> float | None:
         """Seconds beyond what ``fp32``'s run took for the same first :attr:`steps` (the
@@ -164,8 +172,10 @@ class Startup:
                 per += f" (= {beyond * 1e3 / fp32_iteration_ms:.0f})"
         if self.before_s:
             per += f"; before the first step: {self.before_s:.2f} s loading the planner"
+        warmup = (f" + the plan through the compressor's warm-up {self.warmup_s:.1f}"
+                  if self.warmup_s else "")
         return (f"{self.total_s:.1f} s (profiling {self.profiling_s:.1f} + planning "
-                f"{self.planning_s:.2f} + trials {self.trials_s:.1f}){per}")
+                f"{self.planning_s:.2f}{warmup} + trials {self.trials_s:.1f}){per}")
 
 
 def target_loss(fp32_runs: Sequence[RunResult], given: float | None) -> float:

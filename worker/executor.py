@@ -638,7 +638,7 @@ class Engine:
         return lane_of(name, self.lanes)
 
     def submit(self, name: str, tensor: torch.Tensor, option: Option,
-               lane: int | None = None) -> Handle:
+               lane: int | None = None, step: int | None = None) -> Handle:
         """Start ``option`` on ``tensor``; every rank must submit in the same order per lane.
 
         Args:
@@ -646,21 +646,26 @@ class Engine:
             tensor: this rank's values; not modified.
             option: the program to run.
             lane: force a lane (default: :meth:`lane_of`).
+            step: the iteration to stamp, from :meth:`next_step` (default: the next one of
+                ``name``'s counter).
 
         Returns:
             A :class:`Handle` for the dense sum over all workers.
         """
-        step = self.next_step(name)
+        if step is None:
+            step = self.next_step(name)
         lane = self.lane_of(name) if lane is None else lane
         handle = Handle(name, deferred=True)
         self._queues[lane % self.lanes].put(
             (handle, lambda ex: ex.start(option, tensor, name=name, step=step)))
         return handle
 
-    def next_step(self, name: str) -> int:
-        """Tensor ``name``'s iteration counter, then counted one on (what :meth:`submit`
-        stamps on each run; PS rounds and random draws follow it)."""
-        step = self._steps.get(name, 0)
+    def next_step(self, name: str, at_least: int = 0) -> int:
+        """Tensor ``name``'s iteration counter, raised to ``at_least`` first, then counted one
+        on (what :meth:`submit` stamps on each run; PS rounds, random draws and compressor
+        schedules follow it). Raising it keeps the counter strictly increasing, as the
+        servers' rounds of a key must."""
+        step = max(self._steps.get(name, 0), at_least)
         self._steps[name] = step + 1
         return step
 

@@ -510,6 +510,7 @@ class _Sync:
         self._profile_steps = compression.profile_steps(self.session)
         self.probes = None
         self.trials: Trials | None = None
+        self._trials_from = 0  # the iteration the trials' first one runs (see _apply_plan)
         self.buckets: list[_Bucket] = []
         if self._profile_steps == 0:
             self._apply_plan(None)
@@ -602,11 +603,15 @@ class _Sync:
             self.probes.issue(self.engine, self.iteration)
 
     def _start(self, bucket: _Bucket, flat: torch.Tensor, option: Option) -> Handle:
+        # A bucket's counter is at least the training's iteration, so compressor schedules
+        # (dgc's sparsity warm-up, PowerSGD's start_iter) follow the training, not the
+        # bucket: a layout that a plan or a trial brings in at iteration 30 does not start
+        # its warm-up over, nor does a bucket coming back after a trial resume where it left.
+        step = self.engine.next_step(bucket.name, self.iteration)
         if self.lowrank is None:
-            return self.engine.submit(bucket.name, flat, option)
+            return self.engine.submit(bucket.name, flat, option, step=step)
         # PowerSGD runs its matrix products and both sums on the bucket's lane, counting
         # the bucket's iterations as a submitted Option would (PS rounds, start_iter).
-        step = self.engine.next_step(bucket.name)
         lowrank, name, members, offsets = self.lowrank, bucket.name, bucket.tensors, \
             bucket.offsets
         return self.engine.call(
@@ -723,7 +728,10 @@ class _Sync:
                     self.compression.excluded(self.session, self.params),
                     tuple(Bucket.of(b.tensors) for b in self.buckets)))
         elif self.trials is not None:
-            self._trial_step()
+            if self.iteration > self._trials_from:
+                self._trial_step()
+            elif self.iteration == self._trials_from:
+                self._begin_trials()
         self.ended = time.perf_counter()
 
     # ---- non-finite gradients -----------------------------------------------------------------
@@ -843,6 +851,11 @@ class _Sync:
         self._use_strategy(kept)
         self.trials = None
 
+    def _begin_trials(self) -> None:
+        assert self.trials is not None
+        if self.trials.current is not self.trials.finalists[0]:  # the first is running
+            self._use_strategy(self.trials.current)
+
     def _use_strategy(self, strategy: Any) -> None:
         if [b.tensors for b in strategy.layout] != [b.tensors for b in self.buckets]:
             # Finalists may submit in different orders (the fp32 one keeps the profiled
@@ -890,10 +903,15 @@ class _Sync:
                                                             for n in self.order]))
         self.options = self._checked(plan.options)
         if plan.finalists:
+            # The trials measure the steady state the planner priced: through a compressor's
+            # schedule (dgc's sparsity warm-up, whose first stage sends a quarter of each
+            # gradient) the planned strategy trains, and the trials follow it.
+            steady = self.codec.steady_step if self.codec is not None else 0
+            self._trials_from = max(self.iteration, steady)
             self.trials = Trials(plan.finalists, self.session.runtime.cfg.trial_steps,
-                                 fp32_ms=plan.fp32_ms)
-            if self.trials.current is not plan.finalists[0]:  # the first is the profile's
-                self._use_strategy(self.trials.current)
+                                 fp32_ms=plan.fp32_ms, start=self._trials_from)
+            if self.iteration == self._trials_from:
+                self._begin_trials()
         if self.codec is not None:
             self.engine = self.session.runtime.engine(self.codec)
 

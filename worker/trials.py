@@ -79,13 +79,15 @@ class Trials:
             every rank), a time to race against from the first finalist on, and the measured
             time of the ``fp32`` finalist, which then trains no trial iterations (the caller
             gives it the profiled iterations' buckets); None: none.
+        start: the training iteration the first trial iteration runs (``trials.json`` records
+            it; later than the plan where a compressor's schedule runs first).
 
     Raises:
         ValueError: fewer than two finalists or steps < 2.
     """
 
     def __init__(self, finalists: Sequence[Any], steps: int,
-                 fp32_ms: float | None = None) -> None:
+                 fp32_ms: float | None = None, start: int = 0) -> None:
         if len(finalists) < 2:
             raise ValueError("trials need at least two finalists")
         if steps < 2:
@@ -94,6 +96,7 @@ class Trials:
         self.finalists = list(finalists)
         self.steps = steps
         self.fp32_ms = fp32_ms
+        self.start = start
         self.times_ms: list[list[float]] = [[] for _ in self.finalists]
         self.stopped: set[int] = set()  # finalists stopped early (see the module docstring)
         # Finalists measured by the profiled iterations (see fp32_ms): no trial of their own.
@@ -198,7 +201,7 @@ class Trials:
                    for i, (s, ms, times) in enumerate(zip(self.finalists, measured,
                                                           self.times_ms, strict=True))]
         atomic_write_text(out / "trials.json", json.dumps(
-            {"steps": self.steps, "kept": self.finalists[kept].algorithm,
+            {"steps": self.steps, "start": self.start, "kept": self.finalists[kept].algorithm,
              "finalists": entries}, indent=1) + "\n")
         self.finalists[kept].save(out / "strategy.json")
         log.info("wrote trials.json and the kept strategy to %s; ESPRESSO_STRATEGY=%s "

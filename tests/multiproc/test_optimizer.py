@@ -136,6 +136,16 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
     assert all(t["ready_gap_us"] >= 0 for t in workload["tensors"])
 
 
+def _run_trials(tmp_path, cluster, compression, steps):
+    """2 profiled steps, then trials of 2 steps per finalist; files under tmp_path/profile."""
+    env = {"ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "2",
+           "ESPRESSO_PROFILE_OUT": str(tmp_path / "profile")}
+    with cluster.ps_job(servers=1) as root:
+        cluster.run_workers("optimizer_worker.py",
+                            [str(tmp_path), compression, "1", str(steps)],
+                            root_port=root, servers=1, timeout=150, extra_env=env)
+
+
 @pytest.mark.timeout(200)
 def test_trials_switch_strategies_in_step_and_every_rank_keeps_the_same(tmp_path, cluster):
     """2 profiled steps, then every finalist (the plan, the runnable baselines and the plan
@@ -145,12 +155,7 @@ def test_trials_switch_strategies_in_step_and_every_rank_keeps_the_same(tmp_path
     trials.json names, the fastest measured."""
     out = tmp_path / "profile"
     steps = 2 + 2 * 7 + 2
-    env = {"ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "2",
-           "ESPRESSO_PROFILE_OUT": str(out)}
-    with cluster.ps_job(servers=1) as root:
-        cluster.run_workers("optimizer_worker.py",
-                            [str(tmp_path), "espresso-trials", "1", str(steps)],
-                            root_port=root, servers=1, timeout=150, extra_env=env)
+    _run_trials(tmp_path, cluster, "espresso-trials", steps)
     expected = _expected(1, 2)
     for step in range(steps):
         got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
@@ -166,3 +171,27 @@ def test_trials_switch_strategies_in_step_and_every_rank_keeps_the_same(tmp_path
     assert trials["kept"] == finalists[measured.index(min(measured))]["algorithm"]
     assert {(tmp_path / f"kept_{r}.txt").read_text() for r in range(WORLD)} == {trials["kept"]}
     assert json.loads((out / "strategy.json").read_text())["algorithm"] == trials["kept"]
+
+
+@pytest.mark.timeout(200)
+def test_trials_wait_for_the_compressors_warm_up(tmp_path, cluster):
+    """dgc with a sparsity warm-up of worker.WARMUP iterations, planned after 2 profiled steps:
+    the plan trains through the warm-up and the trials begin where the payloads reach the
+    size the planner priced. Every bucket counts the training's iterations, whichever layout
+    (the plan's, a finalist's) brought it in, so the warm-up does not start over."""
+    out = tmp_path / "profile"
+    steps = worker.WARMUP + 2 * 7 + 2
+    _run_trials(tmp_path, cluster, "espresso-warmup", steps)
+    for step in range(steps):
+        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
+        for r in range(1, WORLD):
+            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+    trials = json.loads((out / "trials.json").read_text())
+    assert trials["start"] == worker.WARMUP
+    measured = [f for f in trials["finalists"] if not f["profiled"]]
+    assert len(measured) >= 2 and all(len(f["iteration_ms"]) == 2 for f in measured)
+    assert {(tmp_path / f"kept_{r}.txt").read_text() for r in range(WORLD)} == {trials["kept"]}
+    for r in range(WORLD):
+        counters = json.loads((tmp_path / f"counters_{r}.json").read_text())
+        assert counters["iteration"] == steps
+        assert counters["buckets"] == dict.fromkeys(counters["buckets"], steps)

@@ -69,3 +69,19 @@ def test_startup_splits_profiling_planning_and_trials(tmp_path):
     assert run.startup(3, tmp_path / "none") == Startup(3.25, 0.25, 0.0, before_s=0.3, steps=3)
     assert run.startup(0, profile).total_s == 0.0
     assert Startup(0.0, 0.0, 0.0).text(5.0) == "none"
+
+
+def test_startup_counts_the_plan_through_a_warm_up_before_the_trials(tmp_path):
+    # 2 profiled steps (the second plans), the plan trains steps 2-4 through the compressor's
+    # warm-up, the trials begin at step 5 (trials.json's "start"): 2 finalists x 1 step
+    ends = [1.0, 2.0, 2.5, 3.0, 3.5, 4.5, 5.5, 6.0]
+    run = _run(tmp_path, "w", [], ends, ["[worker 0] 2026 profiler: planned in 500.0 ms:"])
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    (profile / "trials.json").write_text(json.dumps(
+        {"steps": 1, "start": 5, "kept": "espresso", "finalists": [
+            {"iteration_ms": [1000.0]}, {"iteration_ms": [1000.0]}]}))
+    s = run.startup(2, profile)
+    assert s == Startup(1.5, 0.5, 2.0, warmup_s=1.5, steps=7)
+    assert s.total_s == 5.5  # the end of step 6, the last trial
+    assert "the plan through the compressor's warm-up 1.5" in s.text()

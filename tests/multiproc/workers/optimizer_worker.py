@@ -4,13 +4,16 @@ Usage: optimizer_worker.py OUT_DIR COMPRESSION PASSES STEPS. COMPRESSION is a na
 ``bps.Compression``, ``espresso`` (random-k planned after ESPRESSO_PROFILE_STEPS uncompressed
 iterations), ``espresso-trials`` (the same, with every alternative a finalist of the
 measured trials, however slow its prediction), ``espresso-traffic`` (the same on a wider
-model whose profiled push/pulls price the PS path instead of the large PS probe) or
-``dgc`` (DGC's recipe: the optimizer's momentum moves before communication). Each rank's
+model whose profiled push/pulls price the PS path instead of the large PS probe),
+``espresso-warmup`` (dgc with a sparsity warm-up of WARMUP iterations, every alternative a
+finalist: the trials wait for the warm-up to end) or ``dgc`` (DGC's recipe: the optimizer's
+momentum moves before communication). Each rank's
 batches are drawn from a generator seeded by (rank, step, pass), so the test recomputes
 them. After every step the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy
 (no pickle); at the end the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt.
 """
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ from byteps_espresso.worker import profiler
 import byteps_espresso.torch as bps
 
 WIDE = 8192
+WARMUP = 6  # espresso-warmup's sparsity warm-up, in iterations
 
 
 def batch(rank: int, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,9 +57,11 @@ def main() -> None:
                     p.add_(0.5)
         bps.broadcast_parameters(net.state_dict(), root_rank=0)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        if compression == "espresso-trials":
+        if compression in ("espresso-trials", "espresso-warmup"):
             profiler._TRIAL_WITHIN = float("inf")  # every alternative a finalist, however slow
-        if compression == "dgc":  # DGC's recipe: momentum applied before communication
+        if compression == "espresso-warmup":
+            spec = bps.Compression.espresso("dgc", ratio=0.5, warmup_steps=WARMUP)
+        elif compression == "dgc":  # DGC's recipe: momentum applied before communication
             spec = bps.Compression.espresso("dgc", ratio=0.5, momentum_correction=True)
         elif compression.startswith("espresso"):
             spec = bps.Compression.espresso("randomk", ratio=0.5)
@@ -82,6 +88,10 @@ def main() -> None:
         (out / f"momentum_{bps.rank()}.txt").write_text(str(opt.param_groups[0]["momentum"]))
         strategy = bps.planned_strategy()
         (out / f"kept_{bps.rank()}.txt").write_text(strategy.algorithm if strategy else "-")
+        sync = opt._bps  # each bucket's iteration counter against the training's
+        counters = {b.name: sync.session.runtime.counters.get(b.name) for b in sync.buckets}
+        (out / f"counters_{bps.rank()}.json").write_text(json.dumps(
+            {"iteration": sync.iteration, "buckets": counters}))
     finally:
         bps.shutdown()
 
