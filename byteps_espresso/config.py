@@ -298,7 +298,9 @@ VARIABLES: tuple[Variable, ...] = (
              "warm-up; the fastest measured is kept; one trailing the fastest so far, or "
              "the profiled fp32 iterations, by over 1.3x after 2 timed iterations stops "
              "there; the fp32 finalist is measured by the profiled iterations that ran no "
-             "probes). Below 2: use the planned strategy at once."),
+             "probes). They begin after the compressor's schedule (dgc's warm-up), which "
+             "the planned strategy trains through. Below 2: use the planned strategy at "
+             "once."),
     Variable("ESPRESSO_BUCKET_CAP_MB", "bucket_cap_mb", _bucket_cap, None,
              "Tensor fusion: gradients ready together in backward order are synchronized as "
              "one bucket of at most this many MiB (0: every gradient alone). `auto`: the "
