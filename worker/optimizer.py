@@ -596,8 +596,9 @@ class _Sync:
         if bucket.flagged:
             flat[-1] = 1.0 if self.bad else 0.0
         self.handles.append((bucket, self._start(bucket, flat, option)))
-        # Probes follow the last bucket of a profiled iteration: the same point of every
-        # rank's submission order, queued behind the synchronization they share the host with.
+        # The compressor's timings follow the last bucket of a profiled iteration: the same
+        # point of every rank's submission order, beside the synchronization they share the
+        # host with (the link probes follow it, in synchronize()).
         if (self.submitted + 1 == len(self.buckets) and self.options is None
                 and self.probes is not None):
             self.probes.issue(self.engine, self.iteration)
@@ -718,7 +719,8 @@ class _Sync:
         self.iteration += 1
         self.synced = True
         if self.options is None:
-            if self.probes is not None:  # they overlap this synchronization, not the next forward
+            if self.probes is not None:  # before the next forward, which runs alone
+                self.probes.issue_links(self.engine, self.iteration - 1)
                 self.probes.wait(timeout)
             self.starts.append(time.perf_counter())
             if self.iteration >= self._profile_steps:

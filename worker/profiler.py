@@ -567,7 +567,21 @@ class LaneProbes:
 
     # ---- issuing -----------------------------------------------------------------------------
     def issue(self, engine: Any, iteration: int) -> None:
-        """Queue one round of probes in the lanes (same call on every rank)."""
+        """Queue the compressor's timings of a probing iteration in a lane, beside the fp32
+        synchronization (same call on every rank, after its last bucket)."""
+        # The compressor needs no warm-up: its kernels were loaded at construction. It runs
+        # on the lane the iteration's link probes leave free.
+        if self.codec is not None and probe_lanes(iteration, engine.lanes):
+            self.handles.append(engine.call(iteration + 1, self._spending(
+                "compressor", iteration, self._codec), "espresso.probe.codec"))
+
+    def issue_links(self, engine: Any, iteration: int) -> None:
+        """Queue one round of link probes in a lane, once the iteration's synchronization is
+        over (same call on every rank). Beside it they queued behind its traffic on the
+        shaped links: the small all-reduce between machines took 5.5-17 ms where the link has
+        no latency of its own, and a 1 Gbit/s link read as 0.9-2.1 Gbit/s, a 0.25 Gbit/s one
+        as 0.19-0.20 (BENCHMARKS.md, "End-to-end"). The latencies training sees are fitted to
+        its own steps afterwards (:func:`in_training_latency`)."""
         lanes = probe_lanes(iteration, engine.lanes)
         if not lanes:
             return
@@ -577,11 +591,6 @@ class LaneProbes:
             self.handles.append(engine.call(lane, self._spending(
                 "links", iteration, lambda ex, lane=lane, first=first: self._links(
                     ex, lane, first)), "espresso.probe.links"))
-        # The compressor needs no warm-up: its kernels were loaded at construction. It runs
-        # on the lane after the links' (lanes run side by side).
-        if self.codec is not None:
-            self.handles.append(engine.call(iteration + 1, self._spending(
-                "compressor", iteration, self._codec), "espresso.probe.codec"))
 
     def wait(self, timeout: float) -> None:
         """Wait for every probe queued so far (raises a probe's error)."""
