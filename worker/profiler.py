@@ -226,13 +226,25 @@ def _invert(t_small: float, t_large: float, steps: float, volume: float, *,
     return latency, gbps
 
 
+def _probes(topo: Any, scope: Scope) -> bool:
+    """Whether this rank's ``scope`` group runs link probes. Every machine's intra group
+    does; of the ``local_size`` inter groups, which share each machine's NIC, only local rank
+    0's: side by side they split the NIC and queued each other's small probes behind their
+    large ones (a 1 Gbit/s link read as 0.5-0.8 Gbit/s per group with 2-3 ms of latency), and
+    the cost model divides the NIC among the groups itself (strategy/costs.py)."""
+    return topo.size(scope) >= 2 and (scope is Scope.INTRA or topo.index(Scope.INTRA) == 0)
+
+
 def _paused_link_times(session: Session) -> dict[tuple[str, int], float]:
     """Median microseconds per (path, probe size), probed while training is paused: all-reduces
-    on the intra and inter groups and, with servers, push/pulls (all ranks must call it)."""
+    on the intra and inter groups (:func:`_probes`) and, with servers, push/pulls (all ranks
+    must call it)."""
     rt = session.runtime
     transport = rt.transports[0]
     times = {}
     for scope in (Scope.INTRA, Scope.INTER):
+        if not _probes(rt.topology, scope):
+            continue
         for n in (_PROBE_SMALL, _PROBE_LARGE):
             x = torch.ones(n, device=rt.device)
             times[(scope.value, n)] = _time(
@@ -267,7 +279,12 @@ def _cluster(topo: Any, servers: int, cpu_threads: int, times: Mapping[tuple[str
              h2d_gbps: float, *, lanes: int) -> Any:
     """``strategy.Cluster`` from probe times per (path, size in elements), each path's
     smallest and largest probe inverted through the ring all-reduce model per scope and the
-    push/pull model for the servers; ``lanes``: the executor's lanes per worker."""
+    push/pull model for the servers; ``lanes``: the executor's lanes per worker. Only a rank
+    whose groups probed every path can build it (rank 0 does: :func:`_probes`).
+
+    Raises:
+        ValueError: a path of the cluster was not probed on this rank.
+    """
     from byteps_espresso.strategy import Cluster
 
     lat: dict[str, float] = {}
@@ -277,6 +294,9 @@ def _cluster(topo: Any, servers: int, cpu_threads: int, times: Mapping[tuple[str
         if k < 2:  # a group of one: nothing crosses a link
             lat[scope.value], gbps[scope.value] = 0.0, 1e4
             continue
+        if not any(path == scope.value for path, _ in times):
+            raise ValueError(f"no {scope.value} link probes on this rank; the cluster is "
+                             "built where they ran (rank 0)")
         t_small, t_large, n_small, n_large = _two_sizes(times, scope.value)
         lat[scope.value], gbps[scope.value] = _invert(
             t_small, t_large, 2 * (k - 1), 2 * (k - 1) / k, n_small=n_small, n_large=n_large)
@@ -305,11 +325,15 @@ def measure_cluster(session: Session) -> Any:
     """Probe intra, inter and PS links while training is paused (all ranks must call it).
 
     Returns:
-        ``strategy.Cluster`` with the measured latencies and bandwidths.
+        ``strategy.Cluster`` with the measured latencies and bandwidths on rank 0, None on
+        the others (their inter groups do not probe, :func:`_probes`).
     """
     rt = session.runtime
-    return _cluster(rt.topology, rt.cfg.num_servers, rt.cfg.cpu_threads,
-                    _paused_link_times(session), _copy_gbps(rt.device), lanes=rt.lanes)
+    times = _paused_link_times(session)
+    if rt.topology.rank != 0:
+        return None
+    return _cluster(rt.topology, rt.cfg.num_servers, rt.cfg.cpu_threads, times,
+                    _copy_gbps(rt.device), lanes=rt.lanes)
 
 
 def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
@@ -654,7 +678,7 @@ class LaneProbes:
         # lane's first round every size gets an untimed call (first collectives, PS keys).
         small = self._probe[_PROBE_SMALL]
         for scope in (Scope.INTRA, Scope.INTER):
-            if self.topology.size(scope) < 2:
+            if not _probes(self.topology, scope):
                 continue
             for x in self._probe.values() if first else (small,):
                 ex.transport.allreduce(scope, x)
@@ -724,7 +748,8 @@ class LaneProbes:
         :meth:`step_times` gives it for the buckets of ``sizes`` elements, the same on every
         rank (the minimum over ranks). The PS path is inverted from the latency probe and the
         largest push/pull. Should no push/pull of at least ``_TRAFFIC_MIN`` elements have been
-        timed, every rank probes the PS path with training paused."""
+        timed, every rank probes the PS path with training paused. Every rank calls it; the
+        cluster is built on rank 0 (the others return None: :func:`_probes`)."""
         medians = {key: statistics.median(us) for key, us in self.links.items()}
         self.ps_source = "probes"
         if self.ps_from_traffic:
@@ -738,6 +763,8 @@ class LaneProbes:
                 ps = dict([max(ps.items(), key=lambda kv: kv[0][1])])
             medians |= ps
         self.medians = medians
+        if self.topology.rank != 0:
+            return None
         return _cluster(self.topology, self.servers, self.cpu_threads, medians, h2d_gbps,
                         lanes=self.lanes)
 
@@ -822,14 +849,16 @@ class EspressoSpec(CompressionSpec):
         if in_lanes:  # the last member to reach a step measured it: the minimum over ranks
             steps_us = -slowest_across_ranks(
                 session, -probes.step_times(list(profiled), len(session.fp32.steps)))
-        # Paused probes are collectives too: every rank takes them, or none does.
+        # Paused probes are collectives too: every rank takes them, or none does. Rank 0,
+        # which plans, gets the cluster.
         cluster = (probes.cluster(_copy_gbps(rt.device), list(profiled.values()), steps_us,
                                   session) if in_lanes else measure_cluster(session))
-        # shared_host: the fp32 baseline's path; host_device: cpu steps share the cores of
-        # the training device.
-        cluster = cluster.with_(shared_host=rt.shared_host, host_device=rt.device.type == "cpu")
         data: bytes | None = None
         if rt.topology.rank == 0:
+            # shared_host: the fp32 baseline's path; host_device: cpu steps share the cores
+            # of the training device.
+            cluster = cluster.with_(shared_host=rt.shared_host,
+                                    host_device=rt.device.type == "cpu")
             workload = workload_from_offsets(offsets, names, numel)
             codec = self.codec(session)
             costs = probes.costs(list(numel.values())) if in_lanes else measure_costs(

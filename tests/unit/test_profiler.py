@@ -162,6 +162,25 @@ def test_probe_times_at_any_two_sizes_invert_to_the_link_that_made_them(sizes):
     assert c.server_gbps == pytest.approx(per_worker_gbps * 4)  # 4 workers through 1 server
 
 
+def test_one_inter_group_per_machine_probes_and_only_its_ranks_build_the_cluster():
+    """Of the inter groups that share each machine's NIC only local rank 0's probes, so it
+    measures the whole NIC (the cost model divides it among the groups); every machine's
+    intra group probes. A rank without inter probes cannot build the cluster."""
+    from byteps_espresso.strategy.options import Scope
+    from byteps_espresso.worker.profiler import _cluster, _probes
+    from byteps_espresso.worker.topology import Topology
+
+    probing = {(m, r): (_probes(Topology(2, 3, m, r), Scope.INTRA),
+                        _probes(Topology(2, 3, m, r), Scope.INTER))
+               for m in range(2) for r in range(3)}
+    assert probing == {(m, r): (True, r == 0) for m in range(2) for r in range(3)}
+    assert not _probes(Topology(1, 4, 0, 0), Scope.INTER)  # one machine: no inter link
+    assert not _probes(Topology(4, 1, 2, 0), Scope.INTRA)  # one worker per machine
+    intra_only = {("intra", 256): 10.0, ("intra", 1 << 18): 100.0}
+    with pytest.raises(ValueError, match="no inter link probes on this rank"):
+        _cluster(Topology(2, 2, 0, 1), 0, 2, intra_only, 10.0, lanes=2)
+
+
 @pytest.mark.parametrize("lanes", [1, 2, 3])
 def test_probing_rounds_come_first_and_the_lanes_take_turns(lanes):
     from byteps_espresso.worker.profiler import _PROBE_ROUNDS, probe_lanes
