@@ -2,18 +2,20 @@
 
 For the first ``ESPRESSO_PROFILE_STEPS`` iterations the optimizer synchronizes uncompressed
 and its hooks record when each gradient becomes ready. During the first of them
-:class:`LaneProbes` measures every cost the planner needs *inside the engine's lanes, during
-the synchronization of every rank*: right after the last gradient of an iteration is handed
-over, one lane queues a round of link probes (all-reduces of two sizes on the intra and inter
-groups, push/pulls through the servers: of two sizes, or of the latency-bound one where the
-iterations' own push/pulls give the bandwidth) and another times the compressor on the
+:class:`LaneProbes` measures every cost the planner needs *inside the engine's lanes*: right
+after the last gradient of an iteration is handed over, one lane times the compressor on the
 model's own tensor sizes on both devices (torch backend on the training device, numba
-backend through the host pool); ``step()`` waits for them, so the next forward pass runs
-alone and the ready times stay clean. The costs are measured under the same contention as
-the Options that will run there: other workers sharing the host and still finishing their
-backward, the interpreter lock. (Probes taken while training is paused saw 0.4-0.8 ms per
-collective where training saw 1-7 ms on a host whose cores the local workers share; see
-BENCHMARKS.md, "Worker runtime".) The first ``max(_PROBE_ROUNDS, lanes)`` profiled
+backend through the host pool), beside the synchronization, under the contention its Options
+will run in (other workers sharing the host and still finishing their backward, the
+interpreter lock); once the synchronization is over, another lane runs a round of link probes
+on idle links (all-reduces of two sizes on the intra groups and local rank 0's inter group,
+push/pulls through the servers: of two sizes, or of the latency-bound one where the
+iterations' own push/pulls give the bandwidth). ``step()`` waits for them, so the next
+forward pass runs alone and the ready times stay clean. The latencies that training sees are
+then fitted to the profiled iterations' own steps (:func:`in_training_latency`; probes taken
+while training is paused saw 0.4-0.8 ms per collective where training saw 1-7 ms on a host
+whose cores the local workers share; see BENCHMARKS.md, "Worker runtime"). The first
+``max(_PROBE_ROUNDS, lanes)`` profiled
 iterations probe, one lane each, a lane's first round opening with an untimed call per size
 and path (:func:`probe_lanes`); the compressor is timed within a time budget per round.
 
@@ -519,10 +521,11 @@ class LaneProbes:
     """Link and compressor probes run in the engine's lanes during profiled iterations.
 
     :meth:`issue` is called by the optimizer right after it hands over the last gradient of
-    each profiled iteration, so the probes run behind and next to the fp32 synchronization,
-    on every rank at the same point of the lanes' order (collectives must be issued in the
-    same order everywhere), in the iterations :func:`probe_lanes` names. The planner uses
-    the medians over the rounds.
+    each profiled iteration, so the compressor's timings run next to the fp32
+    synchronization, and :meth:`issue_links` once that synchronization is over, on every
+    rank at the same point of the lanes' order (collectives must be issued in the same order
+    everywhere), in the iterations :func:`probe_lanes` names. The planner uses the medians
+    over the rounds.
 
     Args:
         session: the process's session (topology, servers, device, host pool).
