@@ -162,13 +162,23 @@ def test_probe_times_at_any_two_sizes_invert_to_the_link_that_made_them(sizes):
     assert c.server_gbps == pytest.approx(per_worker_gbps * 4)  # 4 workers through 1 server
 
 
+def test_a_large_probe_no_slower_than_the_small_one_gives_a_bandwidth_bound():
+    from byteps_espresso.worker.profiler import _invert
+
+    # 1 MiB in 1.51 ms after 2.72 ms for 256 floats (a loopback run): at least 5.6 Gbit/s
+    latency, gbps = _invert(2720.0, 1510.0, 2, 1.0, n_small=256, n_large=1 << 18)
+    assert gbps == pytest.approx((1 << 18) * 32 / 1510.0 / 1e3)
+    assert latency == pytest.approx((2720.0 - 256 * 32 / (gbps * 1e3)) / 2)
+
+
 def test_one_inter_group_per_machine_probes_and_only_its_ranks_build_the_cluster():
     """Of the inter groups that share each machine's NIC only local rank 0's probes, so it
     measures the whole NIC (the cost model divides it among the groups); every machine's
     intra group probes. A rank without inter probes cannot build the cluster."""
-    from byteps_espresso.strategy.options import Scope
     from byteps_espresso.worker.profiler import _cluster, _probes
     from byteps_espresso.worker.topology import Topology
+
+    from byteps_espresso.strategy.options import Scope
 
     probing = {(m, r): (_probes(Topology(2, 3, m, r), Scope.INTRA),
                         _probes(Topology(2, 3, m, r), Scope.INTER))
