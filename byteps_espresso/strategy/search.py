@@ -100,8 +100,7 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
             if use_bubbles and i + 1 < n and keep in uncompressed and done[i] <= ready[i + 1]:
                 continue
             # ties keep the current option, whose time the schedule already holds
-            best_k, _ = evaluator.best_of(choice, i, fronts.index[size_idx[i]],
-                                          current=now[:2])
+            best_k, _ = evaluator.best_of(choice, i, fronts.index[size_idx[i]], current=now)
             if best_k != keep:
                 choice[i] = best_k
                 changed = True
@@ -329,7 +328,7 @@ def _take_best(ctx: PlanContext, choice: np.ndarray, i: int, candidates: np.ndar
     """Tensor ``i`` on the best of ``candidates`` with the others fixed (``choice`` is
     changed in place; a tie keeps the current option); returns the schedule of ``choice``
     (``now`` when nothing changed)."""
-    best_k, _ = ctx.evaluator.best_of(choice, i, candidates, current=now[:2])
+    best_k, _ = ctx.evaluator.best_of(choice, i, candidates, current=now)
     if best_k == choice[i]:
         return now
     choice[i] = best_k
