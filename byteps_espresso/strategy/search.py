@@ -104,7 +104,7 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
             if best_k != keep:
                 choice[i] = best_k
                 changed = True
-                now = evaluator.schedule(choice)
+                now = evaluator.reschedule(choice, i, now)
         if not changed:
             break
         # Later passes revisit only sizes down to the smallest compressed tensor: below it,
@@ -332,7 +332,7 @@ def _take_best(ctx: PlanContext, choice: np.ndarray, i: int, candidates: np.ndar
     if best_k == choice[i]:
         return now
     choice[i] = best_k
-    return ctx.evaluator.schedule(choice)
+    return ctx.evaluator.reschedule(choice, i, now)
 
 
 @contextlib.contextmanager

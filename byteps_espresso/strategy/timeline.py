@@ -69,6 +69,7 @@ TRACE_ROOM = 4
 _I0 = np.int64(0)
 _NONE = np.int64(-1)
 _NO = np.bool_(False)
+_YES = np.bool_(True)
 
 
 @numba.njit(cache=True)
@@ -151,11 +152,12 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
     of done times reached best_s - tol (done times only add up).
 
     record: write each task's start and end, and the trace of the run into ``out``
-    (:func:`_trace_state`). follow: ``trace`` is the trace of ``choice`` itself; from the first
-    tensor i >= oi after which this run's state is the traced one (:func:`_same_state`) every
-    later tensor is scheduled as traced, so its done time is read from the trace instead of
-    simulated (the sums, maxima and bounds still run in the same order: the same floats as
-    simulating; the busy intervals and lanes are left as they were at that tensor).
+    (:func:`_trace_state`). follow: ``trace`` is the trace of ``choice`` itself (but for
+    tensor oi); from the first tensor i >= oi after which this run's state is the traced one
+    (:func:`_same_state`) every later tensor is scheduled as traced, so its done time is read
+    from the trace instead of simulated (the sums, maxima and bounds still run in the same
+    order: the same floats as simulating; the busy intervals and lanes are left as they were
+    at that tensor, and a recording run copies the rest of its trace, not its tasks).
     """
     bwd = acc[0]
     last = acc[1]
@@ -198,6 +200,8 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
             return False
         if follow and i >= oi and bwd == trace[0][i] and \
                 _same_state(starts, ends, count, acc, bwd, i, trace):
+            if record:  # the rest of the run is the trace's
+                _copy_trace(out, trace, i + 1, j1)
             return _replay(acc, gaps, i + 1, j1, rest, bwd, last, sdone, forward, best_t,
                            best_s, tol, trace)
     acc[0] = bwd
@@ -260,6 +264,45 @@ def _trace_state(starts, ends, count, acc, bwd, i, out):  # pragma: no cover  # 
             iv[pos, 1] = ends[r, q]
             pos += 1
     off[i + 1] = pos
+
+
+@numba.njit(cache=True)
+def _copy_trace(out, trace, j0, j1):  # pragma: no cover - compiled
+    """Tensors j0..j1-1 of ``trace`` into ``out`` (whose tensors before j0 are recorded)."""
+    cnt, off, iv = out[3], out[4], out[5]
+    pos = off[j0]
+    for m in range(j0, j1):
+        out[0][m] = trace[0][m]
+        out[1][m] = trace[1][m]
+        out[2][m] = trace[2][m]
+        src = trace[4][m]
+        for r in range(cnt.shape[1]):
+            k = trace[3][m, r]
+            if k < 0 or pos + k > iv.shape[0]:
+                cnt[m, r] = -1
+            else:
+                cnt[m, r] = k
+                iv[pos:pos + k] = trace[5][src:src + k]
+                pos += k
+            src += max(k, 0)
+        off[m + 1] = pos
+
+
+@numba.njit(cache=True)
+def _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_res, cat_dur, n_res, task_start,  # noqa: PLR0917
+                task_end, out, old):  # pragma: no cover - compiled
+    """Simulate and trace ``choice`` into ``out``, where the traced ``old`` is the schedule of
+    the same strategy but for tensor i: the tensors before i are copied from it, and the run
+    from i on starts from its state before i and follows it (_advance)."""
+    starts, ends, count, acc = _schedule_state(n_res, _capacity(choice, cat_len), lane)
+    j0 = _I0
+    if i > 0 and _from_trace(starts, ends, count, acc, i - 1, old):
+        _copy_trace(out, old, _I0, i)
+        j0 = i
+    _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, gaps.shape[0], i,
+             choice[i], cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, _YES, task_start,
+             task_end, out, _YES, old)
+    return acc[0], acc[1], acc[2]
 
 
 @numba.njit(cache=True)
@@ -861,6 +904,8 @@ class Evaluator:
                   np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0))
         _best_of(np.ones(1), one, lane, one, 0, one, lens, res, dur, len(RESOURCES), 0.0, 1e-6,
                  -1, np.inf, np.inf, True, none)
+        _resimulate(np.ones(1), one, lane, one, 0, lens, res, dur, len(RESOURCES),
+                    np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0), _new_trace(1, 0))
         _best_group(np.ones(1), one, lane, one, one, one, lens, res, dur, len(RESOURCES), 0.0,
                     np.inf, 1e-6)
         _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
@@ -943,6 +988,22 @@ class Evaluator:
         """The :class:`Schedule` of ``choice``: its first two fields are what :meth:`best_of`
         compares, bit for bit."""
         bwd, last, sdone, _, _, trace = self._run(np.asarray(choice, dtype=np.int64))
+        return Schedule(self.forward_us + max(bwd, last), sdone, trace[0], trace[1], trace)
+
+    def reschedule(self, choice: np.ndarray, i: int, old: Schedule) -> Schedule:
+        """The :class:`Schedule` of ``choice`` where ``old`` is the schedule of the same
+        strategy but for tensor ``i`` (equal to :meth:`schedule`, bit for bit): the tensors
+        before i are old's, and the rest is simulated from old's traced state before i until
+        the run's state is old's again (as :meth:`best_of` follows a trace)."""
+        choice = np.asarray(choice, dtype=np.int64)
+        n = len(self.gaps)
+        width = self._res.shape[1]
+        trace = _new_trace(n, max(int(self.lane.max()) + 1, 0))
+        bwd, last, sdone = _resimulate(self.gaps, self.size_idx, self.lane, choice, int(i),
+                                       self._len, self._res, self._dur, len(RESOURCES),
+                                       np.empty((n, width)), np.empty((n, width)), trace,
+                                       old.trace)
+        self.calls += 1
         return Schedule(self.forward_us + max(bwd, last), sdone, trace[0], trace[1], trace)
 
     def timeline(self, choice: np.ndarray) -> Timeline:

@@ -270,7 +270,8 @@ def test_following_the_schedule_s_trace_gives_every_candidate_s_exact_floats(mod
     """A candidate's run started from the traced state before its tensor, and read from the
     trace once its state is the traced one, ends with the same (time, sum of synchronized
     times), bit for bit, as simulating the whole strategy; so best_of given the Schedule
-    chooses as best_of given its first two fields does."""
+    chooses as best_of given its first two fields does. Rescheduling from the old schedule
+    gives the new one's times, bit for bit, too."""
     from byteps_espresso.strategy import timeline as tl
 
     rng = np.random.default_rng(len(model))
@@ -295,5 +296,9 @@ def test_following_the_schedule_s_trace_gives_every_candidate_s_exact_floats(mod
             work[i] = k
             alone = ev.schedule(work)
             assert followed == (k, alone.iteration_us, alone.sum_done_us)
+            again = ev.reschedule(work, i, now)
+            assert again[:2] == alone[:2]
+            assert np.array_equal(again.ready_us, alone.ready_us)
+            assert np.array_equal(again.done_us, alone.done_us)
         assert ev.best_of(choice, i, cands, current=now) == \
             ev.best_of(choice, i, cands, current=now[:2])
