@@ -123,12 +123,13 @@ def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarra
     Tensors of one size are interchangeable for the cost model; moving them together escapes
     the plateau where compressing any single one does not shorten the iteration because the
     others still hold the link."""
-    current = ctx.iteration_us(choice)
+    now = ctx.evaluator.schedule(choice)
     for u, group in ctx.size_groups.items():
-        best_k, current = ctx.evaluator.best_group(choice, group, front_idx[u], current)
+        best_k, _ = ctx.evaluator.best_group(choice, group, front_idx[u], now)
         if best_k >= 0:
             choice[group] = best_k
-    return current
+            now = ctx.evaluator.schedule(choice)
+    return now.iteration_us
 
 
 @dataclass(frozen=True)

@@ -438,16 +438,21 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
 
 @numba.njit(cache=True)
 def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
-                bound):  # pragma: no cover - compiled
+                bound, follow, trace, first, last):  # pragma: no cover - compiled
     """Iteration time of ``work`` if it is below ``bound``, else inf (the run stops as soon as
-    its lower bound reaches ``bound``)."""
+    its lower bound reaches ``bound``). follow: ``trace`` is the trace of a strategy that
+    differs from ``work`` only at tensors first..last; the run starts from its state before
+    ``first`` (where traced) and follows it after ``last`` (_advance)."""
     cap = _capacity(work, cat_len)
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     dummy = np.zeros((1, 1))
     none = _no_trace()
-    ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, _I0, gaps.shape[0], _NONE,
-                  _I0, cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0, False, dummy, dummy,
-                  none, False, none)
+    j0 = _I0
+    if follow and first > 0 and _from_trace(starts, ends, count, acc, first - 1, trace):
+        j0 = first
+    ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, gaps.shape[0], last,
+                  work[max(last, 0)], cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0,
+                  False, dummy, dummy, none, follow, trace)
     if ok:
         t = forward + max(acc[0], acc[1])
         if t < bound:
@@ -457,17 +462,19 @@ def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, fo
 
 @numba.njit(cache=True)
 def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
-                forward, current, tol):  # pragma: no cover - compiled
+                forward, current, tol, follow, trace):  # pragma: no cover - compiled
     """The candidate that, given to every tensor in ``members`` (others as in choice), gives
-    an iteration time below current - tol, the lowest such; (-1, current) if none does."""
+    an iteration time below current - tol, the lowest such; (-1, current) if none does.
+    follow: ``trace`` is choice's own (_time_below)."""
     work = choice.copy()
     best_k = -1
     best_t = current
+    first, last = members.min(), members.max()
     for c in range(cands.shape[0]):
         for m in range(members.shape[0]):
             work[members[m]] = cands[c]
         t = _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, forward,
-                        best_t - tol)
+                        best_t - tol, follow, trace, first, last)
         if t < best_t - tol:
             best_k = cands[c]
             best_t = t
@@ -481,9 +488,10 @@ def _best_row(gaps, size_idx, lane, rows, cat_len, cat_res, cat_dur, n_res, forw
     order as a running best; (-1, current) if none is below."""
     best_r = -1
     best_t = current
+    none = _no_trace()
     for r in range(rows.shape[0]):
         t = _time_below(gaps, size_idx, lane, rows[r], cat_len, cat_res, cat_dur, n_res, forward,
-                        best_t - tol)
+                        best_t - tol, False, none, _I0, _NONE)
         if t < best_t - tol:
             best_r = r
             best_t = t
@@ -807,6 +815,8 @@ class Evaluator:
         # Each tensor's executor lane, or -1 everywhere when the cluster sets no lane count.
         self.lane = np.array([lane_of(t.name, lanes) if lanes else -1
                               for t in workload.tensors], dtype=np.int64)
+        # the lanes a trace records
+        self._lanes = max(int(self.lane.max()) + 1, 0) if len(self.lane) else 0
         self.forward_us = workload.forward_time_us
         self.catalogue = catalogue if catalogue is not None else Catalogue(pricer)
         self.add(options)
@@ -846,7 +856,7 @@ class Evaluator:
         n_res = len(RESOURCES)
         ts = np.zeros((n, width))
         te = np.zeros((n, width))
-        trace = _new_trace(n, max(int(self.lane.max()) + 1, 0))
+        trace = _new_trace(n, self._lanes)
         bwd, last, sdone = _simulate(self.gaps, self.size_idx, self.lane, choice, self._len,
                                      self._res, self._dur, n_res, True, ts, te, trace)
         self.calls += 1
@@ -907,20 +917,25 @@ class Evaluator:
         _resimulate(np.ones(1), one, lane, one, 0, lens, res, dur, len(RESOURCES),
                     np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0), _new_trace(1, 0))
         _best_group(np.ones(1), one, lane, one, one, one, lens, res, dur, len(RESOURCES), 0.0,
-                    np.inf, 1e-6)
+                    np.inf, 1e-6, True, none)
         _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
                         np.ones((1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1,
                         lens, res, dur, len(RESOURCES), 0.0, np.inf, 1e-6, 10,
                         np.zeros((2, len(RESOURCES))), np.zeros(2))
 
     def best_group(self, choice: np.ndarray, members: np.ndarray, candidates: np.ndarray,
-                   current: float, tol: float = 1e-6) -> tuple[int, float]:
+                   current: float | Schedule, tol: float = 1e-6) -> tuple[int, float]:
         """The candidate option that, given to all ``members`` at once, gives the shortest
-        iteration below ``current - tol``; returns (index, time), or (-1, current)."""
+        iteration below ``current - tol``; returns (index, time), or (-1, current).
+        ``current``: an iteration time, or ``choice``'s own :meth:`schedule`, whose trace the
+        runs then follow (as :meth:`best_of` does: the same answer, sooner)."""
         cands = np.asarray(candidates, dtype=np.int64)
+        trace = current.trace if isinstance(current, Schedule) else None
+        bound = current.iteration_us if isinstance(current, Schedule) else current
         k, t = _best_group(self.gaps, self.size_idx, self.lane, np.asarray(choice, dtype=np.int64),
                            np.asarray(members, dtype=np.int64), cands, self._len, self._res,
-                           self._dur, len(RESOURCES), self.forward_us, current, tol)
+                           self._dur, len(RESOURCES), self.forward_us, float(bound), tol,
+                           trace is not None, trace if trace is not None else self._no_trace)
         self.calls += len(cands)
         return int(k), float(t)
 
@@ -998,7 +1013,7 @@ class Evaluator:
         choice = np.asarray(choice, dtype=np.int64)
         n = len(self.gaps)
         width = self._res.shape[1]
-        trace = _new_trace(n, max(int(self.lane.max()) + 1, 0))
+        trace = _new_trace(n, self._lanes)
         bwd, last, sdone = _resimulate(self.gaps, self.size_idx, self.lane, choice, int(i),
                                        self._len, self._res, self._dur, len(RESOURCES),
                                        np.empty((n, width)), np.empty((n, width)), trace,

@@ -270,8 +270,8 @@ def test_following_the_schedule_s_trace_gives_every_candidate_s_exact_floats(mod
     """A candidate's run started from the traced state before its tensor, and read from the
     trace once its state is the traced one, ends with the same (time, sum of synchronized
     times), bit for bit, as simulating the whole strategy; so best_of given the Schedule
-    chooses as best_of given its first two fields does. Rescheduling from the old schedule
-    gives the new one's times, bit for bit, too."""
+    chooses as best_of given its first two fields does (and best_group as given the time).
+    Rescheduling from the old schedule gives the new one's times, bit for bit, too."""
     from byteps_espresso.strategy import timeline as tl
 
     rng = np.random.default_rng(len(model))
@@ -302,3 +302,7 @@ def test_following_the_schedule_s_trace_gives_every_candidate_s_exact_floats(mod
             assert np.array_equal(again.done_us, alone.done_us)
         assert ev.best_of(choice, i, cands, current=now) == \
             ev.best_of(choice, i, cands, current=now[:2])
+    for u, group in ctx.size_groups.items():  # the group moves follow it the same way
+        cands = np.unique(np.concatenate([gpu[u], cpu[u]]))
+        assert ev.best_group(choice, group, cands, now) == \
+            ev.best_group(choice, group, cands, now.iteration_us)
