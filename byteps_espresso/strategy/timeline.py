@@ -61,11 +61,12 @@ TRACE_ROOM = 4
 # Scalars the kernels pass to one another. A literal (0, -1, False) in a call between numba
 # functions is typed as that literal value, and each distinct literal compiles the callee once
 # more (_advance was compiled four times, 1-5 s each on a cold cache); these typed values keep
-# one compiled version per callee. The exceptions are _advance's ``record`` and ``follow``: the
-# calls that never record (never follow) pass a literal False, so that the versions of _advance
-# they compile drop those branches from its inner loop (Algorithm 2's branch and bound on BERT
-# ran 1.6x slower with a run-time ``record``, 1.1x with a run-time ``follow``). Three versions
-# in all: recording, following (best_of's candidates) and neither.
+# one compiled version per callee. The exception is _advance's ``record``: the calls that never
+# record pass a literal False, so that one second version of _advance drops the recording
+# branches from its inner loop (Algorithm 2's branch and bound on BERT ran 1.6x slower with a
+# run-time flag). ``follow`` is a run-time flag (typed _NO where a call never follows): it
+# costs the branch and bound at most 2% of its instructions (callgrind, BERT on 8 x 8 PCIe +
+# 25 Gbit/s with efsignsgd) and keeps _advance at two compiled versions.
 _I0 = np.int64(0)
 _NONE = np.int64(-1)
 _NO = np.bool_(False)
@@ -409,7 +410,7 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
     if not (follow and i > 0 and _from_trace(starts, ends, count, acc, i - 1, trace)):
         _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, _I0, i, _NONE, _I0,
                  cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, none,
-                 False, none)
+                 _NO, none)
     s2 = np.empty((n_res, cap))
     e2 = np.empty((n_res, cap))
     c2 = np.empty(n_res, dtype=np.int64)
@@ -491,7 +492,7 @@ def _best_row(gaps, size_idx, lane, rows, cat_len, cat_res, cat_dur, n_res, forw
     none = _no_trace()
     for r in range(rows.shape[0]):
         t = _time_below(gaps, size_idx, lane, rows[r], cat_len, cat_res, cat_dur, n_res, forward,
-                        best_t - tol, False, none, _I0, _NONE)
+                        best_t - tol, _NO, none, _I0, _NONE)
         if t < best_t - tol:
             best_r = r
             best_t = t
@@ -615,7 +616,7 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
         nodes += 1
         ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, j1, _NONE, _I0,
                       cat_len, cat_res, cat_dur, forward, best_t, -np.inf, tol, False, dummy,
-                      dummy, none, False, none)
+                      dummy, none, _NO, none)
         if ok and j1 == n:
             t = forward + max(acc[0], acc[1])
             if t < best_t - tol:
