@@ -100,12 +100,11 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
             if use_bubbles and i + 1 < n and keep in uncompressed and done[i] <= ready[i + 1]:
                 continue
             # ties keep the current option, whose time the schedule already holds
-            best_k, _ = evaluator.best_of(choice, i, fronts.index[size_idx[i]],
-                                          current=now[:2])
+            best_k, _ = evaluator.best_of(choice, i, fronts.index[size_idx[i]], current=now)
             if best_k != keep:
                 choice[i] = best_k
                 changed = True
-                now = evaluator.schedule(choice)
+                now = evaluator.reschedule(choice, i, now)
         if not changed:
             break
         # Later passes revisit only sizes down to the smallest compressed tensor: below it,
@@ -124,12 +123,13 @@ def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarra
     Tensors of one size are interchangeable for the cost model; moving them together escapes
     the plateau where compressing any single one does not shorten the iteration because the
     others still hold the link."""
-    current = ctx.iteration_us(choice)
+    now = ctx.evaluator.schedule(choice)
     for u, group in ctx.size_groups.items():
-        best_k, current = ctx.evaluator.best_group(choice, group, front_idx[u], current)
+        best_k, _ = ctx.evaluator.best_group(choice, group, front_idx[u], now)
         if best_k >= 0:
             choice[group] = best_k
-    return current
+            now = ctx.evaluator.schedule(choice)
+    return now.iteration_us
 
 
 @dataclass(frozen=True)
@@ -329,11 +329,11 @@ def _take_best(ctx: PlanContext, choice: np.ndarray, i: int, candidates: np.ndar
     """Tensor ``i`` on the best of ``candidates`` with the others fixed (``choice`` is
     changed in place; a tie keeps the current option); returns the schedule of ``choice``
     (``now`` when nothing changed)."""
-    best_k, _ = ctx.evaluator.best_of(choice, i, candidates, current=now[:2])
+    best_k, _ = ctx.evaluator.best_of(choice, i, candidates, current=now)
     if best_k == choice[i]:
         return now
     choice[i] = best_k
-    return ctx.evaluator.schedule(choice)
+    return ctx.evaluator.reschedule(choice, i, now)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,10 @@ Model (one representative worker per machine; all workers are symmetric):
 - Iteration time = forward time + max(end of backward, end of the last task).
 
 The scheduling kernel is compiled with numba (cached on disk); the search evaluates
-thousands of strategies through :meth:`Evaluator.iteration_us`.
+thousands of strategies through :meth:`Evaluator.iteration_us` and :meth:`Evaluator.best_of`.
+A :class:`Schedule` carries the trace of its run (after each tensor, what the rest of the run
+depends on: ``_trace_state``); best_of starts its candidates from the traced state before
+their tensor and stops simulating a candidate once its state is the traced one again.
 
 Example:
     >>> ev = Evaluator(workload, pricer, options)
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -40,12 +44,19 @@ from byteps_espresso.strategy.costs import GPU, RESOURCES, Pricer, StepTasks
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["Catalogue", "Evaluator", "Task", "Timeline"]
+__all__ = ["Catalogue", "Evaluator", "Schedule", "Task", "Timeline"]
 
 
 # A task may start in an idle gap before the last BACKFILL_WINDOW busy intervals of its
 # resource at the earliest; older gaps are treated as gone (bounds the scan per task).
 BACKFILL_WINDOW = 16
+# A traced schedule (Evaluator.schedule) keeps, per tensor and resource, at most this many busy
+# intervals ahead of the backward (bounds the tracing work per tensor); a state with more is
+# not traced and best_of never follows the trace there: only its speed depends on these two.
+TRACE_DEPTH = 32
+# Room for traced intervals per tensor and resource, on average; past it, the later tensors'
+# states are not traced (as if deeper than TRACE_DEPTH).
+TRACE_ROOM = 4
 
 # Scalars the kernels pass to one another. A literal (0, -1, False) in a call between numba
 # functions is typed as that literal value, and each distinct literal compiles the callee once
@@ -53,27 +64,29 @@ BACKFILL_WINDOW = 16
 # one compiled version per callee. The exception is _advance's ``record``: the calls that never
 # record pass a literal False, so that one second version of _advance drops the recording
 # branches from its inner loop (Algorithm 2's branch and bound on BERT ran 1.6x slower with a
-# run-time flag).
+# run-time flag). ``follow`` is a run-time flag (typed _NO where a call never follows): it
+# costs the branch and bound at most 2% of its instructions (callgrind, BERT on 8 x 8 PCIe +
+# 25 Gbit/s with efsignsgd) and keeps _advance at two compiled versions.
 _I0 = np.int64(0)
 _NONE = np.int64(-1)
 _NO = np.bool_(False)
+_YES = np.bool_(True)
 
 
 @numba.njit(cache=True)
 def _place(starts, ends, count, r, t, d):  # pragma: no cover - compiled  # noqa: PLR0917
     """Earliest start >= t of a d-long task on resource r; inserts it; returns the start."""
     n = count[r]
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ends[r, mid] <= t:
-            lo = mid + 1
-        else:
-            hi = mid
-    idx = lo
-    if idx < n - BACKFILL_WINDOW:  # only the last BACKFILL_WINDOW gaps may be back-filled
-        idx = n - BACKFILL_WINDOW
-        t = max(t, ends[r, idx - 1])
+    # The first interval ending after t, searched back from the last one: only the last
+    # BACKFILL_WINDOW gaps may be back-filled, so the scan stops there (the same index as a
+    # binary search over all intervals clamped to the window, in fewer steps: most tasks go
+    # after every busy interval or into the last few gaps).
+    floor = max(n - BACKFILL_WINDOW, 0)
+    idx = n
+    while idx > floor and ends[r, idx - 1] > t:
+        idx -= 1
+    if idx > 0 and idx == floor and ends[r, idx - 1] > t:
+        t = ends[r, idx - 1]
     while idx < n and starts[r, idx] < t + d:
         t = max(t, ends[r, idx])
         idx += 1
@@ -128,9 +141,9 @@ def _backward(starts, ends, count, t, work):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0917
-             cat_res, cat_dur, forward, best_t, best_s, tol, record, task_start, task_end, ready,
-             done):  # pragma: no cover - compiled
+def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0912, PLR0917
+             cat_res, cat_dur, forward, best_t, best_s, tol, record, task_start, task_end, out,
+             follow, trace):  # pragma: no cover - compiled
     """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]).
 
     acc = [backward end, last task end, sum of tensor done times]. Returns False (and stops)
@@ -138,6 +151,14 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
     iteration time, forward + max(backward so far + the backward still to run, last),
     exceeds best_t + tol, or that bound already rules out a shorter time and the partial sum
     of done times reached best_s - tol (done times only add up).
+
+    record: write each task's start and end, and the trace of the run into ``out``
+    (:func:`_trace_state`). follow: ``trace`` is the trace of ``choice`` itself (but for
+    tensor oi); from the first tensor i >= oi after which this run's state is the traced one
+    (:func:`_same_state`) every later tensor is scheduled as traced, so its done time is read
+    from the trace instead of simulated (the sums, maxima and bounds still run in the same
+    order: the same floats as simulating; the busy intervals and lanes are left as they were
+    at that tensor, and a recording run copies the rest of its trace, not its tasks).
     """
     bwd = acc[0]
     last = acc[1]
@@ -154,7 +175,7 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
         o = ok if i == oi else choice[i]
         u = size_idx[i]
         if record:
-            ready[i] = bwd
+            out[0][i] = bwd
         for j in range(cat_len[o]):
             d = cat_dur[o, u, j]
             if d > 0.0:
@@ -165,9 +186,40 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
             if record:
                 task_end[i, j] = t
         if record:
-            done[i] = t
+            out[1][i] = t
         if lane[i] >= 0:
             acc[3 + lane[i]] = t
+        if record:
+            _trace_state(starts, ends, count, acc, bwd, i, out)
+        sdone += t
+        last = max(last, t)
+        low = forward + max(bwd + rest, last)
+        if low > best_t + tol or (low >= best_t - tol and sdone >= best_s - tol):
+            acc[0] = bwd
+            acc[1] = last
+            acc[2] = sdone
+            return False
+        if follow and i >= oi and bwd == trace[0][i] and \
+                _same_state(starts, ends, count, acc, bwd, i, trace):
+            if record:  # the rest of the run is the trace's
+                _copy_trace(out, trace, i + 1, j1)
+            return _replay(acc, gaps, i + 1, j1, rest, bwd, last, sdone, forward, best_t,
+                           best_s, tol, trace)
+    acc[0] = bwd
+    acc[1] = last
+    acc[2] = sdone
+    return True
+
+
+@numba.njit(cache=True)
+def _replay(acc, gaps, j0, j1, rest, bwd, last, sdone, forward, best_t, best_s, tol,  # noqa: PLR0917
+            trace):  # pragma: no cover - compiled
+    """_advance's accumulators and bound over tensors j0..j1-1 scheduled as ``trace`` has
+    them (its ready and done times), in _advance's order of operations."""
+    for m in range(j0, j1):
+        rest -= gaps[m]
+        bwd = trace[0][m]
+        t = trace[1][m]
         sdone += t
         last = max(last, t)
         low = forward + max(bwd + rest, last)
@@ -179,6 +231,131 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
     acc[0] = bwd
     acc[1] = last
     acc[2] = sdone
+    return True
+
+
+@numba.njit(cache=True)
+def _trace_state(starts, ends, count, acc, bwd, i, out):  # pragma: no cover  # noqa: PLR0917
+    """Record what the rest of a run depends on once tensor i is scheduled: the lanes' free
+    times and, per resource, the busy intervals that end after the backward end ``bwd``,
+    their starts clipped to it. Later tasks start at bwd or later, and where such a task
+    goes (_place: the intervals ending after its earliest start, counted from the last for
+    the back-fill window; _backward the same) reads nothing else, so two runs with the same
+    record at tensor i schedule every later tensor alike. At most TRACE_DEPTH intervals per
+    resource are kept; a state with more is not traced (count -1: never followed).
+
+    out = (ready, done, lanes (n, lanes), count (n, resources), offset (n + 1,),
+    intervals (capacity, 2)): tensor i's intervals are intervals[offset[i]:offset[i + 1]],
+    resource by resource."""
+    lanes, cnt, off, iv = out[2], out[3], out[4], out[5]
+    for q in range(lanes.shape[1]):
+        lanes[i, q] = acc[3 + q]
+    pos = off[i]
+    for r in range(count.shape[0]):
+        k = count[r]
+        while k > 0 and count[r] - k <= TRACE_DEPTH and ends[r, k - 1] > bwd:
+            k -= 1
+        m = count[r] - k
+        if m > TRACE_DEPTH or pos + m > iv.shape[0]:
+            cnt[i, r] = -1
+            continue
+        cnt[i, r] = m
+        for q in range(k, count[r]):
+            iv[pos, 0] = max(starts[r, q], bwd)
+            iv[pos, 1] = ends[r, q]
+            pos += 1
+    off[i + 1] = pos
+
+
+@numba.njit(cache=True)
+def _copy_trace(out, trace, j0, j1):  # pragma: no cover - compiled
+    """Tensors j0..j1-1 of ``trace`` into ``out`` (whose tensors before j0 are recorded)."""
+    cnt, off, iv = out[3], out[4], out[5]
+    pos = off[j0]
+    for m in range(j0, j1):
+        out[0][m] = trace[0][m]
+        out[1][m] = trace[1][m]
+        out[2][m] = trace[2][m]
+        src = trace[4][m]
+        for r in range(cnt.shape[1]):
+            k = trace[3][m, r]
+            if k < 0 or pos + k > iv.shape[0]:
+                cnt[m, r] = -1
+            else:
+                cnt[m, r] = k
+                iv[pos:pos + k] = trace[5][src:src + k]
+                pos += k
+            src += max(k, 0)
+        off[m + 1] = pos
+
+
+@numba.njit(cache=True)
+def _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_res, cat_dur, n_res, task_start,  # noqa: PLR0917
+                task_end, out, old):  # pragma: no cover - compiled
+    """Simulate and trace ``choice`` into ``out``, where the traced ``old`` is the schedule of
+    the same strategy but for tensor i: the tensors before i are copied from it, and the run
+    from i on starts from its state before i and follows it (_advance)."""
+    starts, ends, count, acc = _schedule_state(n_res, _capacity(choice, cat_len), lane)
+    j0 = _I0
+    if i > 0 and _from_trace(starts, ends, count, acc, i - 1, old):
+        _copy_trace(out, old, _I0, i)
+        j0 = i
+    _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, gaps.shape[0], i,
+             choice[i], cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, _YES, task_start,
+             task_end, out, _YES, old)
+    return acc[0], acc[1], acc[2]
+
+
+@numba.njit(cache=True)
+def _from_trace(starts, ends, count, acc, i, trace):  # pragma: no cover  # noqa: PLR0917
+    """The state after tensor i as ``trace`` recorded it (:func:`_trace_state`: what every
+    later tensor's schedule depends on), with the accumulators as _advance has them there;
+    False (nothing changed) where the state was not traced."""
+    cnt, off, iv = trace[3], trace[4], trace[5]
+    for r in range(count.shape[0]):
+        if cnt[i, r] < 0:
+            return False
+    pos = off[i]
+    for r in range(count.shape[0]):
+        m = cnt[i, r]
+        for q in range(m):
+            starts[r, q] = iv[pos, 0]
+            ends[r, q] = iv[pos, 1]
+            pos += 1
+        count[r] = m
+    last = 0.0
+    sdone = 0.0
+    for m in range(i + 1):  # in _advance's order: the same floats
+        t = trace[1][m]
+        sdone += t
+        last = max(last, t)
+    acc[0] = trace[0][i]
+    acc[1] = last
+    acc[2] = sdone
+    for q in range(trace[2].shape[1]):
+        acc[3 + q] = trace[2][i, q]
+    return True
+
+
+@numba.njit(cache=True)
+def _same_state(starts, ends, count, acc, bwd, i, trace):  # pragma: no cover  # noqa: PLR0917
+    """Whether this run's state after tensor i is the one ``trace`` recorded there
+    (:func:`_trace_state`; the caller compared the backward ends). A lane free before bwd
+    delays nothing, so lanes compare clipped to bwd."""
+    lanes, cnt, off, iv = trace[2], trace[3], trace[4], trace[5]
+    for q in range(lanes.shape[1]):
+        if max(acc[3 + q], bwd) != max(lanes[i, q], bwd):
+            return False
+    pos = off[i]
+    for r in range(count.shape[0]):
+        m = cnt[i, r]
+        k = count[r] - m
+        if m < 0 or k < 0 or (k > 0 and ends[r, k - 1] > bwd):
+            return False
+        for q in range(m):
+            if ends[r, k + q] != iv[pos, 1] or max(starts[r, k + q], bwd) != iv[pos, 0]:
+                return False
+            pos += 1
     return True
 
 
@@ -200,29 +377,40 @@ def _schedule_state(n_res, cap, lane):  # pragma: no cover - compiled
 
 @numba.njit(cache=True)
 def _simulate(gaps, size_idx, lane, choice, cat_len, cat_res, cat_dur, n_res, record,  # noqa: PLR0917
-              task_start, task_end, ready, done):  # pragma: no cover - compiled
+              task_start, task_end, out):  # pragma: no cover - compiled
     cap = _capacity(choice, cat_len)
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, _I0, gaps.shape[0], _NONE,
              _I0, cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, record, task_start,
-             task_end, ready, done)
+             task_end, out, _NO, out)
     return acc[0], acc[1], acc[2]
 
 
 @numba.njit(cache=True)
+def _no_trace():  # pragma: no cover - compiled
+    """A trace tuple for runs that neither record nor follow one (the types of a real one)."""
+    return (np.zeros(1), np.zeros(1), np.zeros((1, 1)), np.zeros((1, 1), dtype=np.int64),
+            np.zeros(2, dtype=np.int64), np.zeros((1, 2)))
+
+
+@numba.njit(cache=True)
 def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
-             tol, k0, t0, s0):  # pragma: no cover - compiled
+             tol, k0, t0, s0, follow, trace):  # pragma: no cover - compiled
     """Best candidate option for tensor i, others fixed: lexicographic (iteration time,
     sum of done times) against the incumbent k0 with its (t0, s0) (k0 = -1, t0 = s0 = inf:
-    none); the prefix before i is simulated once and copied per candidate."""
+    none); the state before i is made once and copied per candidate. follow: ``trace`` is
+    choice's own (Evaluator.schedule); the state before i is then the one traced there
+    (when it is, else the prefix is simulated), and a candidate's run stops simulating once
+    its state is the traced one (_advance)."""
     cap = _capacity(choice, cat_len)
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     dummy = np.zeros((1, 1))
-    dummy1 = np.zeros(1)
+    none = _no_trace()
     n = gaps.shape[0]
-    _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, _I0, i, _NONE, _I0, cat_len,
-             cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, dummy1, dummy1)
-    width = count.max()
+    if not (follow and i > 0 and _from_trace(starts, ends, count, acc, i - 1, trace)):
+        _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, _I0, i, _NONE, _I0,
+                 cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, none,
+                 _NO, none)
     s2 = np.empty((n_res, cap))
     e2 = np.empty((n_res, cap))
     c2 = np.empty(n_res, dtype=np.int64)
@@ -231,13 +419,14 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
     best_t = t0
     best_s = s0
     for c in range(cands.shape[0]):
-        s2[:, :width] = starts[:, :width]
-        e2[:, :width] = ends[:, :width]
+        for r in range(n_res):
+            s2[r, :count[r]] = starts[r, :count[r]]
+            e2[r, :count[r]] = ends[r, :count[r]]
         c2[:] = count
         a2[:] = acc
         ok = _advance(s2, e2, c2, a2, gaps, size_idx, lane, choice, i, n, i, cands[c], cat_len,
                       cat_res, cat_dur, forward, best_t, best_s, tol, False, dummy, dummy,
-                      dummy1, dummy1)
+                      none, follow, trace)
         if not ok:
             continue
         t = forward + max(a2[0], a2[1])
@@ -250,16 +439,21 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
 
 @numba.njit(cache=True)
 def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
-                bound):  # pragma: no cover - compiled
+                bound, follow, trace, first, last):  # pragma: no cover - compiled
     """Iteration time of ``work`` if it is below ``bound``, else inf (the run stops as soon as
-    its lower bound reaches ``bound``)."""
+    its lower bound reaches ``bound``). follow: ``trace`` is the trace of a strategy that
+    differs from ``work`` only at tensors first..last; the run starts from its state before
+    ``first`` (where traced) and follows it after ``last`` (_advance)."""
     cap = _capacity(work, cat_len)
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     dummy = np.zeros((1, 1))
-    dummy1 = np.zeros(1)
-    ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, _I0, gaps.shape[0], _NONE,
-                  _I0, cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0, False, dummy, dummy,
-                  dummy1, dummy1)
+    none = _no_trace()
+    j0 = _I0
+    if follow and first > 0 and _from_trace(starts, ends, count, acc, first - 1, trace):
+        j0 = first
+    ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, gaps.shape[0], last,
+                  work[max(last, 0)], cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0,
+                  False, dummy, dummy, none, follow, trace)
     if ok:
         t = forward + max(acc[0], acc[1])
         if t < bound:
@@ -269,17 +463,19 @@ def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, fo
 
 @numba.njit(cache=True)
 def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
-                forward, current, tol):  # pragma: no cover - compiled
+                forward, current, tol, follow, trace):  # pragma: no cover - compiled
     """The candidate that, given to every tensor in ``members`` (others as in choice), gives
-    an iteration time below current - tol, the lowest such; (-1, current) if none does."""
+    an iteration time below current - tol, the lowest such; (-1, current) if none does.
+    follow: ``trace`` is choice's own (_time_below)."""
     work = choice.copy()
     best_k = -1
     best_t = current
+    first, last = members.min(), members.max()
     for c in range(cands.shape[0]):
         for m in range(members.shape[0]):
             work[members[m]] = cands[c]
         t = _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, n_res, forward,
-                        best_t - tol)
+                        best_t - tol, follow, trace, first, last)
         if t < best_t - tol:
             best_k = cands[c]
             best_t = t
@@ -293,9 +489,10 @@ def _best_row(gaps, size_idx, lane, rows, cat_len, cat_res, cat_dur, n_res, forw
     order as a running best; (-1, current) if none is below."""
     best_r = -1
     best_t = current
+    none = _no_trace()
     for r in range(rows.shape[0]):
         t = _time_below(gaps, size_idx, lane, rows[r], cat_len, cat_res, cat_dur, n_res, forward,
-                        best_t - tol)
+                        best_t - tol, _NO, none, _I0, _NONE)
         if t < best_t - tol:
             best_r = r
             best_t = t
@@ -311,13 +508,13 @@ def _exhaustive(gaps, size_idx, lane, allowed, n_allowed, cat_len, cat_res, cat_
     choice = np.empty(n, dtype=np.int64)
     best_choice = np.empty(n, dtype=np.int64)
     dummy = np.zeros((1, 1))
-    dummy1 = np.zeros(1)
+    none = _no_trace()
     best = np.inf
     while True:
         for i in range(n):
             choice[i] = allowed[i, digit[i]]
         bwd, last, _ = _simulate(gaps, size_idx, lane, choice, cat_len, cat_res, cat_dur, n_res,
-                                 _NO, dummy, dummy, dummy1, dummy1)
+                                 _NO, dummy, dummy, none)
         t = forward + max(bwd, last)
         if t < best - 1e-9:
             best = t
@@ -409,7 +606,7 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
     work = choice.copy()
     best_choice = choice.copy()
     dummy = np.zeros((1, 1))
-    dummy1 = np.zeros(1)
+    none = _no_trace()
     q_max = tunit.shape[1]
     depth = _I0
     nodes = 0
@@ -419,7 +616,7 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
         nodes += 1
         ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, j1, _NONE, _I0,
                       cat_len, cat_res, cat_dur, forward, best_t, -np.inf, tol, False, dummy,
-                      dummy, dummy1, dummy1)
+                      dummy, none, _NO, none)
         if ok and j1 == n:
             t = forward + max(acc[0], acc[1])
             if t < best_t - tol:
@@ -510,6 +707,30 @@ class Timeline:
     options: tuple[Option, ...]
 
 
+def _new_trace(n: int, lanes: int) -> tuple:  # type: ignore[type-arg]
+    """Room for the trace of a run of n tensors (see ``_trace_state``)."""
+    n_res = len(RESOURCES)
+    return (np.zeros(n), np.zeros(n), np.zeros((n, lanes)), np.zeros((n, n_res), dtype=np.int64),
+            np.zeros(n + 1, dtype=np.int64), np.empty((n * n_res * TRACE_ROOM, 2)))
+
+
+class Schedule(NamedTuple):
+    """A simulated strategy, as the search compares and follows it.
+
+    Attributes:
+        iteration_us / sum_done_us: the iteration time and the sum of the tensors'
+            synchronized times, the (time, tie-break) pair :meth:`Evaluator.best_of` compares.
+        ready_us / done_us: per tensor, gradient ready and fully synchronized.
+        trace: the state after each tensor that best_of follows (``_trace_state``).
+    """
+
+    iteration_us: float
+    sum_done_us: float
+    ready_us: np.ndarray
+    done_us: np.ndarray
+    trace: tuple  # type: ignore[type-arg]
+
+
 class Catalogue:
     """Priced options as the arrays the kernels read, shared by every evaluator of workloads
     with the same distinct sizes on the same pricer (a strategy is a catalogue index per
@@ -595,11 +816,14 @@ class Evaluator:
         # Each tensor's executor lane, or -1 everywhere when the cluster sets no lane count.
         self.lane = np.array([lane_of(t.name, lanes) if lanes else -1
                               for t in workload.tensors], dtype=np.int64)
+        # the lanes a trace records
+        self._lanes = max(int(self.lane.max()) + 1, 0) if len(self.lane) else 0
         self.forward_us = workload.forward_time_us
         self.catalogue = catalogue if catalogue is not None else Catalogue(pricer)
         self.add(options)
         self.calls = 0
-        self._dummy = (np.zeros((1, 1)), np.zeros(1))  # unused outputs of unrecorded runs
+        self._dummy = np.zeros((1, 1))  # unused outputs of unrecorded runs
+        self._no_trace = _no_trace()
 
     @property
     def options(self) -> list[Option]:
@@ -626,18 +850,18 @@ class Evaluator:
         """Add options to the catalogue (:meth:`Catalogue.add`) and return their indices."""
         return self.catalogue.add(options, priced)
 
-    def _run(self, choice: np.ndarray, record: bool):  # type: ignore[no-untyped-def]
+    def _run(self, choice: np.ndarray):  # type: ignore[no-untyped-def]
+        """Simulate ``choice`` recording every task and the trace best_of follows."""
         n = len(self.gaps)
         width = self._res.shape[1]
-        ts = np.zeros((n, width)) if record else np.zeros((1, 1))
-        te = np.zeros((n, width)) if record else np.zeros((1, 1))
-        ready = np.zeros(n)
-        done = np.zeros(n)
+        n_res = len(RESOURCES)
+        ts = np.zeros((n, width))
+        te = np.zeros((n, width))
+        trace = _new_trace(n, self._lanes)
         bwd, last, sdone = _simulate(self.gaps, self.size_idx, self.lane, choice, self._len,
-                                     self._res, self._dur, len(RESOURCES), record, ts, te, ready,
-                                     done)
+                                     self._res, self._dur, n_res, True, ts, te, trace)
         self.calls += 1
-        return bwd, last, sdone, ts, te, ready, done
+        return bwd, last, sdone, ts, te, trace
 
     def exhaustive(self, allowed: Sequence[Sequence[int]]) -> tuple[float, np.ndarray]:
         """The fastest combination of per-tensor option indices (every one is simulated)."""
@@ -652,23 +876,28 @@ class Evaluator:
         return float(best), choice
 
     def best_of(self, choice: np.ndarray, i: int, candidates: np.ndarray,
-                tol: float = 1e-6, current: tuple[float, float] | None = None) \
+                tol: float = 1e-6, current: tuple[float, float] | Schedule | None = None) \
             -> tuple[int, float]:
         """The candidate option index for tensor ``i`` (others as in ``choice``) with the
         lowest (iteration time, sum of synchronized times), earlier candidates winning ties.
 
-        ``current``: ``choice``'s own (iteration time, sum of synchronized times), from
-        :meth:`schedule`; then ``choice[i]`` is the incumbent that every candidate must beat
-        (ties keep it) and is not simulated again. Returns (index, iteration time)."""
+        ``current``: ``choice``'s own :meth:`schedule` (or its first two fields, the iteration
+        time and the sum of synchronized times); then ``choice[i]`` is the incumbent that every
+        candidate must beat (ties keep it) and is not simulated again. With the whole
+        Schedule, a candidate's run stops simulating at the first tensor after which its
+        state is the schedule's (the rest is read from its trace: the same answer, sooner).
+        Returns (index, iteration time)."""
         cands = np.asarray(candidates, dtype=np.int64)
         choice = np.asarray(choice, dtype=np.int64)
         k0, t0, s0 = -1, np.inf, np.inf
+        trace = current.trace if isinstance(current, Schedule) else None
         if current is not None:
-            k0, (t0, s0) = int(choice[i]), current
+            k0, t0, s0 = int(choice[i]), current[0], current[1]
             cands = cands[cands != k0]
         k, t, _ = _best_of(self.gaps, self.size_idx, self.lane, choice, i, cands, self._len,
                            self._res, self._dur, len(RESOURCES), self.forward_us, tol, k0,
-                           float(t0), float(s0))
+                           float(t0), float(s0), trace is not None,
+                           trace if trace is not None else self._no_trace)
         self.calls += len(cands)
         return int(k), float(t)
 
@@ -681,25 +910,33 @@ class Evaluator:
         res = np.zeros((1, 1), dtype=np.int64)
         dur = np.ones((1, 1, 1))
         lens = np.ones(1, dtype=np.int64)
+        none = _no_trace()
         _simulate(np.ones(1), one, lane, one, lens, res, dur, len(RESOURCES), True,
-                  np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), np.zeros(1))
+                  np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0))
         _best_of(np.ones(1), one, lane, one, 0, one, lens, res, dur, len(RESOURCES), 0.0, 1e-6,
-                 -1, np.inf, np.inf)
+                 -1, np.inf, np.inf, True, none)
+        _resimulate(np.ones(1), one, lane, one, 0, lens, res, dur, len(RESOURCES),
+                    np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0), _new_trace(1, 0))
         _best_group(np.ones(1), one, lane, one, one, one, lens, res, dur, len(RESOURCES), 0.0,
-                    np.inf, 1e-6)
+                    np.inf, 1e-6, True, none)
         _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
                         np.ones((1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1,
                         lens, res, dur, len(RESOURCES), 0.0, np.inf, 1e-6, 10,
                         np.zeros((2, len(RESOURCES))), np.zeros(2))
 
     def best_group(self, choice: np.ndarray, members: np.ndarray, candidates: np.ndarray,
-                   current: float, tol: float = 1e-6) -> tuple[int, float]:
+                   current: float | Schedule, tol: float = 1e-6) -> tuple[int, float]:
         """The candidate option that, given to all ``members`` at once, gives the shortest
-        iteration below ``current - tol``; returns (index, time), or (-1, current)."""
+        iteration below ``current - tol``; returns (index, time), or (-1, current).
+        ``current``: an iteration time, or ``choice``'s own :meth:`schedule`, whose trace the
+        runs then follow (as :meth:`best_of` does: the same answer, sooner)."""
         cands = np.asarray(candidates, dtype=np.int64)
+        trace = current.trace if isinstance(current, Schedule) else None
+        bound = current.iteration_us if isinstance(current, Schedule) else current
         k, t = _best_group(self.gaps, self.size_idx, self.lane, np.asarray(choice, dtype=np.int64),
                            np.asarray(members, dtype=np.int64), cands, self._len, self._res,
-                           self._dur, len(RESOURCES), self.forward_us, current, tol)
+                           self._dur, len(RESOURCES), self.forward_us, float(bound), tol,
+                           trace is not None, trace if trace is not None else self._no_trace)
         self.calls += len(cands)
         return int(k), float(t)
 
@@ -751,28 +988,45 @@ class Evaluator:
 
     def iteration_us(self, choice: np.ndarray) -> float:
         """Iteration time of ``choice`` (option index per tensor), microseconds."""
-        d2, d1 = self._dummy
         bwd, last, _ = _simulate(self.gaps, self.size_idx, self.lane,
                                  np.asarray(choice, dtype=np.int64), self._len, self._res,
-                                 self._dur, len(RESOURCES), False, d2, d2, d1, d1)
+                                 self._dur, len(RESOURCES), False, self._dummy, self._dummy,
+                                 self._no_trace)
         self.calls += 1
         return self.forward_us + max(bwd, last)
 
     def ready_done(self, choice: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
         """(iteration time, gradient ready times, synchronized times) per tensor."""
-        t, _, ready, done = self.schedule(choice)
-        return t, ready, done
+        got = self.schedule(choice)
+        return got.iteration_us, got.ready_us, got.done_us
 
-    def schedule(self, choice: np.ndarray) -> tuple[float, float, np.ndarray, np.ndarray]:
-        """(iteration time, sum of synchronized times, gradient ready times, synchronized
-        times per tensor): the first two are what :meth:`best_of` compares, bit for bit."""
-        bwd, last, sdone, _, _, ready, done = self._run(np.asarray(choice, dtype=np.int64), True)
-        return self.forward_us + max(bwd, last), sdone, ready, done
+    def schedule(self, choice: np.ndarray) -> Schedule:
+        """The :class:`Schedule` of ``choice``: its first two fields are what :meth:`best_of`
+        compares, bit for bit."""
+        bwd, last, sdone, _, _, trace = self._run(np.asarray(choice, dtype=np.int64))
+        return Schedule(self.forward_us + max(bwd, last), sdone, trace[0], trace[1], trace)
+
+    def reschedule(self, choice: np.ndarray, i: int, old: Schedule) -> Schedule:
+        """The :class:`Schedule` of ``choice`` where ``old`` is the schedule of the same
+        strategy but for tensor ``i`` (equal to :meth:`schedule`, bit for bit): the tensors
+        before i are old's, and the rest is simulated from old's traced state before i until
+        the run's state is old's again (as :meth:`best_of` follows a trace)."""
+        choice = np.asarray(choice, dtype=np.int64)
+        n = len(self.gaps)
+        width = self._res.shape[1]
+        trace = _new_trace(n, self._lanes)
+        bwd, last, sdone = _resimulate(self.gaps, self.size_idx, self.lane, choice, int(i),
+                                       self._len, self._res, self._dur, len(RESOURCES),
+                                       np.empty((n, width)), np.empty((n, width)), trace,
+                                       old.trace)
+        self.calls += 1
+        return Schedule(self.forward_us + max(bwd, last), sdone, trace[0], trace[1], trace)
 
     def timeline(self, choice: np.ndarray) -> Timeline:
         """The full schedule of ``choice`` (for reports and plots)."""
         choice = np.asarray(choice, dtype=np.int64)
-        bwd, last, _, ts, te, ready, done = self._run(choice, True)
+        bwd, last, _, ts, te, trace = self._run(choice)
+        ready, done = trace[0], trace[1]
         tasks = []
         for i, o in enumerate(choice):
             priced = self.pricer.tasks(self.options[o])

@@ -257,3 +257,52 @@ def test_mixed_compressors_are_reached_and_never_slow_a_plan():
         without = plan(small, Cluster.preset(4, 4, "pcie", 25), "randomk", {"ratio": 0.01},
                        constraints=Constraints(partner=None))
         assert got.predicted_ms <= without.predicted_ms + 1e-9
+
+
+@pytest.mark.parametrize(("model", "intra", "gbps", "compressor", "lanes"), [
+    ("bert", "pcie", 25, "efsignsgd", None),
+    ("resnet101", "nvlink", 100, "dgc", None),
+    ("ugatit", "pcie", 25, "randomk", 2),
+    ("gpt2", "nvlink", 100, "randomk", 3),
+])
+def test_following_the_schedule_s_trace_gives_every_candidate_s_exact_floats(model, intra, gbps,
+                                                                            compressor, lanes):
+    """A candidate's run started from the traced state before its tensor, and read from the
+    trace once its state is the traced one, ends with the same (time, sum of synchronized
+    times), bit for bit, as simulating the whole strategy; so best_of given the Schedule
+    chooses as best_of given its first two fields does (and best_group as given the time).
+    Rescheduling from the old schedule gives the new one's times, bit for bit, too."""
+    from byteps_espresso.strategy import timeline as tl
+
+    rng = np.random.default_rng(len(model))
+    cluster = Cluster.preset(8, 8, intra, gbps)
+    if lanes:
+        cluster = cluster.with_(lanes=lanes)
+    ctx = PlanContext(Workload.builtin(model), cluster, compressor,
+                      {} if compressor == "efsignsgd" else PARAMS)
+    ctx.prepare()
+    ev = ctx.evaluator
+    gpu, cpu = ctx.fronts(Device.GPU).index, ctx.fronts(Device.CPU).index
+    choice = np.array([rng.choice(gpu[u]) for u in ev.size_idx], dtype=np.int64)
+    now = ev.schedule(choice)
+    for i in rng.choice(ctx.n_tensors, size=20, replace=False).tolist():
+        u = ev.size_idx[i]
+        cands = np.unique(np.concatenate([gpu[u], cpu[u]]))  # GPU work that differs or not
+        for k in cands.tolist():
+            args = (ev.gaps, ev.size_idx, ev.lane, choice, i, np.array([k]), ev._len, ev._res,
+                    ev._dur, len(tl.RESOURCES), ev.forward_us, 1e-6, -1, np.inf, np.inf)
+            followed = tl._best_of(*args, True, now.trace)
+            work = choice.copy()
+            work[i] = k
+            alone = ev.schedule(work)
+            assert followed == (k, alone.iteration_us, alone.sum_done_us)
+            again = ev.reschedule(work, i, now)
+            assert again[:2] == alone[:2]
+            assert np.array_equal(again.ready_us, alone.ready_us)
+            assert np.array_equal(again.done_us, alone.done_us)
+        assert ev.best_of(choice, i, cands, current=now) == \
+            ev.best_of(choice, i, cands, current=now[:2])
+    for u, group in ctx.size_groups.items():  # the group moves follow it the same way
+        cands = np.unique(np.concatenate([gpu[u], cpu[u]]))
+        assert ev.best_group(choice, group, cands, now) == \
+            ev.best_group(choice, group, cands, now.iteration_us)
