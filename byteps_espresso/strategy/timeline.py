@@ -193,11 +193,8 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
             _trace_state(starts, ends, count, acc, bwd, i, out)
         sdone += t
         last = max(last, t)
-        low = forward + max(bwd + rest, last)
-        if low > best_t + tol or (low >= best_t - tol and sdone >= best_s - tol):
-            acc[0] = bwd
-            acc[1] = last
-            acc[2] = sdone
+        if _beaten(forward + max(bwd + rest, last), sdone, best_t, best_s, tol):
+            _keep(acc, bwd, last, sdone)
             return False
         if follow and i >= oi and bwd == trace[0][i] and \
                 _same_state(starts, ends, count, acc, bwd, i, trace):
@@ -205,10 +202,23 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
                 _copy_trace(out, trace, i + 1, j1)
             return _replay(acc, gaps, i + 1, j1, rest, bwd, last, sdone, forward, best_t,
                            best_s, tol, trace)
+    _keep(acc, bwd, last, sdone)
+    return True
+
+
+@numba.njit(cache=True)
+def _beaten(low, sdone, best_t, best_s, tol):  # pragma: no cover - compiled
+    """Whether a run whose iteration is at least ``low`` (sum of done times so far
+    ``sdone``) cannot beat the best one: _advance's and _replay's cut-off."""
+    return low > best_t + tol or (low >= best_t - tol and sdone >= best_s - tol)
+
+
+@numba.njit(cache=True)
+def _keep(acc, bwd, last, sdone):  # pragma: no cover - compiled
+    """Store a run's accumulators where it stopped: backward end, last done, sum of done."""
     acc[0] = bwd
     acc[1] = last
     acc[2] = sdone
-    return True
 
 
 @numba.njit(cache=True)
@@ -222,15 +232,10 @@ def _replay(acc, gaps, j0, j1, rest, bwd, last, sdone, forward, best_t, best_s, 
         t = trace[1][m]
         sdone += t
         last = max(last, t)
-        low = forward + max(bwd + rest, last)
-        if low > best_t + tol or (low >= best_t - tol and sdone >= best_s - tol):
-            acc[0] = bwd
-            acc[1] = last
-            acc[2] = sdone
+        if _beaten(forward + max(bwd + rest, last), sdone, best_t, best_s, tol):
+            _keep(acc, bwd, last, sdone)
             return False
-    acc[0] = bwd
-    acc[1] = last
-    acc[2] = sdone
+    _keep(acc, bwd, last, sdone)
     return True
 
 
