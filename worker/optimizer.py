@@ -607,7 +607,8 @@ class _Sync:
         # A bucket's counter is at least the training's iteration, so compressor schedules
         # (dgc's sparsity warm-up, PowerSGD's start_iter) follow the training, not the
         # bucket: a layout that a plan or a trial brings in at iteration 30 does not start
-        # its warm-up over, nor does a bucket coming back after a trial resume where it left.
+        # its warm-up over, and a bucket back after the trials does not pick up where it
+        # stopped.
         step = self.engine.next_step(bucket.name, self.iteration)
         if self.lowrank is None:
             return self.engine.submit(bucket.name, flat, option, step=step)
