@@ -77,13 +77,15 @@ def _train_args(strategy: str, compressor: str, args: argparse.Namespace) -> lis
     if strategy == "powersgd":
         return [*base, "--compression", "powersgd", "--powersgd-rank", str(args.powersgd_rank),
                 "--powersgd-sums", args.powersgd_sums]
+    low_rank = ["--param", f"rank={args.powersgd_rank}"] if compressor == "powersgd" else []
     return [*base, "--compression", "espresso", "--compressor", compressor,
-            "--ratio", str(args.ratio), "--algorithm", strategy]
+            "--ratio", str(args.ratio), "--algorithm", strategy, *low_rank]
 
 
-def _params(compressor: str, args: argparse.Namespace) -> dict:
-    if compressor == "powersgd":
-        return {"rank": args.powersgd_rank, "sums": args.powersgd_sums}
+def _params(strategy: str, compressor: str, args: argparse.Namespace) -> dict:
+    if compressor == "powersgd":  # planned, the planner chooses where each bucket's sums run
+        return {"rank": args.powersgd_rank} | (
+            {"sums": args.powersgd_sums} if strategy == "powersgd" else {})
     return {"ratio": args.ratio} if compressor in SPARSIFIERS else {}
 
 
@@ -118,7 +120,7 @@ def _row(gbps: float, cell: tuple[str, str], runs: list[RunResult], *,
     beyond = [s.beyond_s(f) for s, f in zip(startups, fp32_runs, strict=False) if s.steps]
     reached = [r.time_to(target) for r in runs]
     return {"gbps": gbps, "strategy": strategy, "compressor": compressor,
-            "params": _params(compressor, args) if strategy != "fp32" else {},
+            "params": _params(strategy, compressor, args) if strategy != "fp32" else {},
             "target_loss": target,
             "time_to_target_s": _median(reached), "time_to_target_s_runs": reached,
             "reached": sum(t is not None for t in reached),
@@ -172,7 +174,7 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
         if strategy == "fp32":
             espresso = next((c for c in cells if c[0] == "espresso"), None)
             predicted = [] if espresso is None else [
-                fp32_prediction(p, espresso[1], _params(espresso[1], args))
+                fp32_prediction(p, espresso[1], _params("espresso", espresso[1], args))
                 for p in profiles[espresso]]
         else:
             predicted = [r.metrics.get("predicted_ms") for r in done]

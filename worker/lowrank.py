@@ -30,6 +30,8 @@ PS key never changes its length. Both count rounds with the bucket's iteration.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,7 +41,7 @@ from byteps_espresso.worker.executor import Executor
 
 from byteps_espresso.strategy.options import Option
 
-__all__ = ["P_SUFFIX", "Q_SUFFIX", "LowRank"]
+__all__ = ["P_SUFFIX", "Q_SUFFIX", "LowRank", "measure_costs"]
 
 #: Names of a bucket's two PowerSGD sums (``<bucket><suffix>``).
 P_SUFFIX, Q_SUFFIX = "#powersgd.p", "#powersgd.q"
@@ -165,6 +167,88 @@ class LowRank:
                                  "this model does not have; load a checkpoint of this model")
             for slot, t in slots.items():
                 getattr(self.state, slot)[n] = t.detach().to(device, copy=True)
+
+
+# ---- costs for the planner -------------------------------------------------------------------
+# Timed calls per product and shape (the median is kept), after one untimed call.
+_COST_REPS = 3
+# Matrices timed at most (the largest and smallest first, then by size): a model's layers
+# repeat a few shapes, and the fit is a line in multiply-adds.
+_COST_SHAPES = 6
+# Shapes timed where the model has fewer than two distinct matrices PowerSGD compresses
+# (rows x columns; a line needs two sizes): a small and a mid-size layer.
+_FALLBACK_SHAPES = ((64, 64), (512, 512))
+
+
+def measure_costs(params: Mapping[str, Any], shapes: Sequence[Sequence[int]],
+                  device: torch.device) -> Any:
+    """PowerSGD's compute costs on ``device`` for the planner (``strategy.lowrank``): its
+    products timed on the model's own matrix shapes, fitted as lines in multiply-adds.
+
+    ``compress`` covers ``P_w = M_w Q`` and, between the sums, the orthogonalization and
+    ``Q_w = M_w^T P^`` (each timed with its multiply-add count); ``decompress`` the
+    reconstruction ``P^ Q^T``. Only ``gpu`` (the training device) is profiled: PowerSGD has no
+    numba backend.
+
+    Returns:
+        ``strategy.CompressorCosts`` with a ``powersgd`` entry.
+    """
+    from byteps_espresso.kernels.powersgd import (
+        compute_p,
+        matrix_shape,
+        reconstruct,
+        worth_compressing,
+    )
+
+    from byteps_espresso.strategy import CompressorCosts
+
+    state = PowerSGD(**{k: v for k, v in params.items() if k in PowerSGD.defaults})
+    rate = float(state.params["min_compression_rate"])
+    mats = sorted({nm for nm in map(matrix_shape, shapes)
+                   if nm is not None and worth_compressing(*nm, state.rank, rate)})
+    if len({n * m for n, m in mats}) < 2:
+        mats = sorted({*mats, *_FALLBACK_SHAPES})
+    if len(mats) > _COST_SHAPES:
+        mats = [mats[0], mats[-1], *mats[1:_COST_SHAPES - 1]]
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for n, m in mats:
+        r = min(n, m, state.rank)
+        matrix = torch.randn(n, m, generator=gen).to(device)
+        q = torch.randn(m, r, generator=gen).to(device)
+        p = compute_p(matrix, q)
+        steps = (("compress", n * m * r, compute_p, (matrix, q)),
+                 ("compress", n * m * r + n * r * r, _q_of, (matrix, p)),
+                 ("decompress", n * m * r, reconstruct, (p, q)))
+        for op, macs, fn, args in steps:
+            samples.append({"compressor": "powersgd", "device": "gpu", "op": op,
+                            "numel": macs, "us": _time(fn, args, device)})
+    return CompressorCosts.fit(samples, note=f"PowerSGD's products timed on {device} at "
+                               "start-up, in multiply-adds; by byteps_espresso.worker.lowrank",
+                               params={"powersgd": dict(params)})
+
+
+def _q_of(matrix: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The work between PowerSGD's two sums: orthogonalize the summed P, then ``M^T P^``."""
+    from byteps_espresso.kernels.powersgd import compute_q, orthogonalize
+
+    return compute_q(matrix, orthogonalize(p))
+
+
+def _time(fn: Any, args: tuple, device: torch.device) -> float:
+    """Median microseconds of ``_COST_REPS`` calls of ``fn(*args)`` after an untimed one."""
+    def synced() -> None:
+        fn(*args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    synced()
+    times = []
+    for _ in range(_COST_REPS):
+        t0 = time.perf_counter()
+        synced()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
 
 
 def _complement(spans: Sequence[tuple[int, int]], numel: int) -> list[tuple[int, int]]:

@@ -55,6 +55,8 @@ from byteps_espresso.strategy.buckets import (
     check_layout,
     layout,
 )
+from byteps_espresso.strategy.lowrank import inner as low_rank_inner
+from byteps_espresso.strategy.lowrank import wrap
 from byteps_espresso.strategy.options import Kind, Option, Scope
 
 __all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "NonFiniteGradientError",
@@ -141,6 +143,7 @@ class StartupProfile:
             synchronized, in submission order (the probes timed their steps).
         excluded: parameters to keep uncompressed (:meth:`CompressionSpec.excluded`).
         layout: those buckets' member gradients, in submission order.
+        shapes: every parameter's shape (low-rank compressors plan with them).
     """
 
     ready: list[dict[str, float]]
@@ -149,6 +152,7 @@ class StartupProfile:
     buckets: dict[str, int] = field(default_factory=dict)
     excluded: frozenset[str] = frozenset()
     layout: tuple[Bucket, ...] = ()
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -206,7 +210,7 @@ class _PowerSGD(CompressionSpec):
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
         buckets = default_layout(session, tensors)
-        option = session.fp32 if self.sums == "ps" else session.allreduce
+        option = wrap(session.fp32 if self.sums == "ps" else session.allreduce)
         return Plan(dict.fromkeys((b.name for b in buckets), option), buckets=buckets)
 
 
@@ -261,10 +265,14 @@ class Compression:
         from byteps_espresso.strategy.tree import Constraints
 
         if compressor in registry.collective_names():
-            raise ValueError(
-                f"{compressor} compresses with all-reduces of its own, which the planner does "
-                f"not price per tensor; use Compression.{compressor}(...) (it runs on every "
-                "bucket, its sums on the job's fp32 path)")
+            if momentum_correction or params.get("warmup_steps"):
+                raise ValueError(f"{compressor}: momentum_correction and warmup_steps are "
+                                 "DGC's; PowerSGD keeps its own error and starts after "
+                                 "start_iter uncompressed iterations")
+            if error_feedback is not None:
+                params = {**params, "error_feedback": error_feedback}
+            registry.create_collective(compressor, **params)  # validates now
+            error_feedback = None
         if not recompress and algorithm == "espresso":
             base = constraints if constraints is not None else Constraints()
             if base.max_lossy is None:
@@ -610,15 +618,17 @@ class _Sync:
         # its warm-up over, and a bucket back after the trials does not pick up where it
         # stopped.
         step = self.engine.next_step(bucket.name, self.iteration)
-        if self.lowrank is None:
+        sums = low_rank_inner(option) if self.lowrank is not None else None
+        if sums is None:
             return self.engine.submit(bucket.name, flat, option, step=step)
-        # PowerSGD runs its matrix products and both sums on the bucket's lane, counting
-        # the bucket's iterations as a submitted Option would (PS rounds, start_iter).
+        # PowerSGD (``Comp(gpu) -> S -> Decomp(gpu)``) runs its matrix products and both sums
+        # (each on S) on the bucket's lane, counting the bucket's iterations as a submitted
+        # Option would (PS rounds, start_iter).
         lowrank, name, members, offsets = self.lowrank, bucket.name, bucket.tensors, \
             bucket.offsets
         return self.engine.call(
             self.engine.lane_of(name),
-            lambda ex: lowrank.reduce(ex, option, flat, name=name, members=members,
+            lambda ex: lowrank.reduce(ex, sums, flat, name=name, members=members,
                                       offsets=offsets, step=step), name)
 
     def _option(self, bucket: _Bucket) -> Option:
@@ -729,7 +739,8 @@ class _Sync:
                     self.ready_times, self.starts, self.probes,
                     {b.name: sum(b.numels) for b in self.buckets},
                     self.compression.excluded(self.session, self.params),
-                    tuple(Bucket.of(b.tensors) for b in self.buckets)))
+                    tuple(Bucket.of(b.tensors) for b in self.buckets),
+                    {n: tuple(p.shape) for n, p in self.params.items()}))
         elif self.trials is not None:
             if self.iteration > self._trials_from:
                 self._trial_step()
@@ -909,7 +920,8 @@ class _Sync:
             # The trials measure the steady state the planner priced: through a compressor's
             # schedule (dgc's sparsity warm-up, whose first stage sends a quarter of each
             # gradient) the planned strategy trains, and the trials follow it.
-            steady = self.codec.steady_step if self.codec is not None else 0
+            steady = (self.codec.steady_step if self.codec is not None
+                      else self.lowrank.state.start_iter if self.lowrank is not None else 0)
             self._trials_from = max(self.iteration, steady)
             self.trials = Trials(plan.finalists, self.session.runtime.cfg.trial_steps,
                                  fp32_ms=plan.fp32_ms, start=self._trials_from)

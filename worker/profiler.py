@@ -50,6 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 from byteps_espresso.worker.codecs import CodecPair
+from byteps_espresso.worker.lowrank import LowRank
+from byteps_espresso.worker.lowrank import measure_costs as lowrank_costs
 from byteps_espresso.worker.optimizer import CompressionSpec, Plan
 from byteps_espresso.worker.session import Session, slowest_across_ranks
 
@@ -170,7 +172,8 @@ def ready_offsets(ready: Sequence[Mapping[str, float]], starts: Sequence[float],
 
 
 def workload_from_offsets(offsets: np.ndarray, names: Sequence[str],
-                          numel: Mapping[str, int], model: str = "profiled") -> Any:
+                          numel: Mapping[str, int], model: str = "profiled",
+                          shapes: Mapping[str, Sequence[int]] | None = None) -> Any:
     """A Workload from :func:`ready_offsets` (one rank's, or the maximum over ranks).
 
     With the maximum over ranks a gradient counts as ready when the slowest worker has it,
@@ -180,9 +183,13 @@ def workload_from_offsets(offsets: np.ndarray, names: Sequence[str],
     Returns:
         ``strategy.Workload`` in the backward order of the last usable iteration;
         ``forward_us`` is the median time from iteration start to the first gradient and
-        each gap the median over the usable iterations after the first (warm-up).
+        each gap the median over the usable iterations after the first (warm-up);
+        each tensor with its shape where ``shapes`` gives it.
     """
     from byteps_espresso.strategy import TensorProfile, Workload
+
+    def shape(name: str) -> tuple[tuple[int, ...], ...] | None:
+        return None if shapes is None else (tuple(int(d) for d in shapes[name]),)
 
     usable = [i for i in range(offsets.shape[0]) if not np.isnan(offsets[i]).any()]
     if not usable:
@@ -193,7 +200,7 @@ def workload_from_offsets(offsets: np.ndarray, names: Sequence[str],
     ordered = np.maximum.accumulate(offsets[iters][:, order], axis=1)
     gaps = np.diff(ordered, axis=1, prepend=ordered[:, :1])
     median_gaps = np.median(gaps, axis=0)
-    tensors = tuple(TensorProfile(names[j], int(numel[names[j]]), float(g))
+    tensors = tuple(TensorProfile(names[j], int(numel[names[j]]), float(g), shape(names[j]))
                     for j, g in zip(order, median_gaps, strict=True))
     return Workload(tensors, forward_us=max(1.0, float(np.median(ordered[:, 0]))), model=model,
                     source="measured by byteps_espresso.worker.profiler")
@@ -375,8 +382,12 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
         (cluster, {"exchange": factor, "ps": factor}) for the kinds of step measured.
     """
     from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes, Pricer
+    from byteps_espresso.strategy.lowrank import is_lowrank
 
-    sizes = CompressedSizes(compressor, dict(params))
+    # The fp32 Option moves no payload: a low-rank compressor (no per-element payload of its
+    # own) is priced without one.
+    sizes = CompressedSizes(compressor, nbytes=lambda n: 0) if is_lowrank(compressor) \
+        else CompressedSizes(compressor, dict(params))
 
     def per_step(c: Any) -> np.ndarray:
         return Pricer(c, compressor, sizes, costs, numels).tasks(option).per_step(
@@ -831,8 +842,23 @@ class EspressoSpec(CompressionSpec):
             patterns = session.runtime.cfg.exclude
         return excluded_names(params, patterns)
 
+    @property
+    def low_rank(self) -> bool:
+        """PowerSGD: planned per bucket, run by :class:`LowRank` around a dense Option."""
+        from byteps_espresso.strategy.lowrank import is_lowrank
+
+        return is_lowrank(self.compressor)
+
     def codec(self, session: Session) -> CodecPair | None:
+        if self.low_rank:
+            return None
         return _codec(session, self.compressor, self.params, self.error_feedback)
+
+    def lowrank(self, session: Session, shapes: Mapping[str, torch.Size]) -> LowRank | None:
+        if not self.low_rank:
+            return None
+        params = {"seed": session.runtime.cfg.seed, **self.params}
+        return LowRank(params, shapes, session.runtime.topology.world_size)
 
     def probes(self, session: Session, numels: Sequence[int],
                traffic: Mapping[str, int]) -> LaneProbes | None:
@@ -869,10 +895,14 @@ class EspressoSpec(CompressionSpec):
             # of the training device.
             cluster = cluster.with_(shared_host=rt.shared_host,
                                     host_device=rt.device.type == "cpu")
-            workload = workload_from_offsets(offsets, names, numel)
+            shapes = profile.shapes if profile is not None and profile.shapes else None
+            workload = workload_from_offsets(offsets, names, numel, shapes=shapes)
             codec = self.codec(session)
-            costs = probes.costs(list(numel.values())) if in_lanes else measure_costs(
-                codec, list(numel.values()), rt.device)  # type: ignore[arg-type]
+            if self.low_rank:
+                costs = lowrank_costs(self.params, list((shapes or {}).values()), rt.device)
+            else:
+                costs = probes.costs(list(numel.values())) if in_lanes else measure_costs(
+                    codec, list(numel.values()), rt.device)  # type: ignore[arg-type]
             if in_lanes:
                 cluster, factors = in_training_latency(
                     cluster, session.fp32, list(profiled.values()), steps_us,
@@ -1005,10 +1035,22 @@ class StrategyFileSpec(CompressionSpec):
         return strategy
 
     def codec(self, session: Session) -> CodecPair | None:
+        from byteps_espresso.strategy.lowrank import is_lowrank
+
         strategy = self._load(session)
-        if not any(o.is_compressed for o in strategy.options.values()):
+        if is_lowrank(strategy.compressor) or not any(
+                o.is_compressed for o in strategy.options.values()):
             return None
         return _codec(session, strategy.compressor, strategy.params, self.error_feedback)
+
+    def lowrank(self, session: Session, shapes: Mapping[str, torch.Size]) -> LowRank | None:
+        from byteps_espresso.strategy.lowrank import is_lowrank
+
+        strategy = self._load(session)
+        if not is_lowrank(strategy.compressor):
+            return None
+        params = {"seed": session.runtime.cfg.seed, **strategy.params}
+        return LowRank(params, shapes, session.runtime.topology.world_size)
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:

@@ -166,7 +166,9 @@ def _fp32(ctx: PlanContext) -> Solution:
 def _all_gpu(ctx: PlanContext) -> Solution:
     opt = _first_allowed(ctx, [
         "ReduceScatter(intra) -> Comp(gpu) -> AllgatherC(inter) -> Decomp(gpu) -> Allgather(intra)",
-        "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)"], "all-gpu")
+        "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
+        # a low-rank compressor (PowerSGD) on every tensor, as PyTorch's hook all-reduces
+        "Comp(gpu) -> Allreduce(flat) -> Decomp(gpu)"], "all-gpu")
     return _per_tensor(ctx, lambda i: opt)
 
 
@@ -182,7 +184,7 @@ def _hipress(ctx: PlanContext) -> Solution:
 
     def pick(i: int) -> Option:
         t = ctx.workload.tensors[i]
-        return best[ctx.size_index[t.numel]] if t.numel >= HIPRESS_MIN_NUMEL else dense
+        return best[ctx.tensor_size_index(i)] if t.numel >= HIPRESS_MIN_NUMEL else dense
     return _per_tensor(ctx, pick)
 
 

@@ -152,7 +152,8 @@ def reorder(workload: Workload, order: Sequence[str]) -> Workload:
     tensors, latest = [], 0.0
     for name in order:
         now = max(latest, ready[name])
-        tensors.append(TensorProfile(name, by_name[name].numel, now - latest))
+        tensors.append(TensorProfile(name, by_name[name].numel, now - latest,
+                                     by_name[name].shapes))
         latest = now
     return Workload(tuple(tensors), workload.forward_us, workload.model, workload.source)
 
@@ -192,9 +193,17 @@ def fuse(workload: Workload, buckets: Sequence[Bucket]) -> Workload:
     by_name = {t.name: t for t in workload.tensors}
     tensors = tuple(
         TensorProfile(b.name, sum(by_name[n].numel for n in b.tensors),
-                      float(sum(by_name[n].ready_gap_us for n in b.tensors)))
+                      float(sum(by_name[n].ready_gap_us for n in b.tensors)),
+                      _member_shapes([by_name[n] for n in b.tensors]))
         for b in buckets)
     return Workload(tensors, workload.forward_us, workload.model, workload.source)
+
+
+def _member_shapes(members: Sequence[TensorProfile]) -> tuple[tuple[int, ...], ...] | None:
+    """The shapes of a bucket's members in buffer order (None when one is unknown)."""
+    if any(t.shapes is None for t in members):
+        return None
+    return tuple(s for t in members for s in t.shapes)  # type: ignore[union-attr]
 
 
 def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],

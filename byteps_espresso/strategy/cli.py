@@ -102,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratio", type=_finite,
                    help="compression ratio parameter of sparsifiers (default: the "
                         "compressor's own, see `espresso compressors`)")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="a compressor parameter, the value as JSON (e.g. --param rank=8 for "
+                        "powersgd); repeatable")
     p.add_argument("--servers", type=int, help="PS servers (default: one per machine)")
     p.add_argument("--lanes", type=int, default=RUNTIME_LANES,
                    help="executor lanes per worker the timeline models (default: the "
@@ -219,6 +222,14 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Strategy, dict[str, Timeli
     constraints = Constraints.parse(args.constraint)
     costs = CompressorCosts.load(args.costs) if args.costs else None
     params = {"ratio": args.ratio} if args.ratio is not None else {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--param {item!r}: write NAME=VALUE, e.g. --param rank=8")
+        try:
+            params[name] = json.loads(value)
+        except json.JSONDecodeError:
+            params[name] = value  # a string
     strategy, timelines = plan_with_timelines(
         workload, cluster, args.compressor, params, algorithm=args.algorithm,
         constraints=constraints, costs=costs, baseline_names=REPORTED_BASELINES)

@@ -35,6 +35,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from byteps_espresso.strategy import lowrank
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
 from byteps_espresso.strategy.costs import CompressedSizes, Pricer, StepTasks
@@ -159,12 +160,12 @@ def pareto_front(vectors: np.ndarray, rel: float = DOMINANCE_REL,
 
 
 @functools.lru_cache(maxsize=4096)
-def _placements_in_tree(option: Option, cluster: Cluster, constraints: Constraints) \
-        -> tuple[list[int], list[Option]]:
+def _placements_in_tree(option: Option, cluster: Cluster, constraints: Constraints,
+                        compressor: str | None = None) -> tuple[list[int], list[Option]]:
     """The device placements of ``option`` that the tree holds, as (masks, Options): bit j
     of a mask runs the j-th Comp/Decomp on the CPU. The Options are the tree's own objects
     (found by identity in later lookups). A function of the tree, so kept across models."""
-    tree = canonical_options(cluster, constraints)
+    tree = canonical_options(cluster, constraints, compressor)
     where = [j for j, st in enumerate(option.steps) if st.device is not None]
     masks, options = [], []
     for mask in range(1 << len(where)):
@@ -180,7 +181,10 @@ def _placements_in_tree(option: Option, cluster: Cluster, constraints: Constrain
 
 def _decoded_twin(option: Option) -> Option | None:
     """``option`` with a ``Decomp -> Comp`` pair (on the device of the Decomp that follows)
-    before every step that forwards gathered payloads; None when nothing forwards."""
+    before every step that forwards gathered payloads; None when nothing forwards (a low-rank
+    Option: nothing gathers)."""
+    if lowrank.inner(option) is not None:
+        return None
     ops = compile_option(option).ops
     if not any(op.forwards for op in ops):
         return None
@@ -207,7 +211,7 @@ def _one_compressor(option: Option) -> Option | None:
 def _partner_twins(option: Option, partner: str | None) -> list[Option]:
     """``option`` with the Comps that feed an intra step (and the Decomps of their payloads)
     on ``partner``, in every non-empty combination (the tree decides which are valid)."""
-    if partner is None:
+    if partner is None or lowrank.inner(option) is not None:
         return []
     ops = compile_option(option).ops
     comps = [op.index for op in ops if op.kind is Kind.COMP and op.codec is None
@@ -222,6 +226,11 @@ def _partner_twins(option: Option, partner: str | None) -> list[Option]:
                     and op.origin.index in chosen) else op.step
                 for op in ops)))
     return out
+
+
+def _no_payload(numel: int) -> int:
+    raise ValueError("a low-rank compressor's Options sum dense factors: no step moves its "
+                     "payloads (tree.enumerate_options with compressor= prunes them)")
 
 
 def load_kernels() -> None:
@@ -274,18 +283,31 @@ class PlanContext:
     def __post_init__(self) -> None:
         if self.costs is None:
             self.costs = CompressorCosts.default()
-        self.numels = sorted({t.numel for t in self.workload.tensors})
-        self.size_index = {n: i for i, n in enumerate(self.numels)}
+        # The distinct sizes the prices are vectors over: element counts, and for a low-rank
+        # compressor (element count, Factors) pairs, since its sums depend on the shapes.
+        self.low_rank = lowrank.is_lowrank(self.compressor)
+        if self.low_rank:  # its parameters checked as the runtime will (no payload sizes to)
+            from byteps_espresso.kernels import create_collective
+
+            create_collective(self.compressor, **self.params)
+        keys = [self._size_key(t) for t in self.workload.tensors]
+        distinct = sorted(set(keys))
+        self.size_index = {k: i for i, k in enumerate(distinct)}
+        self._tensor_sizes = np.array([self.size_index[k] for k in keys], dtype=np.int64)
+        self.numels = [k[0] for k in distinct] if self.low_rank else distinct
         given_sizes = self.sizes
         priced_key = (self.cluster, self.compressor, json.dumps(self.params, sort_keys=True),
-                      id(self.costs), id(given_sizes), tuple(self.numels),
+                      id(self.costs), id(given_sizes), tuple(distinct),
                       self.free_compression)
 
         def make_priced() -> _Priced:
             # the kernels registry first: an unknown compressor is named as such
-            sizes = given_sizes or CompressedSizes(self.compressor, self.params)
+            sizes = given_sizes or (CompressedSizes(self.compressor, nbytes=_no_payload)
+                                    if self.low_rank
+                                    else CompressedSizes(self.compressor, self.params))
             return _Priced(Pricer(self.cluster, self.compressor, sizes, self.costs, self.numels,
-                                  free_compression=self.free_compression),
+                                  free_compression=self.free_compression,
+                                  factors=[k[1] for k in distinct] if self.low_rank else None),
                            (self.costs, given_sizes))
 
         def make() -> _Model:
@@ -295,12 +317,14 @@ class PlanContext:
 
         model = _cached(_MODELS, (*priced_key, self.constraints), make)
         self.constraints = model.constraints
-        self.options: list[Option] = enumerate_options(self.cluster, self.constraints)
+        self.options: list[Option] = enumerate_options(self.cluster, self.constraints,
+                                                       self.compressor)
         if not self.options:
             raise ValueError("the constraints leave no valid option; relax them")
         self.pricer = model.pricer
         self.sizes = model.pricer.sizes
-        self.evaluator = Evaluator(self.workload, self.pricer, [], model.catalogue)
+        self.evaluator = Evaluator(self.workload, self.pricer, [], model.catalogue,
+                                   size_idx=self._tensor_sizes)
         self._model = model
         self._fronts: dict[int, tuple[Sequence[Option], list[list[Option]]]] = model.fronts
         self._single: dict[Device, list[Option]] = model.single
@@ -318,8 +342,24 @@ class PlanContext:
                                              key=lambda i: (-tensors[i].numel, i))
         groups: dict[int, list[int]] = {}
         for i in self.visit_order:
-            groups.setdefault(self.size_index[tensors[i].numel], []).append(i)
+            groups.setdefault(int(self._tensor_sizes[i]), []).append(i)
         self.size_groups = {u: np.array(m, dtype=np.int64) for u, m in groups.items()}
+
+    def _size_key(self, tensor: Any) -> Any:
+        """A tensor's distinct size: its element count, with its :class:`lowrank.Factors`
+        for a low-rank compressor.
+
+        Raises:
+            ValueError: a low-rank compressor and a tensor whose shapes are unknown.
+        """
+        if not self.low_rank:
+            return tensor.numel
+        if tensor.shapes is None:
+            raise ValueError(f"{self.compressor} needs each tensor's shape, and tensor "
+                             f"{tensor.name!r} of workload {self.workload.model!r} has none: "
+                             "plan on a profile the runtime wrote (ESPRESSO_PROFILE_OUT), or add "
+                             "\"shapes\" to the workload file (docs/strategy.md)")
+        return tensor.numel, lowrank.factors(tensor.shapes, self.params)
 
     def _restrict_to_profiles(self, constraints: Constraints) -> Constraints:
         """A profile measured on one device only (e.g. the worker's GPU) forbids the other;
@@ -328,6 +368,8 @@ class PlanContext:
         assert self.costs is not None
         if constraints.partner == self.compressor:
             constraints = constraints.without_partner()
+        if self.low_rank:  # its tree has no partner and no CPU step (lowrank.py)
+            constraints = dataclasses.replace(constraints, partner=None, allow_cpu=False)
         if self.free_compression:
             return constraints
         known = {d for d in ("gpu", "cpu") if self.costs.has(self.compressor, d)}
@@ -375,7 +417,7 @@ class PlanContext:
         return len(self.workload.tensors)
 
     def tensor_size_index(self, i: int) -> int:
-        return self.size_index[self.workload.tensors[i].numel]
+        return int(self._tensor_sizes[i])
 
     def uncompressed(self) -> list[Option]:
         return [o for o in self.single_device(Device.GPU) if not o.is_compressed]
@@ -433,7 +475,7 @@ class PlanContext:
         ``max-lossy``) the twin is the only form of its scheme and stays a candidate."""
         got = self._searched.get(device)
         if got is None:
-            tree = canonical_options(self.cluster, self.constraints)
+            tree = canonical_options(self.cluster, self.constraints, self.compressor)
             got = self._searched[device] = [
                 o for o in self.single_device(device)
                 if _decoded_twin(o) not in tree and _one_compressor(o) not in tree]
@@ -447,10 +489,10 @@ class PlanContext:
         got = self._twins.get(k)
         if got is None:
             option = self.evaluator.options[k]
-            ops = compile_option(option).ops
+            ops = () if lowrank.inner(option) is not None else compile_option(option).ops
             pairs = [op.index for op in ops[:-1] if op.kind is Kind.DECOMP
                      and op.takes is Form.SUM and ops[op.index + 1].kind is Kind.COMP]
-            tree = canonical_options(self.cluster, self.constraints)
+            tree = canonical_options(self.cluster, self.constraints, self.compressor)
             forwarded = []
             for n in range(1, len(pairs) + 1):
                 for drop in itertools.combinations(pairs, n):
@@ -501,16 +543,20 @@ class PlanContext:
         if got is not None:
             return got
         option = self.evaluator.options[k]
+        rows, options = _placements_in_tree(option, self.cluster, self.constraints,
+                                            self.compressor)
         gpu, cpu = self.on_device(option, Device.GPU), self.on_device(option, Device.CPU)
         where = [j for j, st in enumerate(option.steps) if st.device is not None]
         masks = np.arange(1 << len(where))
-        g, c = self.pricer.tasks(gpu), self.pricer.tasks(cpu)
+        # Where the tree holds no CPU placement (a low-rank compressor: no numba backend, and
+        # no CPU cost profile to price one) the all-CPU twin is not priced.
+        g = self.pricer.tasks(gpu)
+        c = self.pricer.tasks(cpu) if any(rows) else g
         ordinal = np.array([where.index(j) if j in where else -1 for j in g.step.tolist()],
                            dtype=np.int64)
         on_cpu = (ordinal >= 0) & ((masks[:, None] >> np.maximum(ordinal, 0)) & 1).astype(bool)
         resource = np.where(on_cpu, c.resource, g.resource)
         duration = np.where(on_cpu[:, None, :], c.duration[None], g.duration[None])
-        rows, options = _placements_in_tree(option, self.cluster, self.constraints)
         priced = [StepTasks(resource[mask], g.step, duration[mask]) for mask in rows]
         got = np.full(len(masks), -1, dtype=np.int64)
         got[rows] = self.evaluator.add(options, priced)
@@ -538,7 +584,7 @@ class PlanContext:
         return self.evaluator.iteration_us(choice)
 
     def allowed(self, option: Option) -> bool:
-        return option in option_set(self.cluster, self.constraints)
+        return option in option_set(self.cluster, self.constraints, self.compressor)
 
     def on_device(self, option: Option, device: Device) -> Option:
         """The same option with every Comp/Decomp moved to ``device``."""

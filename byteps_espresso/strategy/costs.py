@@ -44,6 +44,13 @@ resource, whose cores they share.
 
 Each step becomes one task on one resource (PushPull: push on the NIC, aggregation on the
 servers, pull on the NIC). Durations are vectors over the workload's distinct tensor sizes.
+
+A low-rank compressor's Option ``Comp(gpu) -> S -> Decomp(gpu)`` (``lowrank.py``) is priced as
+it runs: ``P_w = M_w Q`` on the training device, ``S`` on the first sum's elements (the
+uncompressed members and every ``P``), the orthogonalization and ``Q_w = M_w^T P^``, ``S``
+again on the ``Q``s, then the reconstruction. Its distinct sizes are (element count,
+:class:`~byteps_espresso.strategy.lowrank.Factors`) pairs, and its compute lines are in
+multiply-adds.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ import numpy as np
 
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
+from byteps_espresso.strategy.lowrank import Factors, inner
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope, Step
 from byteps_espresso.strategy.program import (
     RULES,
@@ -171,12 +179,15 @@ class Pricer:
         costs: compression cost profiles (a partner's too, to price Options that use it).
         numels: the distinct tensor sizes (element counts) to price.
         partner_sizes: payload bytes per partner (default: from the kernels registry).
+        factors: for a low-rank compressor, each distinct size's :class:`Factors` (aligned
+            with ``numels``, which may then repeat an element count); None: it is not one.
     """
 
     def __init__(self, cluster: Cluster, compressor: str, sizes: CompressedSizes,
                  costs: CompressorCosts, numels: Sequence[int], *,
                  free_compression: bool = False,
-                 partner_sizes: dict[str, CompressedSizes] | None = None):
+                 partner_sizes: dict[str, CompressedSizes] | None = None,
+                 factors: Sequence[Factors] | None = None):
         self.cluster = cluster
         self.compressor = compressor
         self.sizes = sizes
@@ -193,6 +204,8 @@ class Pricer:
         self._b_server = bytes_per_us(c.server_gbps) if c.servers else 0.0
         self._b_h2d = bytes_per_us(c.h2d_gbps)
         self._multi = c.machines > 1
+        self.factors = None if factors is None else list(factors)
+        self._rounds: tuple[Pricer, Pricer] | None = None  # the low-rank sums' pricers
         if not free_compression and not costs.has(compressor):
             costs.compress_us(compressor, "gpu", 1)  # raises, naming the compressor
 
@@ -233,6 +246,8 @@ class Pricer:
     def _price(self, option: Option) -> StepTasks:
         """Walk the compiled program; the tasks after every prefix are memoized, so options
         sharing a prefix (most of the tree) share its pricing."""
+        if self.factors is not None and option.is_compressed:
+            return self._price_lowrank(option)
         prog = compile_option(option)
         codes = tuple(_CODES[s] for s in option.steps)
         tasks: tuple = ()
@@ -250,6 +265,41 @@ class Pricer:
         return StepTasks(np.array([t[0] for t in tasks], dtype=np.int64),
                          np.array([t[1] for t in tasks], dtype=np.int64),
                          np.stack([t[2] for t in tasks], axis=1))
+
+    def _price_lowrank(self, option: Option) -> StepTasks:
+        """``Comp -> S -> Decomp`` of a low-rank compressor: P's products, ``S`` on the first
+        sum, the orthogonalization and Q's products, ``S`` on the Qs, the reconstruction (a
+        bucket with nothing to compress runs ``S`` once: its second round and products are
+        zero)."""
+        dense = inner(option)
+        assert dense is not None and self.factors is not None, f"{option} is not low-rank"
+        if self._rounds is None:
+            f = self.factors
+            self._rounds = tuple(  # type: ignore[assignment]
+                Pricer(self.cluster, self.compressor, self.sizes, self.costs, numels,
+                       free_compression=True)
+                for numels in ([x.p for x in f], [x.q for x in f]))
+        first, second = (r.tasks(dense) for r in self._rounds)  # type: ignore[union-attr]
+        f = self.factors
+        compressing = np.array([x.q > 0 for x in f], dtype=np.float64)
+        last = len(option.steps) - 1
+
+        def work(op: str, macs: list[int]) -> np.ndarray:
+            dev = option.steps[0 if op == "compress" else last].device.value  # type: ignore
+            n = np.array(macs, dtype=np.float64)
+            if self.free_compression:
+                return np.zeros_like(n)
+            cost = self.costs.compress_us if op == "compress" else self.costs.decompress_us
+            return cost(self.compressor, dev, n) * compressing
+
+        compute = [work("compress", [x.mac_p for x in f]),
+                   work("compress", [x.mac_q for x in f]), work("decompress", [x.mac_r for x in f])]
+        return StepTasks(
+            np.concatenate([[GPU], first.resource, [GPU], second.resource, [GPU]]).astype(np.int64),
+            np.concatenate([[0], first.step + 1, [0], second.step + 1, [last]]).astype(np.int64),
+            np.concatenate([compute[0][:, None], first.duration, compute[1][:, None],
+                            second.duration * compressing[:, None], compute[2][:, None]],
+                           axis=1))
 
     def _op_tasks(self, prog: Program, op: Op) -> tuple[tuple[int, np.ndarray], ...]:
         """(resource, duration) of ``op``'s tasks, memoized by what they depend on: the step,

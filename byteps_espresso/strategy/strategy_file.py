@@ -181,7 +181,7 @@ class Strategy:
                 or not isinstance(comp.get("params", {}), dict):
             raise StrategyError(f"{where}: field 'compressor' must be "
                                 "{\"name\": str, \"params\": {...}}")
-        options = _parse_options(data.get("options"), workload, cluster, where)
+        options = _parse_options(data.get("options"), workload, cluster, comp["name"], where)
         baselines = data.get("baselines_ms", {})
         if not isinstance(baselines, dict) or not all(
                 isinstance(v, int | float) for v in baselines.values()):
@@ -205,8 +205,8 @@ class Strategy:
         return cls.from_dict(read_json(path, StrategyError, "strategy file"), str(path))
 
 
-def _parse_options(raw: Any, workload: Workload, cluster: Cluster, where: str) \
-        -> dict[str, Option]:
+def _parse_options(raw: Any, workload: Workload, cluster: Cluster, compressor: str,
+                   where: str) -> dict[str, Option]:
     if not isinstance(raw, dict):
         raise StrategyError(f"{where}: field 'options' must map tensor names to step lists")
     names = workload.names
@@ -224,7 +224,7 @@ def _parse_options(raw: Any, workload: Workload, cluster: Cluster, where: str) \
             raise StrategyError(f"{where}: field 'options.{name}' must be a list of step names")
         try:
             opt = Option.parse(steps)
-            validate(opt, cluster)
+            validate(opt, cluster, compressor)
         except OptionError as exc:
             raise StrategyError(f"{where}: field 'options.{name}': {exc}") from None
         options[name] = opt

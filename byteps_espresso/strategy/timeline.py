@@ -805,17 +805,21 @@ class Evaluator:
         pricer: prices options for the workload's distinct sizes.
         options: the candidate options; a strategy is an index into them per tensor.
         catalogue: the priced options to share (default: a new one for ``pricer``).
+        size_idx: each tensor's index among the pricer's distinct sizes (default: by element
+            count; a low-rank compressor's sizes also depend on shapes, ``PlanContext``).
     """
 
     def __init__(self, workload: Workload, pricer: Pricer, options: Sequence[Option],
-                 catalogue: Catalogue | None = None):
+                 catalogue: Catalogue | None = None, size_idx: np.ndarray | None = None):
         self.workload = workload
         self.pricer = pricer
-        uniq = {int(n): i for i, n in enumerate(pricer.numels)}
-        try:
-            self.size_idx = np.array([uniq[t.numel] for t in workload.tensors], dtype=np.int64)
-        except KeyError as exc:
-            raise ValueError(f"the pricer lacks tensor size {exc.args[0]}") from None
+        if size_idx is None:  # each tensor's distinct size, by element count
+            uniq = {int(n): i for i, n in enumerate(pricer.numels)}
+            try:
+                size_idx = np.array([uniq[t.numel] for t in workload.tensors], dtype=np.int64)
+            except KeyError as exc:
+                raise ValueError(f"the pricer lacks tensor size {exc.args[0]}") from None
+        self.size_idx = np.asarray(size_idx, dtype=np.int64)
         self.gaps = np.array([t.ready_gap_us for t in workload.tensors], dtype=np.float64)
         lanes = pricer.cluster.lanes
         # Each tensor's executor lane, or -1 everywhere when the cluster sets no lane count.

@@ -35,6 +35,10 @@ partner (fp16) instead of the job's compressor, ``Comp(gpu,fp16)``; the partner'
 on intra steps only, its ``Decomp`` names it, and an Option with a partner has a ``Comp`` of
 the job's compressor too (the one between machines).
 
+Low-rank compressors (PowerSGD, ``lowrank.is_lowrank``): the uncompressed Options, and each
+wrapped as ``Comp(gpu) -> S -> Decomp(gpu)`` (their sums of ``P`` and ``Q`` run ``S``); pass
+``compressor=`` to :func:`enumerate_options` and :func:`validate` (docs in ``lowrank.py``).
+
 Count (no constraints, hierarchical cluster with servers): 7,576, of which 2,776 with the
 job's compressor alone, see :func:`count_decomposition` and docs/strategy.md (2,641 of those
 without the ``ps`` family ours adds; the paper counts 4,341 for its vocabulary and path
@@ -51,7 +55,9 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from byteps_espresso.strategy import lowrank
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
 from byteps_espresso.strategy.program import RULES, Form, Pairing, closes, compile_option, leaves
@@ -327,12 +333,22 @@ def path_of(option: Option) -> tuple[str, str]:
                       "scheme, intra-close; got " + " -> ".join(str(s) for _, s in comm))
 
 
-def validate(option: Option, cluster: Cluster | None = None) -> None:
-    """Check ``option`` against every rule (and the cluster's shape, when given).
+def validate(option: Option, cluster: Cluster | None = None,
+             compressor: str | None = None) -> None:
+    """Check ``option`` against every rule (and the cluster's shape, when given), for the job's
+    ``compressor`` where its capabilities change the rules (a low-rank one: ``lowrank.py``).
 
     Raises:
         OptionError: the first broken rule, in words.
     """
+    if compressor is not None and lowrank.is_lowrank(compressor):
+        _validate_lowrank(option, cluster, compressor)
+    else:
+        _validate_codec(option, cluster)
+
+
+def _validate_codec(option: Option, cluster: Cluster | None) -> None:
+    """The rules for an elementwise codec (the tree above)."""
     path, _ = path_of(option)
     if cluster is not None:
         if path == "hierarchical" and not cluster.hierarchical:
@@ -365,6 +381,20 @@ def validate(option: Option, cluster: Cluster | None = None) -> None:
         if op.kind is Kind.COMP and before.kind is Kind.DECOMP and before.takes is Form.PAYLOAD:
             raise OptionError(f"step {op.index} {op.step}: re-compression only after a Decomp "
                               "that summed or concatenated gathered payloads")
+
+
+def _validate_lowrank(option: Option, cluster: Cluster | None, compressor: str) -> None:
+    """A low-rank compressor's Option: uncompressed, or ``Comp(gpu) -> S -> Decomp(gpu)`` with
+    ``S`` uncompressed (the reasons are in ``lowrank.py``)."""
+    dense = lowrank.inner(option) if option.is_compressed else option
+    if dense is None or option.partners:
+        raise OptionError(f"{option}: {compressor} compresses the whole tensor with sums of "
+                          "dense factors: write Comp(gpu) -> <uncompressed steps> -> Decomp(gpu), "
+                          "or the uncompressed steps alone")
+    if option.uses_cpu:
+        raise OptionError(f"{option}: {compressor} runs on the training device only (no numba "
+                          "backend); write Comp(gpu) and Decomp(gpu)")
+    _validate_codec(dense, cluster)
 
 
 def _check_compute(steps: tuple[Step, ...], i: int, compressed: bool) -> bool:
@@ -484,50 +514,73 @@ def _enumerate(hierarchical: bool, servers: bool, constraints: Constraints) -> t
     return tuple(out)
 
 
-def enumerate_options(cluster: Cluster, constraints: Constraints | None = None) -> list[Option]:
+@functools.lru_cache(maxsize=64)
+def _enumerate_lowrank(hierarchical: bool, servers: bool, constraints: Constraints) \
+        -> tuple[Option, ...]:
+    """A low-rank compressor's tree: the uncompressed Options, then each wrapped in its
+    ``Comp(gpu)``/``Decomp(gpu)`` where the constraints allow."""
+    dense = _enumerate(hierarchical, servers, replace(constraints, max_compressions=0))
+    return (*dense, *(w for w in map(lowrank.wrap, dense) if constraints.allows(w)))
+
+
+def _key(cluster: Cluster, constraints: Constraints | None, compressor: str | None) \
+        -> tuple[bool, bool, Constraints, bool]:
+    """What a tree depends on: its path shapes, the constraints and whether the compressor is
+    a low-rank one."""
+    return (cluster.hierarchical, cluster.servers > 0, constraints or Constraints(),
+            compressor is not None and lowrank.is_lowrank(compressor))
+
+
+def _options(hierarchical: bool, servers: bool, constraints: Constraints,
+             low_rank: bool) -> tuple[Option, ...]:
+    return (_enumerate_lowrank if low_rank else _enumerate)(hierarchical, servers, constraints)
+
+
+def enumerate_options(cluster: Cluster, constraints: Constraints | None = None,
+                      compressor: str | None = None) -> list[Option]:
     """Every valid Option for one tensor on ``cluster`` under ``constraints``.
 
     Args:
         cluster: decides whether hierarchical paths and PushPull steps exist.
         constraints: prunes the tree (default: none).
+        compressor: the job's compressor, where its capabilities change the tree (a low-rank
+            one, see ``lowrank.py``); None or any elementwise codec: the tree above.
 
     Returns:
         The options, uncompressed ones first within each path (a new list).
     """
-    return list(_enumerate(cluster.hierarchical, cluster.servers > 0,
-                           constraints or Constraints()))
+    return list(_options(*_key(cluster, constraints, compressor)))
 
 
 @functools.lru_cache(maxsize=64)
-def _option_set(hierarchical: bool, servers: bool, constraints: Constraints) \
-        -> frozenset[Option]:
-    return frozenset(_enumerate(hierarchical, servers, constraints))
+def _option_set(*key: Any) -> frozenset[Option]:
+    return frozenset(_options(*key))
 
 
-def option_set(cluster: Cluster, constraints: Constraints | None = None) -> frozenset[Option]:
+def option_set(cluster: Cluster, constraints: Constraints | None = None,
+               compressor: str | None = None) -> frozenset[Option]:
     """The options of :func:`enumerate_options` as a set (cached), for membership tests."""
-    return _option_set(cluster.hierarchical, cluster.servers > 0, constraints or Constraints())
+    return _option_set(*_key(cluster, constraints, compressor))
 
 
 @functools.lru_cache(maxsize=64)
-def _canonical(hierarchical: bool, servers: bool, constraints: Constraints) \
-        -> dict[Option, Option]:
-    return {o: o for o in _enumerate(hierarchical, servers, constraints)}
+def _canonical(*key: Any) -> dict[Option, Option]:
+    return {o: o for o in _options(*key)}
 
 
-def canonical_options(cluster: Cluster, constraints: Constraints | None = None) \
-        -> Mapping[Option, Option]:
+def canonical_options(cluster: Cluster, constraints: Constraints | None = None,
+                      compressor: str | None = None) -> Mapping[Option, Option]:
     """Each option of :func:`enumerate_options` mapped to itself (cached): the tree's own
     object for an equal Option (None: not in the tree), so later lookups match by identity.
     Do not modify the mapping."""
-    return _canonical(cluster.hierarchical, cluster.servers > 0, constraints or Constraints())
+    return _canonical(*_key(cluster, constraints, compressor))
 
 
-def count_decomposition(cluster: Cluster, constraints: Constraints | None = None) \
-        -> dict[str, int]:
+def count_decomposition(cluster: Cluster, constraints: Constraints | None = None,
+                        compressor: str | None = None) -> dict[str, int]:
     """Number of options per (path, scheme), plus "total" -- for docs and the CLI."""
     counts: Counter[str] = Counter()
-    for option in enumerate_options(cluster, constraints):
+    for option in enumerate_options(cluster, constraints, compressor):
         path, scheme = path_of(option)
         counts[f"{path} {scheme}"] += 1
     out = dict(sorted(counts.items()))

@@ -9,6 +9,9 @@ The JSON format is the one of the profiles shipped in ``byteps_espresso/data/wor
 
 ``ready_gap_us`` of tensor ``i`` is the backward computation between gradient ``i - 1`` (or
 the start of backward, for ``i = 0``) and gradient ``i``.
+A tensor may also list ``"shapes"``: the shape of each gradient it holds (one, or a fused
+bucket's members in buffer order), which compressors that need the matrix shape (PowerSGD)
+plan with; the profiler writes them, the shipped profiles have none.
 
 Example:
     >>> wl = Workload.builtin("vgg16")
@@ -18,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -50,11 +54,14 @@ class TensorProfile:
         name: parameter name (the key of the strategy).
         numel: element count (float32).
         ready_gap_us: backward time between the previous gradient and this one, microseconds.
+        shapes: the shape of each gradient it holds (one; a fused bucket's members in buffer
+            order), for compressors that need the matrix shape (PowerSGD); None: unknown.
     """
 
     name: str
     numel: int
     ready_gap_us: float
+    shapes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -66,6 +73,8 @@ class TensorProfile:
                 or not self.ready_gap_us >= 0:
             raise WorkloadError(f"tensor {self.name!r}: ready_gap_us must be a number >= 0, "
                                 f"got {self.ready_gap_us!r}")
+        if self.shapes is not None:
+            object.__setattr__(self, "shapes", _shapes(self.name, self.shapes, self.numel))
 
 
 @dataclass(frozen=True)
@@ -124,8 +133,13 @@ class Workload:
         if self.forward_us is not None:
             out["forward_us"] = self.forward_us
         out["tensors"] = [{"name": t.name, "numel": t.numel, "ready_gap_us": t.ready_gap_us}
+                          | ({"shapes": [list(s) for s in t.shapes]} if t.shapes else {})
                           for t in self.tensors]
         return out
+
+    def without_shapes(self) -> bool:
+        """Whether some tensor's shapes are unknown."""
+        return any(t.shapes is None for t in self.tensors)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "workload") -> Workload:
@@ -155,7 +169,7 @@ class Workload:
                     raise WorkloadError(f"{where}: field '{field_name}.{key}' is missing")
             try:
                 tensors.append(TensorProfile(str(item["name"]), item["numel"],
-                                             item["ready_gap_us"]))
+                                             item["ready_gap_us"], item.get("shapes")))
             except WorkloadError as exc:
                 raise WorkloadError(f"{where}: field '{field_name}': {exc}") from None
         forward = data.get("forward_us")
@@ -193,6 +207,26 @@ class Workload:
                                 f"{', '.join(BUILTIN_WORKLOADS)}")
         ref = resources.files("byteps_espresso") / "data" / "workloads" / f"{model}.json"
         return cls.from_dict(json.loads(ref.read_text()), f"builtin:{model}")
+
+
+def _shapes(name: str, shapes: Any, numel: int) -> tuple[tuple[int, ...], ...]:
+    """``shapes`` as tuples of positive ints whose element counts add up to ``numel``.
+
+    Raises:
+        WorkloadError: not a list of lists of positive integers, or another element count.
+    """
+    ok = isinstance(shapes, list | tuple) and shapes and all(
+        isinstance(s, list | tuple) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in s) for s in shapes)
+    if not ok:
+        raise WorkloadError(f"tensor {name!r}: shapes must be a non-empty list of shapes, each a "
+                            f"list of positive integers (e.g. [[64, 128], [64]]), got {shapes!r}")
+    out = tuple(tuple(int(d) for d in s) for s in shapes)
+    total = sum(math.prod(s) for s in out)
+    if total != numel:
+        raise WorkloadError(f"tensor {name!r}: its shapes hold {total} elements, its numel says "
+                            f"{numel}")
+    return out
 
 
 def read_json(path: str | os.PathLike[str], error: type[Exception], what: str) -> Any:

@@ -27,8 +27,9 @@ worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
 
-def _oracle(steps: int) -> list[dict[str, torch.Tensor]]:
-    """Each parameter's averaged gradient per step, PowerSGD's steps with rank-order sums."""
+def _oracle(steps: int, dense: frozenset[str] = frozenset()) -> list[dict[str, torch.Tensor]]:
+    """Each parameter's averaged gradient per step, PowerSGD's steps with rank-order sums
+    (the exact average for the parameters in ``dense``)."""
     states = [PowerSGD(rank=worker.RANK, start_iter=worker.START_ITER, seed=3)
               for _ in range(WORLD)]
     out = []
@@ -37,7 +38,7 @@ def _oracle(steps: int) -> list[dict[str, torch.Tensor]]:
         avg = {}
         for name, shape in worker.PARAMS:
             gs = [g[name] for g in per_rank]
-            if not states[0].compresses(shape, step):
+            if name in dense or not states[0].compresses(shape, step):
                 avg[name] = sum(gs[1:], gs[0]) / WORLD
                 continue
             ps = [s.start(name, g, step) for s, g in zip(states, gs, strict=True)]
@@ -66,10 +67,12 @@ def test_powersgd_buckets_match_its_steps_on_every_rank(tmp_path, cluster, sums)
     assert all(run == runs[0] for run in runs)
     assert ["big"] in runs[0]["buckets"] and len(runs[0]["buckets"]) >= 2
     if sums == "ps":
-        assert runs[0]["options"] == [runs[0]["fp32"]] and "PushPull" in runs[0]["fp32"]
+        assert runs[0]["options"] == [f"Comp(gpu) -> {runs[0]['fp32']} -> Decomp(gpu)"]
+        assert "PushPull" in runs[0]["fp32"]
     else:
         # the machines share this host: the flat all-reduce (the hierarchy only adds latency)
-        assert runs[0]["options"] == [runs[0]["allreduce"]] == ["Allreduce(flat)"]
+        assert runs[0]["allreduce"] == "Allreduce(flat)"
+        assert runs[0]["options"] == ["Comp(gpu) -> Allreduce(flat) -> Decomp(gpu)"]
     assert runs[0]["compression"]["compressor"] == "powersgd"
     assert runs[0]["state"] == {n: ["error", "q"] for n in ("big", "conv", "w")}
     want = _oracle(steps)
@@ -84,3 +87,68 @@ def test_powersgd_buckets_match_its_steps_on_every_rank(tmp_path, cluster, sums)
     # after start_iter the matrices are rank-2 estimates, not the exact average
     exact = sum(worker.grads(r, 2)["w"] for r in range(WORLD)) / WORLD
     assert not np.allclose(np.load(tmp_path / "grad_2_0_w.npy"), exact.numpy(), atol=0.05)
+
+
+# A planned PowerSGD strategy: each bucket compressed or not, each with the dense Option its
+# sums run on (the hierarchical PS path for "big", the flat all-reduce for "b" and "w"), and
+# "s" and "conv" uncompressed through the servers. Backward order: big, s, conv, b, w.
+PLANNED = {
+    ("big",): "Comp(gpu) -> ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra) "
+              "-> Decomp(gpu)",
+    ("s", "conv"): "PushPull(flat)",
+    ("b", "w"): "Comp(gpu) -> Allreduce(flat) -> Decomp(gpu)",
+}
+
+
+def _planned_strategy(path: Path) -> None:
+    from byteps_espresso.strategy import Cluster, Strategy, Workload
+    from byteps_espresso.strategy.buckets import Bucket, fuse
+    from byteps_espresso.strategy.options import Option
+    from byteps_espresso.strategy.tree import validate
+    from byteps_espresso.strategy.workload import TensorProfile
+
+    shapes = dict(worker.PARAMS)
+    order = [name for name, _ in reversed(worker.PARAMS)]
+    workload = Workload(tuple(TensorProfile(n, int(np.prod(shapes[n])), 10.0, (shapes[n],))
+                              for n in order), 100.0, "powersgd-test")
+    buckets = tuple(Bucket.of(list(members)) for members in PLANNED)
+    fused = fuse(workload, buckets)
+    cluster = Cluster.preset(MACHINES, LOCAL, "pcie", 1, servers=1)
+    options = {b.name: Option.parse(text) for b, text in zip(buckets, PLANNED.values(),
+                                                              strict=True)}
+    for option in options.values():
+        validate(option, cluster, "powersgd")
+    Strategy(options, 1.0, {}, "espresso", 0.0, fused, cluster, "powersgd",
+             {"rank": worker.RANK, "start_iter": worker.START_ITER, "seed": 3},
+             buckets=buckets).save(path)
+
+
+@pytest.mark.timeout(200)
+def test_a_planned_powersgd_strategy_runs_each_buckets_option(tmp_path, cluster):
+    steps = 3
+    strategy = tmp_path / "strategy.json"
+    _planned_strategy(strategy)
+    with cluster.ps_job(servers=1) as root:
+        cluster.run_workers("powersgd_worker.py", [str(tmp_path), str(steps),
+                                                   f"strategy:{strategy}"],
+                            root_port=root, servers=1, timeout=150)
+    runs = [json.loads((tmp_path / f"run_{r}.json").read_text()) for r in range(WORLD)]
+    for run in runs:
+        run.pop("errors")
+    assert all(run == runs[0] for run in runs)
+    assert runs[0]["buckets"] == [list(m) for m in PLANNED]
+    assert sorted(runs[0]["by_bucket"].values()) == sorted(PLANNED.values())
+    # only the compressed buckets' matrices keep PowerSGD state
+    assert runs[0]["state"] == {n: ["error", "q"] for n in ("big", "w")}
+    want = _oracle(steps, dense=frozenset({"conv", "s"}))
+    for step in range(steps):
+        for name, _ in worker.PARAMS:
+            got = [np.load(tmp_path / f"grad_{step}_{r}_{name}.npy") for r in range(WORLD)]
+            assert all(np.array_equal(g, got[0]) for g in got), f"step {step} {name}"
+            scale = float(want[step][name].abs().max())
+            np.testing.assert_allclose(got[0], want[step][name].numpy(), rtol=0,
+                                       atol=1e-4 * scale, err_msg=f"step {step} {name}")
+    # "conv" went uncompressed: the exact average, where a compressed bucket would not be
+    exact = sum(worker.grads(r, 2)["conv"] for r in range(WORLD)) / WORLD
+    np.testing.assert_allclose(np.load(tmp_path / "grad_2_0_conv.npy"), exact.numpy(),
+                               rtol=0, atol=1e-5)

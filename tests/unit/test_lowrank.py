@@ -179,3 +179,16 @@ def test_compression_powersgd_checks_its_parameters_at_once():
         Compression.powersgd(4, sums="servers")
     assert Compression.powersgd(4).sums == "allreduce"
     assert Compression.powersgd(4, sums="ps").sums == "ps"
+
+
+def test_measured_costs_are_lines_in_multiply_adds_of_the_models_own_shapes():
+    from byteps_espresso.worker.lowrank import measure_costs
+
+    costs = measure_costs({"rank": 4}, [(256, 128), (64, 64, 3, 3), (512,)], torch.device("cpu"))
+    assert costs.has("powersgd", "gpu") and not costs.has("powersgd", "cpu")
+    small, large = (costs.compress_us("powersgd", "gpu", n) for n in (1e4, 1e8))
+    # more multiply-adds never cost less (a fit through noisy timings may come out flat)
+    assert 0 < small <= large < float("inf")
+    assert costs.decompress_us("powersgd", "gpu", 1e8) > 0
+    # a model with nothing PowerSGD compresses is still profiled (on two fallback shapes)
+    assert measure_costs({"rank": 4}, [(512,)], torch.device("cpu")).has("powersgd", "gpu")

@@ -229,3 +229,15 @@ def test_plan_models_the_runtimes_lanes(tmp_path):
         out = tmp_path / f"s{expected}.json"
         assert main([*BASE, "--workload", "lstm", "--out", str(out), *lanes]) == 0
         assert Strategy.load(out).cluster.lanes == expected
+
+
+def test_plan_takes_compressor_parameters(tmp_path):
+    from byteps_espresso.cli import main
+
+    out = tmp_path / "s.json"
+    assert main(["plan", "--workload", "vgg16", "--machines", "2", "--gpus-per-machine", "2",
+                 "--inter-gbps", "10", "--compressor", "randomk", "--param", "ratio=0.05",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["compressor"]["params"] == {"ratio": 0.05}
+    assert main(["plan", "--workload", "vgg16", "--machines", "2", "--gpus-per-machine", "2",
+                 "--inter-gbps", "10", "--compressor", "randomk", "--param", "ratio"]) == 2

@@ -148,12 +148,16 @@ def test_a_sparsity_warm_up_is_planned_without_the_servers_compression():
     assert Kind.PUSH_PULL_C not in bps.Compression.espresso("dgc").constraints.forbid
 
 
-def test_powersgd_is_its_own_compression_not_a_planned_one():
+def test_powersgd_runs_on_every_bucket_or_is_planned_per_bucket():
     chosen = bps.job_compression(_cfg(ESPRESSO_COMPRESSOR="powersgd", ESPRESSO_SEED="7"),
                                  bps.Compression.none)
     assert chosen == bps.Compression.powersgd()
-    with pytest.raises(ValueError, match=r"use Compression\.powersgd"):
-        bps.Compression.espresso("powersgd")
+    planned = bps.Compression.espresso("powersgd", rank=8, error_feedback=False)
+    assert planned.low_rank and planned.params == {"rank": 8, "error_feedback": False}
+    with pytest.raises(ValueError, match="rank"):
+        bps.Compression.espresso("powersgd", rank=0)
+    with pytest.raises(ValueError, match="DGC's"):
+        bps.Compression.espresso("powersgd", momentum_correction=True)
 
 
 # ---- optimizer state description ------------------------------------------------------------

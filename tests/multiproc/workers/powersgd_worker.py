@@ -1,7 +1,10 @@
 """Worker of test_powersgd: synchronizes gradients with ``Compression.powersgd`` in buckets.
 
-Usage: powersgd_worker.py OUT_DIR STEPS. Every parameter's gradient is a per-rank random
-tensor (see :func:`grads`), so the test recomputes PowerSGD's steps. After every step each
+Usage: powersgd_worker.py OUT_DIR STEPS SUMS, SUMS one of ``Compression.powersgd``'s (every
+bucket compressed) or ``strategy:PATH`` (``Compression.strategy``: a PowerSGD strategy file
+whose buckets are compressed or not, each with its own sums' Option). Every parameter's
+gradient is a per-rank random tensor (see :func:`grads`), so the test recomputes PowerSGD's
+steps. After every step each
 parameter's ``.grad`` goes to OUT_DIR/grad_STEP_RANK_NAME.npy (no pickle); at the end the
 bucket layout, the Options and what the checkpoint section holds go to OUT_DIR/run_RANK.json.
 """
@@ -33,10 +36,13 @@ def main() -> None:
     bps.init()
     try:
         params = {name: torch.nn.Parameter(torch.zeros(shape)) for name, shape in PARAMS}
+        compression = (bps.Compression.strategy(sums.split(":", 1)[1])
+                       if sums.startswith("strategy:")
+                       else bps.Compression.powersgd(RANK, start_iter=START_ITER, seed=3,
+                                                     sums=sums))
         opt = bps.DistributedOptimizer(
             torch.optim.SGD(params.values(), lr=0.0), named_parameters=list(params.items()),
-            compression=bps.Compression.powersgd(RANK, start_iter=START_ITER, seed=3,
-                                                 sums=sums))
+            compression=compression)
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
             want = grads(bps.rank(), step)
@@ -49,6 +55,7 @@ def main() -> None:
         (out / f"run_{bps.rank()}.json").write_text(json.dumps({
             "buckets": [list(b.tensors) for b in opt._bps.buckets],
             "options": sorted({str(o) for o in opt._bps.options.values()}),
+            "by_bucket": {name: str(o) for name, o in opt._bps.options.items()},
             "fp32": str(opt._bps.session.fp32),
             "allreduce": str(opt._bps.session.allreduce),
             "compression": json.loads(section["compression"]),
