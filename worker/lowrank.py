@@ -41,7 +41,7 @@ from byteps_espresso.worker.executor import Executor
 
 from byteps_espresso.strategy.options import Option
 
-__all__ = ["P_SUFFIX", "Q_SUFFIX", "LowRank", "measure_costs"]
+__all__ = ["P_SUFFIX", "Q_SUFFIX", "LowRank", "cost_samples", "measure_costs"]
 
 #: Names of a bucket's two PowerSGD sums (``<bucket><suffix>``).
 P_SUFFIX, Q_SUFFIX = "#powersgd.p", "#powersgd.q"
@@ -180,18 +180,16 @@ _COST_SHAPES = 6
 _FALLBACK_SHAPES = ((64, 64), (512, 512))
 
 
-def measure_costs(params: Mapping[str, Any], shapes: Sequence[Sequence[int]],
-                  device: torch.device) -> Any:
-    """PowerSGD's compute costs on ``device`` for the planner (``strategy.lowrank``): its
-    products timed on the model's own matrix shapes, fitted as lines in multiply-adds.
+def cost_samples(params: Mapping[str, Any], shapes: Sequence[Sequence[int]],
+                 device: torch.device, budget_s: float | None = None) -> list[dict[str, Any]]:
+    """PowerSGD's products timed on ``device`` on the model's own matrix shapes, as
+    ``CompressorCosts.fit`` samples in multiply-adds.
 
     ``compress`` covers ``P_w = M_w Q`` and, between the sums, the orthogonalization and
-    ``Q_w = M_w^T P^`` (each timed with its multiply-add count); ``decompress`` the
+    ``Q_w = M_w^T P^`` (each sample with its multiply-add count); ``decompress`` the
     reconstruction ``P^ Q^T``. Only ``gpu`` (the training device) is profiled: PowerSGD has no
-    numba backend.
-
-    Returns:
-        ``strategy.CompressorCosts`` with a ``powersgd`` entry.
+    numba backend. With ``budget_s`` the shapes after the second stop once that many seconds
+    have passed (the smallest and the largest come first: the widest span for the fit).
     """
     from byteps_espresso.kernels.powersgd import (
         compute_p,
@@ -200,19 +198,20 @@ def measure_costs(params: Mapping[str, Any], shapes: Sequence[Sequence[int]],
         worth_compressing,
     )
 
-    from byteps_espresso.strategy import CompressorCosts
-
     state = PowerSGD(**{k: v for k, v in params.items() if k in PowerSGD.defaults})
     rate = float(state.params["min_compression_rate"])
     mats = sorted({nm for nm in map(matrix_shape, shapes)
-                   if nm is not None and worth_compressing(*nm, state.rank, rate)})
+                   if nm is not None and worth_compressing(*nm, state.rank, rate)},
+                  key=lambda nm: nm[0] * nm[1])
     if len({n * m for n, m in mats}) < 2:
-        mats = sorted({*mats, *_FALLBACK_SHAPES})
-    if len(mats) > _COST_SHAPES:
-        mats = [mats[0], mats[-1], *mats[1:_COST_SHAPES - 1]]
+        mats = sorted({*mats, *_FALLBACK_SHAPES}, key=lambda nm: nm[0] * nm[1])
+    mats = [mats[0], mats[-1], *mats[1:-1]][:_COST_SHAPES]
     gen = torch.Generator().manual_seed(0)
-    samples = []
-    for n, m in mats:
+    samples: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for i, (n, m) in enumerate(mats):
+        if i >= 2 and budget_s is not None and time.perf_counter() - t0 > budget_s:
+            break
         r = min(n, m, state.rank)
         matrix = torch.randn(n, m, generator=gen).to(device)
         q = torch.randn(m, r, generator=gen).to(device)
@@ -223,8 +222,25 @@ def measure_costs(params: Mapping[str, Any], shapes: Sequence[Sequence[int]],
         for op, macs, fn, args in steps:
             samples.append({"compressor": "powersgd", "device": "gpu", "op": op,
                             "numel": macs, "us": _time(fn, args, device)})
-    return CompressorCosts.fit(samples, note=f"PowerSGD's products timed on {device} at "
-                               "start-up, in multiply-adds; by byteps_espresso.worker.lowrank",
+    return samples
+
+
+def measure_costs(params: Mapping[str, Any], shapes: Sequence[Sequence[int]],
+                  device: torch.device) -> Any:
+    """PowerSGD's compute costs on ``device`` for the planner (``strategy.lowrank``): its
+    products timed alone on the model's own matrix shapes (:func:`cost_samples`), fitted as
+    lines in multiply-adds. The runtime times them in its lanes during the profiled
+    iterations instead, beside the training (``worker.profiler.LaneProbes``); this is its
+    fallback.
+
+    Returns:
+        ``strategy.CompressorCosts`` with a ``powersgd`` entry.
+    """
+    from byteps_espresso.strategy import CompressorCosts
+
+    return CompressorCosts.fit(cost_samples(params, shapes, device),
+                               note=f"PowerSGD's products timed on {device} at start-up, in "
+                               "multiply-adds; by byteps_espresso.worker.lowrank",
                                params={"powersgd": dict(params)})
 
 

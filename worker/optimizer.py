@@ -97,10 +97,11 @@ class CompressionSpec(abc.ABC):
         """PowerSGD around the buckets' Options (None: the Options alone)."""
         return None
 
-    def probes(self, session: Session, numels: Sequence[int],
-               traffic: Mapping[str, int]) -> Any | None:
+    def probes(self, session: Session, numels: Sequence[int], traffic: Mapping[str, int],
+               shapes: Mapping[str, Sequence[int]] | None = None) -> Any | None:
         """Cost probes to run in the lanes during the profiled iterations (None: none);
-        ``traffic``: elements per bucket the profiled iterations synchronize."""
+        ``traffic``: elements per bucket the profiled iterations synchronize; ``shapes``:
+        every parameter's shape."""
         return None
 
     @abc.abstractmethod
@@ -529,7 +530,8 @@ class _Sync:
             # The compressor is timed on gradient and bucket sizes: the plan may fuse or not.
             traffic = {b.name: sum(b.numels) for b in self.buckets}
             self.probes = compression.probes(
-                self.session, [*self.numel.values(), *traffic.values()], traffic)
+                self.session, [*self.numel.values(), *traffic.values()], traffic,
+                {n: tuple(p.shape) for n, p in self.params.items()})
         for name in self.order:
             self.params[name].register_post_accumulate_grad_hook(self._hook(name))
 

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 from byteps_espresso.worker.codecs import CodecPair
-from byteps_espresso.worker.lowrank import LowRank
+from byteps_espresso.worker.lowrank import LowRank, cost_samples
 from byteps_espresso.worker.lowrank import measure_costs as lowrank_costs
 from byteps_espresso.worker.optimizer import CompressionSpec, Plan
 from byteps_espresso.worker.session import Session, slowest_across_ranks
@@ -553,10 +553,14 @@ class LaneProbes:
         traffic: elements per bucket the profiled iterations synchronize on the fp32 path;
             where :func:`ps_from_traffic` holds, their push/pulls price the PS path instead
             of probes.
+        low_rank: a low-rank compressor's (parameters, the model's parameter shapes), whose
+            matrix products are timed instead of a codec (``worker.lowrank.cost_samples``).
     """
 
     def __init__(self, session: Session, codec: CodecPair | None, numels: Sequence[int],
-                 traffic: Mapping[str, int] | None = None) -> None:
+                 traffic: Mapping[str, int] | None = None,
+                 low_rank: tuple[Mapping[str, Any], Sequence[Sequence[int]]] | None = None,
+                 ) -> None:
         rt = session.runtime
         self.fp32 = session.fp32
         # The same on every rank (the same layout and Option), so the probes stay in step.
@@ -568,6 +572,8 @@ class LaneProbes:
         self.servers = rt.cfg.num_servers
         self.cpu_threads = rt.cfg.cpu_threads
         self.codec = None if codec is None else codec.bare()
+        self.low_rank = low_rank
+        self.low_rank_samples: list[dict[str, Any]] = []
         self.links: dict[tuple[str, int], list[float]] = {}
         self.compressor: dict[tuple[str, str, int], list[float]] = {}
         self.handles: list[Any] = []
@@ -619,6 +625,9 @@ class LaneProbes:
         if self.codec is not None and probe_lanes(iteration, engine.lanes):
             self.handles.append(engine.call(iteration + 1, self._spending(
                 "compressor", iteration, self._codec), "espresso.probe.codec"))
+        elif self.low_rank is not None and probe_lanes(iteration, engine.lanes):
+            self.handles.append(engine.call(iteration + 1, self._spending(
+                "compressor", iteration, self._low_rank_products), "espresso.probe.lowrank"))
 
     def issue_links(self, engine: Any, iteration: int) -> None:
         """Queue one round of link probes in a lane, once the iteration's synchronization is
@@ -742,6 +751,11 @@ class LaneProbes:
                     self.compressor.setdefault((dev.value, "compress", n), []).append(comp)
                     self.compressor.setdefault((dev.value, "decompress", n), []).append(dec)
 
+    def _low_rank_products(self, ex: Any) -> None:
+        assert self.low_rank is not None
+        params, shapes = self.low_rank
+        self.low_rank_samples += cost_samples(params, shapes, self.device, _CODEC_BUDGET_S)
+
     # ---- results -----------------------------------------------------------------------------
     def step_times(self, names: Sequence[str], steps: int) -> np.ndarray:
         """Median wall time (us) of each step of each tensor's Option over the profiled
@@ -796,6 +810,16 @@ class LaneProbes:
         processes do not share)."""
         from byteps_espresso.strategy import CompressorCosts
 
+        if self.low_rank is not None:  # PowerSGD's products, median per size and op
+            groups: dict[tuple[str, int], list[float]] = {}
+            for x in self.low_rank_samples:
+                groups.setdefault((x["op"], x["numel"]), []).append(x["us"])
+            return CompressorCosts.fit(
+                [{"compressor": "powersgd", "device": "gpu", "op": op, "numel": n,
+                  "us": statistics.median(us)} for (op, n), us in sorted(groups.items())],
+                note=f"PowerSGD's products timed in the lanes during the profiled iterations "
+                     f"on {self.device}, in multiply-adds; by byteps_espresso.worker.profiler",
+                params={"powersgd": dict(self.low_rank[0])})
         codec = self.codec
         assert codec is not None
         samples = [{"compressor": codec.name, "device": dev, "op": op, "numel": n,
@@ -860,12 +884,14 @@ class EspressoSpec(CompressionSpec):
         params = {"seed": session.runtime.cfg.seed, **self.params}
         return LowRank(params, shapes, session.runtime.topology.world_size)
 
-    def probes(self, session: Session, numels: Sequence[int],
-               traffic: Mapping[str, int]) -> LaneProbes | None:
+    def probes(self, session: Session, numels: Sequence[int], traffic: Mapping[str, int],
+               shapes: Mapping[str, Sequence[int]] | None = None) -> LaneProbes | None:
         # The fp32 steps' timings keep the iterations after the first: one would leave none.
         if self.profile_steps(session) < 2:
             return None
-        return LaneProbes(session, self.codec(session), numels, traffic)
+        low_rank = (dict(self.params), list((shapes or {}).values())) if self.low_rank \
+            else None
+        return LaneProbes(session, self.codec(session), numels, traffic, low_rank=low_rank)
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
@@ -898,7 +924,7 @@ class EspressoSpec(CompressionSpec):
             shapes = profile.shapes if profile is not None and profile.shapes else None
             workload = workload_from_offsets(offsets, names, numel, shapes=shapes)
             codec = self.codec(session)
-            if self.low_rank:
+            if self.low_rank and not (in_lanes and probes.low_rank_samples):
                 costs = lowrank_costs(self.params, list((shapes or {}).values()), rt.device)
             else:
                 costs = probes.costs(list(numel.values())) if in_lanes else measure_costs(

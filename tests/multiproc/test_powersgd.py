@@ -152,3 +152,42 @@ def test_a_planned_powersgd_strategy_runs_each_buckets_option(tmp_path, cluster)
     exact = sum(worker.grads(r, 2)["conv"] for r in range(WORLD)) / WORLD
     np.testing.assert_allclose(np.load(tmp_path / "grad_2_0_conv.npy"), exact.numpy(),
                                rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(200)
+def test_powersgd_profiled_planned_and_tried_in_training(tmp_path, cluster):
+    from byteps_espresso.strategy import Strategy
+    from byteps_espresso.strategy.tree import option_set
+
+    steps, profile = 20, tmp_path / "profile"
+    env = {"ESPRESSO_PROFILE_OUT": str(profile), "ESPRESSO_TRIAL_STEPS": "2"}
+    with cluster.ps_job(servers=1) as root:
+        cluster.run_workers("powersgd_worker.py", [str(tmp_path), str(steps), "espresso"],
+                            root_port=root, servers=1, timeout=150, extra_env=env)
+    runs = [json.loads((tmp_path / f"run_{r}.json").read_text()) for r in range(WORLD)]
+    for run in runs:
+        run.pop("errors")
+    assert all(run == runs[0] for run in runs)  # one strategy and layout on every rank
+    for step in range(steps):
+        for name, _ in worker.PARAMS:
+            got = [np.load(tmp_path / f"grad_{step}_{r}_{name}.npy") for r in range(WORLD)]
+            assert all(np.array_equal(g, got[0]) for g in got), f"step {step} {name}"
+    # the kept strategy is the planner's, of PowerSGD's tree, priced from the shapes the
+    # profile recorded and the products the lanes timed
+    kept = Strategy.load(profile / "strategy.json")
+    assert kept.compressor == "powersgd" and kept.params["rank"] == worker.RANK
+    tree = option_set(kept.cluster, None, "powersgd")
+    assert all(o in tree for o in kept.options.values())
+    assert sorted(runs[0]["by_bucket"].values()) == sorted(map(str, kept.options.values()))
+    shapes = {t.name: t.shapes for t in json_workload(profile / "workload.json")}
+    assert shapes["big"] == ((96, 64),) and shapes["conv"] == ((16, 4, 3, 3),)
+    costs = json.loads((profile / "costs.json").read_text())
+    assert "in the lanes" in costs["note"] and "powersgd" in costs["compressors"]
+    trials = json.loads((profile / "trials.json").read_text())
+    assert len(trials["finalists"]) >= 2
+
+
+def json_workload(path: Path):  # type: ignore[no-untyped-def]
+    from byteps_espresso.strategy import Workload
+
+    return Workload.load(path).tensors

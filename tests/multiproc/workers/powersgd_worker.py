@@ -1,12 +1,13 @@
 """Worker of test_powersgd: synchronizes gradients with ``Compression.powersgd`` in buckets.
 
 Usage: powersgd_worker.py OUT_DIR STEPS SUMS, SUMS one of ``Compression.powersgd``'s (every
-bucket compressed) or ``strategy:PATH`` (``Compression.strategy``: a PowerSGD strategy file
-whose buckets are compressed or not, each with its own sums' Option). Every parameter's
+bucket compressed), ``espresso`` (``Compression.espresso("powersgd")``: profiled, planned per
+bucket, tried) or ``strategy:PATH`` (``Compression.strategy``: a PowerSGD strategy file whose
+buckets are compressed or not, each with its own sums' Option). Every parameter's
 gradient is a per-rank random tensor (see :func:`grads`), so the test recomputes PowerSGD's
-steps. After every step each
-parameter's ``.grad`` goes to OUT_DIR/grad_STEP_RANK_NAME.npy (no pickle); at the end the
-bucket layout, the Options and what the checkpoint section holds go to OUT_DIR/run_RANK.json.
+steps. After every step each parameter's ``.grad`` goes to OUT_DIR/grad_STEP_RANK_NAME.npy
+(no pickle); at the end the bucket layout, the Options and what the checkpoint section holds
+go to OUT_DIR/run_RANK.json.
 """
 
 import json
@@ -36,10 +37,14 @@ def main() -> None:
     bps.init()
     try:
         params = {name: torch.nn.Parameter(torch.zeros(shape)) for name, shape in PARAMS}
-        compression = (bps.Compression.strategy(sums.split(":", 1)[1])
-                       if sums.startswith("strategy:")
-                       else bps.Compression.powersgd(RANK, start_iter=START_ITER, seed=3,
-                                                     sums=sums))
+        if sums.startswith("strategy:"):
+            compression = bps.Compression.strategy(sums.split(":", 1)[1])
+        elif sums == "espresso":  # profiled, planned per bucket, trials
+            compression = bps.Compression.espresso("powersgd", rank=RANK,
+                                                   start_iter=START_ITER, seed=3)
+        else:
+            compression = bps.Compression.powersgd(RANK, start_iter=START_ITER, seed=3,
+                                                   sums=sums)
         opt = bps.DistributedOptimizer(
             torch.optim.SGD(params.values(), lr=0.0), named_parameters=list(params.items()),
             compression=compression)
