@@ -584,12 +584,13 @@ def _placement_masks(i, tunit, tbits, switched, masks):  # pragma: no cover - co
 
 @numba.njit(cache=True)
 def _tail_bound(starts, ends, count, acc, gaps, lane, j, tunit, tbits, table, switched,  # noqa: PLR0912, PLR0917
-                busy, total, cum, forward, bound, scratch, masks):  # pragma: no cover - compiled
+                busy, total, cum, forward, bound, masks):  # pragma: no cover - compiled
     """A lower bound of the iteration time of every completion once tensors ..j-1 are
     scheduled (``switched``: the units already on the CPU); inf where none can get below
     ``bound``. Tensor i >= j is ready at acc[0] + (cum[i] - cum[j - 1]) at the earliest
     (cum: the cumulative backward segments) and takes a placement mask that table[i] allows
     with the switched units' steps on the CPU; busy (n, M, R) and total (n, M) per mask.
+    One pass over the remaining tensors, last first:
 
     1. A placement is excluded where even alone it cannot finish below ``bound``: ready at
        the earliest, its time alone, then (with lanes) the shortest times left of the later
@@ -597,62 +598,58 @@ def _tail_bound(starts, ends, count, acc, gaps, lane, j, tunit, tbits, table, sw
     2. Each resource must still run what is placed after tensor j's ready time plus, per
        later tensor, its least busy time over the placements left (the GPU also the
        backward segments after j).
-    3. Each lane, from its free time, runs its later tensors in order, each no earlier than
-       its ready time and for its shortest time left; without lanes, each tensor alone.
+    3. Each lane runs its remaining tensors in order, each no earlier than its ready time
+       and for its shortest time left: it ends no earlier than its free time, or than any
+       of those tensors' ready time, plus the shortest times from there on (without lanes:
+       each tensor alone).
 
-    scratch (2, n) and masks (2^Q,): work space."""
+    masks (2^Q,): work space."""
     n = gaps.shape[0]
     base = acc[0] - (cum[j] - gaps[j])  # + cum[i]: tensor i's earliest ready time
     n_lanes = acc.shape[0] - 3
-    short, lim = scratch[0], scratch[1]
-    # (1) shortest times left, last tensor first (what follows on the lane is known)
-    after = np.zeros(max(n_lanes, 1))
-    for i in range(n - 1, j - 1, -1):
-        q = lane[i]
-        lim[i] = bound - forward - base - cum[i] - (after[q] if q >= 0 else 0.0)
-        best = np.inf
-        m = _placement_masks(i, tunit, tbits, switched, masks)
-        for k in range(m):
-            mask = masks[k]
-            if table[i, mask] >= 0 and total[i, mask] < lim[i]:
-                best = min(best, total[i, mask])
-        if best == np.inf:
-            return np.inf
-        short[i] = best
-        if q >= 0:
-            after[q] += best
-    # (2) per resource
-    ready = base + cum[j]
     n_res = busy.shape[2]
+    after = np.zeros(max(n_lanes, 1))  # per lane, the shortest times of the tensors after
     need = np.zeros(n_res)
     need[GPU] = cum[n - 1] - cum[j]
     least = np.empty(n_res)
-    for i in range(j, n):
-        least[:] = np.inf
-        m = _placement_masks(i, tunit, tbits, switched, masks)
-        for k in range(m):
-            mask = masks[k]
-            if table[i, mask] >= 0 and total[i, mask] < lim[i]:
-                for r in range(n_res):
-                    least[r] = min(least[r], busy[i, mask, r])
-        for r in range(n_res):
-            need[r] += least[r]
     low = 0.0
+    for i in range(n - 1, j - 1, -1):
+        q = lane[i]
+        lim = bound - forward - base - cum[i] - (after[q] if q >= 0 else 0.0)
+        if tunit[i, 0] < 0:  # not offloadable: its one option
+            short = total[i, 0]
+            if short >= lim:
+                return np.inf
+            for r in range(n_res):
+                need[r] += busy[i, 0, r]
+        else:
+            short = np.inf
+            least[:] = np.inf
+            m = _placement_masks(i, tunit, tbits, switched, masks)
+            for k in range(m):
+                mask = masks[k]
+                if table[i, mask] >= 0 and total[i, mask] < lim:
+                    short = min(short, total[i, mask])
+                    for r in range(n_res):
+                        least[r] = min(least[r], busy[i, mask, r])
+            if short == np.inf:
+                return np.inf
+            for r in range(n_res):
+                need[r] += least[r]
+        if q >= 0:
+            after[q] += short
+            low = max(low, base + cum[i] + after[q])
+        else:
+            low = max(low, base + cum[i] + short)
+    for q in range(n_lanes):
+        low = max(low, acc[3 + q] + after[q])
+    ready = base + cum[j]
     for r in range(n_res):
         k = count[r] - 1
         while k >= 0 and ends[r, k] > ready:
             need[r] += ends[r, k] - max(starts[r, k], ready)
             k -= 1
         low = max(low, ready + need[r])
-    # (3) the lanes in order (each tensor alone without lanes)
-    for q in range(max(n_lanes, 1)):
-        t = acc[3 + q] if n_lanes > 0 else 0.0
-        for i in range(j, n):
-            if n_lanes == 0:
-                low = max(low, base + cum[i] + short[i])
-            elif lane[i] == q:
-                t = max(t, base + cum[i]) + short[i]
-        low = max(low, t)
     return forward + low
 
 
@@ -697,7 +694,6 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
     dummy = np.zeros((1, 1))
     none = _no_trace()
     q_max = tunit.shape[1]
-    scratch = np.empty((2, n))
     masks = np.empty(1 << q_max, dtype=np.int64)
     depth = _I0
     nodes = 0
@@ -714,7 +710,7 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
                 best_t = t
                 best_choice[:] = work
         elif ok and _tail_bound(starts, ends, count, acc, gaps, lane, j1, tunit, tbits, table,
-                                switched, busy, total, cum, forward, best_t - tol, scratch,
+                                switched, busy, total, cum, forward, best_t - tol,
                                 masks) < best_t - tol:
             _save(depth, starts, ends, count, acc, s_st, s_en, s_ct, s_ac)
             free = 0
