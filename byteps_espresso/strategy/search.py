@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 # Algorithm 2's branch and bound stops after this many search nodes (one node: one tensor
 # placement scheduled on a restored prefix). Far above what the 8 x 8 workloads of
 # benchmarks/plan.py need, with or without lanes (its table (d) lists the nodes: at most
-# about 40,000 there, measured 2026-12-02); a stop is logged.
+# 35,138 there, BERT on PCIe + 25 Gbit/s with efsignsgd and 2 lanes, measured 2026-12-02);
+# a stop is logged.
 OFFLOAD_NODE_LIMIT = 2_000_000
 # Per-tensor passes of Algorithm 1. With the group moves one pass found the same or better
 # strategies than two on the 24 workload settings and 100 random instances of
