@@ -12,7 +12,8 @@
 (d) Algorithm 2 exactness: on each cell's Algorithm 1 strategy, the branch and bound of
     search.cpu_offload against the paper's exhaustive traversal (search.offload_exhaustive,
     every combination of per-group counts simulated) where it has at most EXHAUSTIVE_CHECK
-    combinations.
+    combinations; on the presets (no lanes) and with the runtime's lanes (LANES, what
+    `espresso plan` models by default). --offload-only runs (d) alone.
 
 (e) with --startup only: what ``Compression.espresso`` plans at start-up
     (``planner.plan_bucketed``, as worker/profiler.py calls it: the bucket layouts, then the
@@ -25,6 +26,7 @@
 Prints the tables and writes benchmarks/results/plan.json (--startup: plan_startup.json).
 
     .venv/bin/python benchmarks/plan.py [--instances 200] [--runs 5]
+    .venv/bin/python benchmarks/plan.py --offload-only   # (d) alone: plan_offload.json
     .venv/bin/python benchmarks/plan.py --startup [--runs 5] [--cold-runs 1]
 """
 
@@ -42,6 +44,7 @@ import time
 from pathlib import Path
 
 from byteps_espresso.strategy import Cluster, Workload, baselines, search
+from byteps_espresso.strategy.cli import RUNTIME_LANES
 from byteps_espresso.strategy.context import PlanContext, clear_model_cache
 from byteps_espresso.strategy.instances import random_instance
 from byteps_espresso.strategy.planner import REPORTED_BASELINES, plan_alone
@@ -60,9 +63,15 @@ WORKLOADS = ("lstm", "vgg16", "resnet50", "resnet101", "ugatit", "bert", "gpt2")
 # the 2-core development machine (issue 13); no figure was taken for ResNet50.
 TARGET_MS = {"lstm": 0.5, "vgg16": 1.5, "resnet50": None, "resnet101": 8.0, "ugatit": 5.0,
              "bert": 13.0, "gpt2": 23.0}
-# The exhaustive traversal of (d) simulates every combination; above this many it is skipped.
-EXHAUSTIVE_CHECK = 100_000
+# The exhaustive traversal of (d) simulates every combination (about 30 us each); above this
+# many it is skipped. The largest cell, BERT on PCIe + 25 Gbit/s with efsignsgd and lanes,
+# has 4.5 million (about 2 minutes).
+EXHAUSTIVE_CHECK = 5_000_000
+# The executor lanes (d) also models: the runtime's (cli.RUNTIME_LANES, `espresso plan`'s
+# default).
+LANES = RUNTIME_LANES
 RESULTS = Path(__file__).resolve().parent / "results" / "plan.json"
+OFFLOAD_RESULTS = RESULTS.with_name("plan_offload.json")
 STARTUP_RESULTS = RESULTS.with_name("plan_startup.json")
 # The main job's measured profile (workload, cluster, costs) and what its trials keep
 # (worker/profiler.py's _TRIAL_WITHIN: finalists predicted within 2.5x of the plan).
@@ -135,16 +144,45 @@ def offload_check(ctx: PlanContext) -> dict:
     start = search.uniform_best(ctx, ctx.uncompressed())
     choice = search.gpu_greedy(ctx, start, ctx.primary_device(), passes=search.GREEDY_PASSES)
     units = search.offload_units(ctx, choice)
-    out = {"groups": [len(m) for m in units.members], "combinations": units.combinations}
+    out = {"lanes": ctx.cluster.lanes, "groups": [len(m) for m in units.members],
+           "combinations": units.combinations}
+    calls = ctx.evaluator.calls
     t0 = time.perf_counter()
     found = ctx.iteration_us(search.cpu_offload(ctx, choice))
-    out.update(bb_ms=(time.perf_counter() - t0) * 1e3, bb_us=found)
+    # the search nodes: the evaluations less the two simulations of cpu_offload and above
+    out.update(bb_ms=(time.perf_counter() - t0) * 1e3, bb_us=found,
+               bb_nodes=max(ctx.evaluator.calls - calls - 2, 0))
     if units.combinations <= EXHAUSTIVE_CHECK:
         t0 = time.perf_counter()
         _, want = search.offload_exhaustive(ctx, choice)
         out.update(exhaustive_ms=(time.perf_counter() - t0) * 1e3, exhaustive_us=want,
                    equal=abs(found - want) <= 1e-6)
     return out
+
+
+def _with_lanes(ctx: PlanContext) -> PlanContext:
+    """The same problem with the runtime's executor lanes modelled."""
+    lanes = PlanContext(ctx.workload, ctx.cluster.with_(lanes=LANES), ctx.compressor,
+                        ctx.params)
+    lanes.prepare()
+    return lanes
+
+
+def offload_only() -> list[dict]:
+    """(d) alone, every cell with and without lanes."""
+    rows = []
+    for model in WORKLOADS:
+        workload = Workload.builtin(model)
+        for setting, kw in SETTINGS.items():
+            cluster = Cluster.preset(8, 8, kw["intra"], kw["inter_gbps"])
+            for compressor, params in COMPRESSORS.items():
+                ctx = PlanContext(workload, cluster, compressor, params)
+                ctx.prepare()
+                rows.append({"workload": model, "setting": setting, "compressor": compressor,
+                             "offload": offload_check(ctx),
+                             "offload_lanes": offload_check(_with_lanes(ctx))})
+                print(f"  {model:9} {setting:12} {compressor:10} done", file=sys.stderr)
+    return rows
 
 
 def quality_and_time(runs: int) -> list[dict]:
@@ -174,6 +212,7 @@ def quality_and_time(runs: int) -> list[dict]:
                     "vs_upper_bound": ms / base["upper-bound"],
                     **timing,
                     "offload": offload_check(ctx),
+                    "offload_lanes": offload_check(_with_lanes(ctx)),
                 })
                 print(f"  {model:9} {setting:12} {compressor:10} espresso {ms:8.2f} ms "
                       f"plan {timing['plan_ms']:6.1f} ms", file=sys.stderr)
@@ -210,16 +249,25 @@ def print_tables(opt: dict, rows: list[dict]) -> None:
               f"{r['plan_ms']:>7.1f}/{r['plan_cpu_ms']:<7.1f} "
               f"{'-' if target is None else target:>7} {r['search_wall_ms']:>7.1f} "
               f"{r['evaluations']:>7}")
-    print("\n(d) Algorithm 2: branch and bound vs the exhaustive traversal (ms of each, and "
-          "the offloaded iteration time)")
-    for r in rows:
-        o = r["offload"]
-        check = (f"exhaustive {o['exhaustive_us'] / 1e3:9.3f} ms in {o['exhaustive_ms']:8.1f} "
-                 f"ms: {'equal' if o['equal'] else 'DIFFERENT'}" if "equal" in o
-                 else "exhaustive skipped")
-        print(f"{r['workload']:9} {r['setting']:12} {r['compressor']:10} groups "
-              f"{o['groups']} ({o['combinations']} combinations): b&b "
-              f"{o['bb_us'] / 1e3:9.3f} ms in {o['bb_ms']:7.1f} ms; {check}")
+    print_offload(rows)
+
+
+def print_offload(rows: list[dict]) -> None:
+    for key, what in (("offload", "no lanes"), ("offload_lanes", f"{LANES} lanes")):
+        print(f"\n(d) Algorithm 2, {what}: branch and bound vs the exhaustive traversal (ms "
+              "of each, and the offloaded iteration time)")
+        for r in rows:
+            o = r[key]
+            check = (f"exhaustive {o['exhaustive_us'] / 1e3:9.3f} ms in "
+                     f"{o['exhaustive_ms']:8.1f} ms: {'equal' if o['equal'] else 'DIFFERENT'}"
+                     if "equal" in o else "exhaustive skipped")
+            print(f"{r['workload']:9} {r['setting']:12} {r['compressor']:10} groups "
+                  f"{o['groups']} ({o['combinations']} combinations): b&b "
+                  f"{o['bb_us'] / 1e3:9.3f} ms in {o['bb_ms']:7.1f} ms, "
+                  f"{o['bb_nodes']} nodes; {check}")
+        checked = [r[key] for r in rows if "equal" in r[key]]
+        print(f"equal {sum(o['equal'] for o in checked)}/{len(checked)} checked, "
+              f"{len(rows) - len(checked)} skipped")
 
 
 def startup_child(compressor: str) -> dict:
@@ -297,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only (e): start-up planning on the main job's profile")
     parser.add_argument("--cold-runs", type=int, default=1,
                         help="(e) runs with an empty numba cache (each compiles the kernels)")
+    parser.add_argument("--offload-only", action="store_true",
+                        help="only (d): Algorithm 2 against the exhaustive traversal")
     parser.add_argument("--startup-child", metavar="COMPRESSOR", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -310,6 +360,14 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.out or str(STARTUP_RESULTS), {
             "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
             **_machine(), "startup": rows, "seconds": time.time() - t0})
+        return 0
+    if args.offload_only:
+        t0 = time.time()
+        rows = offload_only()
+        print_offload(rows)
+        _write(args.out or str(OFFLOAD_RESULTS), {
+            "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
+            **_machine(), "workloads": rows, "seconds": time.time() - t0})
         return 0
     t0 = time.time()
     warm = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2), "randomk",

@@ -30,8 +30,11 @@ Algorithm 2 (``cpu_offload``)
 
 Refinement (ours, after Algorithm 2): each tensor with the others fixed tries every device
 placement of its option's Comp/Decomp steps, one step at a time or together (so every Option
-of the tree, mixed devices included, can be chosen); an uncompressed tensor not followed by a
-bubble first tries the non-dominated all-CPU options of its size.
+of the tree, mixed devices included, can be chosen), and the non-dominated compressed all-CPU
+options of its size (host compression of another scheme: on BERT, 8 x 8 PCIe + 25 Gbit/s with
+efsignsgd, 6.8% above the upper bound instead of 8.8% with the placements alone); an
+uncompressed tensor not followed by a bubble tries the non-dominated all-CPU options of its
+size. A tensor that took another option then tries its placements.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ log = logging.getLogger(__name__)
 
 # Algorithm 2's branch and bound stops after this many search nodes (one node: one tensor
 # placement scheduled on a restored prefix). Far above what the 8 x 8 workloads of
-# benchmarks/plan.py need (its table (d) lists the nodes); a stop is logged.
+# benchmarks/plan.py need, with or without lanes (its table (d) lists the nodes: at most
+# 35,138 there, BERT on PCIe + 25 Gbit/s with efsignsgd and 2 lanes, measured 2026-12-02);
+# a stop is logged.
 OFFLOAD_NODE_LIMIT = 2_000_000
 # Per-tensor passes of Algorithm 1. With the group moves one pass found the same or better
 # strategies than two on the 24 workload settings and 100 random instances of
@@ -269,31 +274,40 @@ def offload_descent(ctx: PlanContext, choice: np.ndarray, units: OffloadUnits) \
 
 def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     """Each tensor, in visit order, with the others fixed: a compressed one tries every device
-    placement of its option's Comp/Decomp steps (:meth:`PlanContext.placements`); an
-    uncompressed one tries the non-dominated all-CPU options of its size (compression that
-    did not pay on the GPU, where it would have delayed the backward pass, may pay on the
-    host), then the placements of the option it took."""
+    placement of its option's Comp/Decomp steps (:meth:`PlanContext.placements`) and the
+    non-dominated all-CPU options of its size (host compression may pay more on another
+    scheme, e.g. compressing a reduce-scattered part); an uncompressed one tries those all-CPU
+    options (compression that did not pay on the GPU, where it would have delayed the backward
+    pass, may pay on the host). A tensor that took another option then tries its
+    placements."""
     choice = choice.copy()
     options = ctx.evaluator.options
     if not ctx.constraints.allow_cpu or not ctx.constraints.allow_gpu:
         return choice
     cpu_front = ctx.fronts(Device.CPU).index
+    # the compressed ones: Algorithm 1 weighed a compressed tensor against the uncompressed
+    cpu_compressed = [f[[options[k].is_compressed for k in f.tolist()]] for f in cpu_front]
     size_idx = ctx.evaluator.size_idx
     n = ctx.n_tensors
     now = ctx.evaluator.schedule(choice)  # (time, sum of synchronized times, ready, done)
     for i in ctx.visit_order:
         keep = int(choice[i])
-        if not options[keep].is_compressed:
+        if options[keep].is_compressed:
+            table = ctx.placements(keep)
+            placed = table[table >= 0]
+            candidates = np.union1d(placed, cpu_compressed[size_idx[i]])
+        elif i + 1 < n and now[3][i] <= now[2][i + 1]:
             # Algorithm 1's bubble rule: synchronized before the next gradient is ready,
             # nothing waits for it and host compression cannot shorten the iteration
-            if i + 1 < n and now[3][i] <= now[2][i + 1]:
-                continue
-            now = _take_best(ctx, choice, i, cpu_front[size_idx[i]], now)
-            keep = int(choice[i])
-            if not options[keep].is_compressed:
-                continue
-        table = ctx.placements(keep)
-        now = _take_best(ctx, choice, i, table[table >= 0], now)
+            continue
+        else:
+            placed = np.zeros(0, dtype=np.int64)
+            candidates = cpu_front[size_idx[i]]
+        now = _take_best(ctx, choice, i, candidates, now)
+        taken = int(choice[i])
+        if options[taken].is_compressed and taken not in placed:
+            table = ctx.placements(taken)
+            now = _take_best(ctx, choice, i, table[table >= 0], now)
     return choice
 
 

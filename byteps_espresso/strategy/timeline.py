@@ -555,27 +555,108 @@ def _restore(lv, starts, ends, count, acc, s_st, s_en, s_ct, s_ac):  # pragma: n
 
 
 @numba.njit(cache=True)
-def _tail_bound(starts, ends, count, acc, gaps, j, work_left, reach, forward):  # pragma: no cover  # noqa: PLR0917
-    """A lower bound of the iteration time once tensors ..j-1 are scheduled: tensor j is
-    ready at acc[0] + gaps[j] at the earliest, and from then on each resource must still run
-    what is already placed after that time plus work_left[j, r]; a later tensor l also
-    cannot finish before its own ready time plus its shortest placement (reach[j])."""
-    ready = acc[0] + gaps[j]
-    low = acc[0] + reach[j]
-    for r in range(work_left.shape[1]):
-        busy = 0.0
+def _placement_masks(i, tunit, tbits, switched, masks):  # pragma: no cover - compiled
+    """Tensor i's placement masks still open (the switched units' steps on the CPU, any
+    subset of the others) into ``masks``; returns how many."""
+    fixed = 0
+    free = 0
+    for k in range(tunit.shape[1]):
+        u = tunit[i, k]
+        if u >= 0:
+            if switched[u]:
+                fixed |= tbits[i, k]
+            else:
+                free |= 1 << k
+    m = 0
+    s = free
+    while True:
+        mask = fixed
+        for k in range(tunit.shape[1]):
+            if (s >> k) & 1:
+                mask |= tbits[i, k]
+        masks[m] = mask
+        m += 1
+        if s == 0:
+            break
+        s = (s - 1) & free
+    return m
+
+
+@numba.njit(cache=True)
+def _tail_bound(starts, ends, count, acc, gaps, lane, j, tunit, tbits, table, switched,  # noqa: PLR0912, PLR0917
+                busy, total, cum, forward, bound, masks):  # pragma: no cover - compiled
+    """A lower bound of the iteration time of every completion once tensors ..j-1 are
+    scheduled (``switched``: the units already on the CPU); inf where none can get below
+    ``bound``. Tensor i >= j is ready at acc[0] + (cum[i] - cum[j - 1]) at the earliest
+    (cum: the cumulative backward segments) and takes a placement mask that table[i] allows
+    with the switched units' steps on the CPU; busy (n, M, R) and total (n, M) per mask.
+    One pass over the remaining tensors, last first:
+
+    1. A placement is excluded where even alone it cannot finish below ``bound``: ready at
+       the earliest, its time alone, then (with lanes) the shortest times left of the later
+       tensors of its lane, which wait for it (a lane runs one Option at a time).
+    2. Each resource must still run what is placed after tensor j's ready time plus, per
+       later tensor, its least busy time over the placements left (the GPU also the
+       backward segments after j).
+    3. Each lane runs its remaining tensors in order, each no earlier than its ready time
+       and for its shortest time left: it ends no earlier than its free time, or than any
+       of those tensors' ready time, plus the shortest times from there on (without lanes:
+       each tensor alone).
+
+    masks (2^Q,): work space."""
+    n = gaps.shape[0]
+    base = acc[0] - (cum[j] - gaps[j])  # + cum[i]: tensor i's earliest ready time
+    n_lanes = acc.shape[0] - 3
+    n_res = busy.shape[2]
+    after = np.zeros(max(n_lanes, 1))  # per lane, the shortest times of the tensors after
+    need = np.zeros(n_res)
+    need[GPU] = cum[n - 1] - cum[j]
+    least = np.empty(n_res)
+    low = 0.0
+    for i in range(n - 1, j - 1, -1):
+        q = lane[i]
+        lim = bound - forward - base - cum[i] - (after[q] if q >= 0 else 0.0)
+        if tunit[i, 0] < 0:  # not offloadable: its one option
+            short = total[i, 0]
+            if short >= lim:
+                return np.inf
+            for r in range(n_res):
+                need[r] += busy[i, 0, r]
+        else:
+            short = np.inf
+            least[:] = np.inf
+            m = _placement_masks(i, tunit, tbits, switched, masks)
+            for k in range(m):
+                mask = masks[k]
+                if table[i, mask] >= 0 and total[i, mask] < lim:
+                    short = min(short, total[i, mask])
+                    for r in range(n_res):
+                        least[r] = min(least[r], busy[i, mask, r])
+            if short == np.inf:
+                return np.inf
+            for r in range(n_res):
+                need[r] += least[r]
+        if q >= 0:
+            after[q] += short
+            low = max(low, base + cum[i] + after[q])
+        else:
+            low = max(low, base + cum[i] + short)
+    for q in range(n_lanes):
+        low = max(low, acc[3 + q] + after[q])
+    ready = base + cum[j]
+    for r in range(n_res):
         k = count[r] - 1
         while k >= 0 and ends[r, k] > ready:
-            busy += ends[r, k] - max(starts[r, k], ready)
+            need[r] += ends[r, k] - max(starts[r, k], ready)
             k -= 1
-        low = max(low, ready + busy + work_left[j, r])
+        low = max(low, ready + need[r])
     return forward + low
 
 
 @numba.njit(cache=True)
 def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, cat_len,  # noqa: PLR0912, PLR0915, PLR0917
-                    cat_res, cat_dur, n_res, forward, best_t, tol, node_limit, work_left,
-                    reach):  # pragma: no cover - compiled
+                    cat_res, cat_dur, n_res, forward, best_t, tol, node_limit, busy, total,
+                    cum):  # pragma: no cover - compiled
     """Branch and bound over Algorithm 2's traversal: each unit (a set of Comp/Decomp steps of
     a group of tensors, members in backward order) is switched to the CPU at one member, and
     then stays switched for every later member (offloading ``c`` of a group = its last ``c``
@@ -585,10 +666,10 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
     Depth-first in backward order; the schedule of the prefix is kept per branching tensor and
     restored for each sibling, and a branch is cut as soon as a lower bound shows it cannot get
     strictly below the best time so far: _advance's, and at each branching tensor j
-    _tail_bound's (work_left[j, r]: the least busy time tensors j.. still need on resource r
-    whatever their placement; reach[j]: max over l >= j of the backward before l plus l's
-    shortest placement, less the backward before j). Returns (best time, best choice, nodes,
-    complete): complete is False when node_limit nodes were visited first."""
+    _tail_bound's (resources, lanes and the placements still open to tensors j..: busy
+    (n, M, R) and total (n, M) per placement mask of table, cum the cumulative backward
+    segments). Returns (best time, best choice, nodes, complete): complete is False when
+    node_limit nodes were visited first."""
     n = gaps.shape[0]
     cap = _capacity(choice, cat_len) + cat_len.max()
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
@@ -613,6 +694,7 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
     dummy = np.zeros((1, 1))
     none = _no_trace()
     q_max = tunit.shape[1]
+    masks = np.empty(1 << q_max, dtype=np.int64)
     depth = _I0
     nodes = 0
     j0, j1 = _I0, nxt[0]
@@ -627,8 +709,9 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
             if t < best_t - tol:
                 best_t = t
                 best_choice[:] = work
-        elif ok and _tail_bound(starts, ends, count, acc, gaps, j1, work_left, reach,
-                                forward) < best_t - tol:
+        elif ok and _tail_bound(starts, ends, count, acc, gaps, lane, j1, tunit, tbits, table,
+                                switched, busy, total, cum, forward, best_t - tol,
+                                masks) < best_t - tol:
             _save(depth, starts, ends, count, acc, s_st, s_en, s_ct, s_ac)
             free = 0
             for q in range(q_max):
@@ -931,7 +1014,7 @@ class Evaluator:
         _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
                         np.ones((1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1,
                         lens, res, dur, len(RESOURCES), 0.0, np.inf, 1e-6, 10,
-                        np.zeros((2, len(RESOURCES))), np.zeros(2))
+                        np.zeros((1, 2, len(RESOURCES))), np.zeros((1, 2)), np.ones(1))
 
     def best_group(self, choice: np.ndarray, members: np.ndarray, candidates: np.ndarray,
                    current: float | Schedule, tol: float = 1e-6) -> tuple[int, float]:
@@ -965,24 +1048,15 @@ class Evaluator:
         self.calls += int(nodes)
         return best, float(t), int(nodes), bool(complete)
 
-    def _tail_tables(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The bound tables of ``_offload_search`` for tensors whose options are among
-        table[i] (entries >= 0): work_left (n + 1, R) and reach (n + 1,)."""
-        n = len(self.gaps)
+    def _tail_tables(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The bound tables of ``_offload_search`` for tensors whose options are table[i]
+        (entries >= 0): busy (n, M, R) and total (n, M) per placement mask, and the
+        cumulative backward segments (n,)."""
         rows = np.where(table >= 0, table, table[:, :1])  # (n, M) every candidate option
         cat = self.catalogue
-        busy = cat.busy[rows, self.size_idx[:, None]]  # (n, M, R)
-        work_left = np.zeros((n + 1, len(RESOURCES)))
-        work_left[:n] = np.cumsum(busy.min(axis=1)[::-1], axis=0)[::-1]
-        # the GPU also runs the backward segments after j's
-        work_left[:n, GPU] += np.cumsum(self.gaps[::-1])[::-1] - self.gaps
-        # the backward before l, counted from the start of j's segment: cumulative gaps
-        before = np.cumsum(self.gaps)
-        start = before - self.gaps
-        own = before + cat.total[rows, self.size_idx[:, None]].min(axis=1)
-        reach = np.zeros(n + 1)
-        reach[:n] = np.maximum.accumulate(own[::-1])[::-1] - start
-        return work_left, reach
+        busy = np.ascontiguousarray(cat.busy[rows, self.size_idx[:, None]])
+        total = np.ascontiguousarray(cat.total[rows, self.size_idx[:, None]])
+        return busy, total, np.cumsum(self.gaps)
 
     def best_row(self, rows: np.ndarray, current: float, tol: float = 1e-6) \
             -> tuple[int, float]:

@@ -38,15 +38,16 @@ def test_placements_cover_the_tree_and_price_like_the_walk(cluster):
                                          rel=1e-12, abs=1e-9)
 
 
-def _grouped_problem(seed: int):
-    """Six tensors of two sizes, each on a random compressed all-GPU option of its size's
+def _grouped_problem(seed: int, lanes: int | None = None, n: int = 6):
+    """n tensors of two sizes, each on a random compressed all-GPU option of its size's
     front with one Comp and one Decomp: groups of several members for Algorithm 2."""
     rng = np.random.default_rng(seed)
-    sizes = rng.choice([300_000, 4_000_000], size=6)
-    gaps = rng.uniform(100, 3000, size=6)
+    sizes = rng.choice([300_000, 4_000_000], size=n)
+    gaps = rng.uniform(100, 3000, size=n)
     wl = Workload(tuple(TensorProfile(f"t{i}", int(sizes[i]), float(gaps[i]))
-                        for i in range(6)), float(rng.uniform(0, 5000)))
-    cluster = Cluster.preset(2, 2, "pcie", 10.0, servers=1, cpu_threads=int(rng.choice([2, 8])))
+                        for i in range(n)), float(rng.uniform(0, 5000)))
+    cluster = Cluster.preset(2, 2, "pcie", 10.0, servers=1, cpu_threads=int(rng.choice([2, 8])),
+                             lanes=lanes)
     ctx = PlanContext(wl, cluster, COMPRESSOR, PARAMS)
     ctx.prepare()
     fronts = ctx.fronts(Device.GPU)
@@ -60,8 +61,9 @@ def _grouped_problem(seed: int):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("per_step", [False, True])
-def test_branch_and_bound_is_the_exhaustive_traversal(seed, per_step):
-    ctx, choice = _grouped_problem(seed)
+@pytest.mark.parametrize("lanes", [None, 1, 2])
+def test_branch_and_bound_is_the_exhaustive_traversal(seed, per_step, lanes):
+    ctx, choice = _grouped_problem(seed, lanes)
     units = search.offload_units(ctx, choice, per_step)
     assert units.members and units.combinations <= 20_000
     want_choice, want = search.offload_exhaustive(ctx, choice, per_step)
@@ -81,6 +83,38 @@ def test_offload_on_lstm_8x8_matches_the_traversal():
     assert ctx.iteration_us(search.cpu_offload(ctx, choice)) == pytest.approx(want, abs=1e-6)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_lane_bounds_prove_the_traversal_optimum_in_few_nodes(seed):
+    # Twelve tensors on two lanes, each Comp/Decomp step a unit: thousands of combinations,
+    # proven with fewer nodes than the traversal simulates strategies.
+    ctx, choice = _grouped_problem(10 + seed, lanes=2, n=12)
+    units = search.offload_units(ctx, choice, per_step=True)
+    assert 1_000 <= units.combinations <= 20_000
+    _, want = search.offload_exhaustive(ctx, choice, per_step=True)
+    current = ctx.iteration_us(choice)
+    got, t, nodes, complete = ctx.evaluator.best_offload(
+        choice, units.tunit, units.tbits, table=units.table, n_units=len(units.members),
+        current=current)
+    assert complete
+    assert t == pytest.approx(min(want, current), abs=1e-6)
+    assert ctx.iteration_us(got) == pytest.approx(want, abs=1e-6)
+    assert nodes < units.combinations
+
+
+def test_bert_with_lanes_is_proven_optimal_without_the_node_limit():
+    cluster = Cluster.preset(8, 8, "pcie", 25).with_(lanes=2)
+    ctx = PlanContext(Workload.builtin("bert"), cluster, "efsignsgd", {})
+    ctx.prepare()
+    start = search.uniform_best(ctx, ctx.uncompressed())
+    choice = search.gpu_greedy(ctx, start, Device.GPU, passes=search.GREEDY_PASSES)
+    units = search.offload_units(ctx, choice)
+    assert units.combinations > 1_000_000  # the exhaustive traversal: about 2 minutes
+    _, _, nodes, complete = ctx.evaluator.best_offload(
+        choice, units.tunit, units.tbits, table=units.table, n_units=len(units.members),
+        current=ctx.iteration_us(choice), node_limit=search.OFFLOAD_NODE_LIMIT)
+    assert complete and nodes < search.OFFLOAD_NODE_LIMIT // 10
+
+
 def test_search_equals_bruteforce_with_mixed_device_options():
     seeds = [s for s in range(60) if random_instance(s).constraints.allow_cpu][:20]
     equal, cpu_optima = 0, 0
@@ -96,3 +130,29 @@ def test_search_equals_bruteforce_with_mixed_device_options():
         cpu_optima += any(o.uses_cpu for o in best.options)
     assert cpu_optima >= 3  # the check is about placements: some optima use the CPU
     assert equal >= 0.95 * len(seeds)
+
+
+def test_device_refinement_tries_host_compression_of_other_schemes():
+    # Two tensors on the all-GPU PS option: host compression pays more on another scheme
+    # than on the option's own placements (all of them, for both tensors together).
+    wl = Workload((TensorProfile("a", 2_400_000, 2000.0), TensorProfile("b", 2_400_000, 2000.0)),
+                  1000.0)
+    ctx = PlanContext(wl, Cluster.preset(4, 8, "pcie", 25), "efsignsgd", {})
+    ctx.prepare()
+    options = ctx.evaluator.options
+    ps = next(k for k in ctx.fronts(Device.GPU).index[0].tolist() if str(options[k]) ==
+              "Reduce(intra) -> Comp(gpu) -> PushPullC(inter) -> BroadcastC(intra) -> Decomp(gpu)")
+    table = ctx.placements(ps)
+    placed = table[table >= 0].tolist()
+    own = min(ctx.iteration_us(np.array([p, q])) for p in placed for q in placed)
+    got = search._refine_devices(ctx, np.array([ps, ps]))
+    assert ctx.iteration_us(got) < own - 100.0
+    assert any(int(k) not in placed and options[k].uses_cpu for k in got)
+
+
+def test_bert_on_pcie_with_efsignsgd_is_within_8_percent_of_the_upper_bound():
+    ctx = PlanContext(Workload.builtin("bert"), Cluster.preset(8, 8, "pcie", 25), "efsignsgd",
+                      {})
+    found = baselines.get("espresso").run(ctx).iteration_us
+    bound = baselines.get("upper-bound").run(ctx).iteration_us
+    assert found <= 1.08 * bound  # 1.088 when compressed tensors tried only their placements
