@@ -37,7 +37,7 @@ import numpy as np
 
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
-from byteps_espresso.strategy.costs import CompressedSizes, Pricer, StepTasks
+from byteps_espresso.strategy.costs import RESOURCES, CompressedSizes, PricedBatch, Pricer
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope, Step
 from byteps_espresso.strategy.program import Form, compile_option
 from byteps_espresso.strategy.timeline import Catalogue, Evaluator
@@ -176,6 +176,23 @@ def _placements_in_tree(option: Option, cluster: Cluster, constraints: Constrain
             masks.append(mask)
             options.append(cand)
     return masks, options
+
+
+@functools.lru_cache(maxsize=64)
+def _single_in_tree(cluster: Cluster, constraints: Constraints, device: Device) -> list[Option]:
+    """The tree's options whose compute steps all run on ``device`` (a function of the tree,
+    so kept across models; callers do not modify the list)."""
+    return [o for o in enumerate_options(cluster, constraints) if o.devices <= {device}]
+
+
+@functools.lru_cache(maxsize=64)
+def _searched_in_tree(cluster: Cluster, constraints: Constraints, device: Device) \
+        -> list[Option]:
+    """:meth:`PlanContext.searched` of the tree (kept across models, like
+    :func:`_single_in_tree`)."""
+    tree = canonical_options(cluster, constraints)
+    return [o for o in _single_in_tree(cluster, constraints, device)
+            if _decoded_twin(o) not in tree and _one_compressor(o) not in tree]
 
 
 def _decoded_twin(option: Option) -> Option | None:
@@ -394,7 +411,7 @@ class PlanContext:
         """Options whose compute steps all run on ``device`` (uncompressed ones included)."""
         got = self._single.get(device)
         if got is None:
-            got = self._single[device] = [o for o in self.options if o.devices <= {device}]
+            got = self._single[device] = _single_in_tree(self.cluster, self.constraints, device)
         return got
 
     def front(self, candidates: Sequence[Option]) -> list[list[Option]]:
@@ -433,10 +450,8 @@ class PlanContext:
         ``max-lossy``) the twin is the only form of its scheme and stays a candidate."""
         got = self._searched.get(device)
         if got is None:
-            tree = canonical_options(self.cluster, self.constraints)
-            got = self._searched[device] = [
-                o for o in self.single_device(device)
-                if _decoded_twin(o) not in tree and _one_compressor(o) not in tree]
+            got = self._searched[device] = _searched_in_tree(self.cluster, self.constraints,
+                                                              device)
         return got
 
     def twins(self, k: int) -> np.ndarray:
@@ -511,9 +526,14 @@ class PlanContext:
         resource = np.where(on_cpu, c.resource, g.resource)
         duration = np.where(on_cpu[:, None, :], c.duration[None], g.duration[None])
         rows, options = _placements_in_tree(option, self.cluster, self.constraints)
-        priced = [StepTasks(resource[mask], g.step, duration[mask]) for mask in rows]
+        catalogue = self.evaluator.catalogue
+        fresh = [j for j, o in enumerate(options) if o not in catalogue.index]
+        if fresh:
+            taken = np.array(rows, dtype=np.int64)[fresh]
+            catalogue.add_batches([options[j] for j in fresh], [PricedBatch(
+                np.arange(len(fresh)), resource[taken], duration[taken])])
         got = np.full(len(masks), -1, dtype=np.int64)
-        got[rows] = self.evaluator.add(options, priced)
+        got[rows] = [catalogue.index[o] for o in options]
         for idx in got[rows].tolist():  # every placement of a form shares the table
             self._placements[idx] = got
         return got
@@ -524,9 +544,12 @@ class PlanContext:
         hit = self._stacked.get(id(candidates))
         if hit is not None and hit[0] is candidates:
             return hit[1]
-        priced = [self.pricer.tasks(o) for o in candidates]
-        got = (np.stack([p.busy for p in priced], axis=0),
-               np.stack([p.total for p in priced], axis=0))
+        busy = np.empty((len(candidates), len(self.numels), len(RESOURCES)))
+        total = np.empty((len(candidates), len(self.numels)))
+        for batch in self.pricer.batch(candidates):
+            busy[batch.positions] = batch.busy
+            total[batch.positions] = batch.total
+        got = (busy, total)
         self._stacked[id(candidates)] = (candidates, got)
         return got
 
