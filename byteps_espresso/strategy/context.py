@@ -544,12 +544,17 @@ class PlanContext:
         hit = self._stacked.get(id(candidates))
         if hit is not None and hit[0] is candidates:
             return hit[1]
-        busy = np.empty((len(candidates), len(self.numels), len(RESOURCES)))
-        total = np.empty((len(candidates), len(self.numels)))
-        for batch in self.pricer.batch(candidates):
-            busy[batch.positions] = batch.busy
-            total[batch.positions] = batch.total
-        got = (busy, total)
+        catalogue = self.evaluator.catalogue
+        rows = [catalogue.index.get(o, -1) for o in candidates]
+        if min(rows, default=0) >= 0:  # catalogued (Algorithm 1's): read their rows
+            got = (catalogue.busy[rows], catalogue.total[rows])
+        else:
+            busy = np.empty((len(candidates), len(self.numels), len(RESOURCES)))
+            total = np.empty((len(candidates), len(self.numels)))
+            for batch in self.pricer.batch(candidates):
+                busy[batch.positions] = batch.busy
+                total[batch.positions] = batch.total
+            got = (busy, total)
         self._stacked[id(candidates)] = (candidates, got)
         return got
 

@@ -191,8 +191,6 @@ class Pricer:
         self._ops: dict[tuple, tuple] = {}
         # The task table: every step setting's tasks priced once, one row per task
         # (resource, duration per size), and each setting's first row (-1: not priced).
-        self._table_res: list[int] = []
-        self._table_dur: list[np.ndarray] = []
         self._res = np.zeros(0, dtype=np.int64)
         self._dur = np.zeros((0, len(self.numels)))
         self._first = np.zeros(0, dtype=np.int64)
@@ -202,6 +200,9 @@ class Pricer:
         self._b_server = bytes_per_us(c.server_gbps) if c.servers else 0.0
         self._b_h2d = bytes_per_us(c.h2d_gbps)
         self._multi = c.machines > 1
+        self._groups = {Scope.FLAT: c.world_size, Scope.INTRA: c.gpus_per_machine,
+                        Scope.INTER: c.machines}
+        self._extents: dict[tuple[Scope, ...], np.ndarray] = {}
         if not free_compression and not costs.has(compressor):
             costs.compress_us(compressor, "gpu", 1)  # raises, naming the compressor
 
@@ -243,17 +244,20 @@ class Pricer:
         missing = settings[self._first[settings] < 0]
         if not len(missing):
             return
+        first = len(self._res)
+        resources: list[int] = []
+        durations: list[np.ndarray] = []
         for setting in missing.tolist():
             prog, op = _SETTINGS.example[setting]
-            self._first[setting] = len(self._table_res)
-            tasks = self._op_tasks(prog, op)
+            tasks = (self._compute(prog, op),) if op.kind.is_compute else \
+                tuple((t.resource, t.duration) for t in self._comm(prog, op))
             assert len(tasks) == _tasks_of(op.kind), op.step  # _task_layout's count
+            self._first[setting] = first + len(resources)
             for resource, duration in tasks:
-                self._table_res.append(resource)
-                self._table_dur.append(np.asarray(duration, dtype=np.float64))
-        n = len(self._res)
-        self._res = np.concatenate([self._res, np.array(self._table_res[n:], dtype=np.int64)])
-        self._dur = np.concatenate([self._dur, np.stack(self._table_dur[n:])])
+                resources.append(resource)
+                durations.append(duration)
+        self._res = np.concatenate([self._res, np.array(resources, dtype=np.int64)])
+        self._dur = np.concatenate([self._dur, np.stack(durations)])
 
     def sizes_of(self, codec: str | None) -> CompressedSizes:
         """Payload bytes of the job's compressor (None) or of the partner ``codec``."""
@@ -266,9 +270,7 @@ class Pricer:
 
     # ---- the walk ---------------------------------------------------------------------------
     def _group(self, scope: Scope) -> int:
-        c = self.cluster
-        return {Scope.FLAT: c.world_size, Scope.INTRA: c.gpus_per_machine,
-                Scope.INTER: c.machines}[scope]
+        return self._groups[scope]
 
     def _link(self, scope: Scope, k: int) -> tuple[float, float, int]:
         """(bytes/us, latency us, resource) of a ring in ``scope`` with k groups per NIC."""
@@ -327,8 +329,13 @@ class Pricer:
         return out
 
     def extent(self, shards: Sequence[Scope]) -> np.ndarray:
-        """Elements held per worker on the shard path ``shards`` (the largest shard)."""
-        return shard_numel(self.numels, shards, self._group)
+        """Elements held per worker on the shard path ``shards`` (the largest shard;
+        memoized: do not modify it)."""
+        key = tuple(shards)
+        got = self._extents.get(key)
+        if got is None:
+            got = self._extents[key] = shard_numel(self.numels, key, self._group)
+        return got
 
     def _before(self, prog: Program, op: Op) -> Op | None:
         return prog.ops[op.index - 1] if op.index else None
