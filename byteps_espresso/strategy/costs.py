@@ -244,20 +244,63 @@ class Pricer:
         missing = settings[self._first[settings] < 0]
         if not len(missing):
             return
+        examples = [_SETTINGS.example[m] for m in missing.tolist()]
+        compute = [k for k, (_, op) in enumerate(examples) if op.kind.is_compute]
+        if compute:  # every Comp/Decomp at once
+            self._first[missing[compute]] = len(self._res) + np.arange(len(compute))
+            resource, duration = self._compute_all([examples[k] for k in compute])
+            self._res = np.concatenate([self._res, resource])
+            self._dur = np.concatenate([self._dur, duration])
         first = len(self._res)
         resources: list[int] = []
         durations: list[np.ndarray] = []
-        for setting in missing.tolist():
-            prog, op = _SETTINGS.example[setting]
-            tasks = (self._compute(prog, op),) if op.kind.is_compute else \
-                tuple((t.resource, t.duration) for t in self._comm(prog, op))
+        for k, (prog, op) in enumerate(examples):
+            if op.kind.is_compute:
+                continue
+            tasks = self._comm(prog, op)
             assert len(tasks) == _tasks_of(op.kind), op.step  # _task_layout's count
-            self._first[setting] = first + len(resources)
-            for resource, duration in tasks:
-                resources.append(resource)
-                durations.append(duration)
-        self._res = np.concatenate([self._res, np.array(resources, dtype=np.int64)])
-        self._dur = np.concatenate([self._dur, np.stack(durations)])
+            self._first[missing[k]] = first + len(resources)
+            for task in tasks:
+                resources.append(task.resource)
+                durations.append(task.duration)
+        if resources:
+            self._res = np.concatenate([self._res, np.array(resources, dtype=np.int64)])
+            self._dur = np.concatenate([self._dur, np.stack(durations)])
+
+    def _compute_all(self, steps: Sequence[tuple[Program, Op]]) \
+            -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_compute` of S Comp/Decomp steps at once, any kind, device and compressor:
+        their (S,) resources and (S, U) durations. Per-step values are (S, 1) columns and
+        each element goes through the same operations as in :meth:`_compute`:
+        ``count x (a + b x numel)``, then on the CPU ``x share + copy``."""
+        ops = [op for _, op in steps]
+        comp = np.array([op.kind is Kind.COMP for op in ops])[:, None]
+        extent = np.stack([self.extent(op.shards) for op in ops])
+        chunks = _column([self._group(op.chunks) if op.chunks is not None else 1
+                          for op in ops])
+        pieces = np.stack([self.extent(op.piece_shards) if op.piece_shards is not None
+                           else extent[k] for k, op in enumerate(ops)])
+        numel = np.where(comp, _ceil_div(extent, chunks), pieces)  # type: ignore[arg-type]
+        count = np.where(comp, chunks, _column([
+            payload_count(op.payloads, self._group) for op in ops]))
+        if self.free_compression:
+            work = np.zeros_like(numel)
+        else:
+            models = [self.costs.model(op.codec or self.compressor,
+                                       op.device.value,  # type: ignore[union-attr]
+                                       "compress" if op.kind is Kind.COMP else "decompress")
+                      for op in ops]
+            work = count * (_column([m.a_us for m in models])
+                            + _column([m.b_us for m in models]) * numel)
+        on_gpu = np.array([op.device is Device.GPU for op in ops])
+        host = GPU if self.cluster.host_device else CPU
+        resource = np.where(on_gpu, GPU, host).astype(np.int64)
+        if self.free_compression:
+            return resource, work
+        share = _column([self._active(prog, op) / self.cluster.cpu_threads
+                         for prog, op in steps])
+        copy = extent * FLOAT32_BYTES / self._b_h2d
+        return resource, np.where(on_gpu[:, None], work, work * share + copy)
 
     def sizes_of(self, codec: str | None) -> CompressedSizes:
         """Payload bytes of the job's compressor (None) or of the partner ``codec``."""
@@ -485,6 +528,11 @@ def _batch_layout(options: tuple[Option, ...]) \
     used = np.unique(np.concatenate([g[1].ravel() for g in groups])) if groups else \
         np.zeros(0, dtype=np.int64)
     return used, groups
+
+
+def _column(values: Sequence[float]) -> np.ndarray:
+    """(S, 1) column of per-step values, broadcast against (S, U) arrays."""
+    return np.array(values)[:, None]
 
 
 class _Comm(NamedTuple):
