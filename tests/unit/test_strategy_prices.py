@@ -23,6 +23,7 @@ CASES = [
 
 
 def _partner_tree(cluster):
+    """The tree with the mixed Options (fp16 inside the machine)."""
     return enumerate_options(cluster, Constraints(partner="fp16"))
 
 
@@ -39,13 +40,12 @@ def test_table_and_batch_equal_the_walk_on_every_option(cluster, compressor, par
     for b in batches:
         for row, pos in enumerate(b.positions.tolist()):
             want = Pricer(cluster, compressor, sizes, costs, NUMELS).walk(options[pos])
-            mine = got[options[pos]]
-            for tasks in (mine,):
-                assert np.array_equal(tasks.resource, want.resource)
-                assert np.array_equal(tasks.step, want.step)
-                assert np.array_equal(tasks.duration, want.duration)
-                assert np.array_equal(tasks.busy, want.busy)
-                assert np.array_equal(tasks.total, want.total)
+            tasks = got[options[pos]]
+            assert np.array_equal(tasks.resource, want.resource)
+            assert np.array_equal(tasks.step, want.step)
+            assert np.array_equal(tasks.duration, want.duration)
+            assert np.array_equal(tasks.busy, want.busy)
+            assert np.array_equal(tasks.total, want.total)
             assert np.array_equal(b.resource[row], want.resource)
             assert np.array_equal(b.duration[row], want.duration)
             assert np.array_equal(b.busy[row], want.busy)  # as the one-hot product sums
