@@ -124,6 +124,15 @@ class CompressorCosts:
                 ) from None
             raise CostsError(f"cost profile of {compressor!r} lacks {device}/{op}") from None
 
+    def model(self, compressor: str, device: str, op: str) -> Linear:
+        """The ``op`` ("compress" or "decompress", per payload) model of ``compressor`` on
+        ``device``.
+
+        Raises:
+            CostsError: the profile lacks it.
+        """
+        return self._model(compressor, device, op)
+
     def has(self, compressor: str, device: str | None = None) -> bool:
         """Whether ``compressor`` (on ``device``, when given: both ops) has a profile."""
         if device is None:

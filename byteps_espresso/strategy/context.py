@@ -38,7 +38,7 @@ import numpy as np
 from byteps_espresso.strategy import lowrank
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
-from byteps_espresso.strategy.costs import CompressedSizes, Pricer, StepTasks
+from byteps_espresso.strategy.costs import RESOURCES, CompressedSizes, PricedBatch, Pricer
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope, Step
 from byteps_espresso.strategy.program import Form, compile_option
 from byteps_espresso.strategy.timeline import Catalogue, Evaluator
@@ -179,6 +179,26 @@ def _placements_in_tree(option: Option, cluster: Cluster, constraints: Constrain
     return masks, options
 
 
+@functools.lru_cache(maxsize=64)
+def _single_in_tree(cluster: Cluster, constraints: Constraints, device: Device,
+                    compressor: str | None = None) -> list[Option]:
+    """The tree's options whose compute steps all run on ``device`` (a function of the tree,
+    so kept across models; callers do not modify the list). ``compressor``: a low-rank
+    compressor's tree (None: the elementwise codecs' one)."""
+    return [o for o in enumerate_options(cluster, constraints, compressor)
+            if o.devices <= {device}]
+
+
+@functools.lru_cache(maxsize=64)
+def _searched_in_tree(cluster: Cluster, constraints: Constraints, device: Device,
+                      compressor: str | None = None) -> list[Option]:
+    """:meth:`PlanContext.searched` of the tree (kept across models, like
+    :func:`_single_in_tree`)."""
+    tree = canonical_options(cluster, constraints, compressor)
+    return [o for o in _single_in_tree(cluster, constraints, device, compressor)
+            if _decoded_twin(o) not in tree and _one_compressor(o) not in tree]
+
+
 def _decoded_twin(option: Option) -> Option | None:
     """``option`` with a ``Decomp -> Comp`` pair (on the device of the Decomp that follows)
     before every step that forwards gathered payloads; None when nothing forwards (a low-rank
@@ -286,6 +306,8 @@ class PlanContext:
         # The distinct sizes the prices are vectors over: element counts, and for a low-rank
         # compressor (element count, Factors) pairs, since its sums depend on the shapes.
         self.low_rank = lowrank.is_lowrank(self.compressor)
+        # what the tree depends on besides the cluster and constraints (tree.enumerate_options)
+        self._tree = self.compressor if self.low_rank else None
         if self.low_rank:  # its parameters checked as the runtime will (no payload sizes to)
             from byteps_espresso.kernels import create_collective
 
@@ -318,7 +340,7 @@ class PlanContext:
         model = _cached(_MODELS, (*priced_key, self.constraints), make)
         self.constraints = model.constraints
         self.options: list[Option] = enumerate_options(self.cluster, self.constraints,
-                                                       self.compressor)
+                                                       self._tree)
         if not self.options:
             raise ValueError("the constraints leave no valid option; relax them")
         self.pricer = model.pricer
@@ -436,7 +458,8 @@ class PlanContext:
         """Options whose compute steps all run on ``device`` (uncompressed ones included)."""
         got = self._single.get(device)
         if got is None:
-            got = self._single[device] = [o for o in self.options if o.devices <= {device}]
+            got = self._single[device] = _single_in_tree(self.cluster, self.constraints, device,
+                                                         self._tree)
         return got
 
     def front(self, candidates: Sequence[Option]) -> list[list[Option]]:
@@ -475,10 +498,8 @@ class PlanContext:
         ``max-lossy``) the twin is the only form of its scheme and stays a candidate."""
         got = self._searched.get(device)
         if got is None:
-            tree = canonical_options(self.cluster, self.constraints, self.compressor)
-            got = self._searched[device] = [
-                o for o in self.single_device(device)
-                if _decoded_twin(o) not in tree and _one_compressor(o) not in tree]
+            got = self._searched[device] = _searched_in_tree(self.cluster, self.constraints,
+                                                              device, self._tree)
         return got
 
     def twins(self, k: int) -> np.ndarray:
@@ -492,7 +513,7 @@ class PlanContext:
             ops = () if lowrank.inner(option) is not None else compile_option(option).ops
             pairs = [op.index for op in ops[:-1] if op.kind is Kind.DECOMP
                      and op.takes is Form.SUM and ops[op.index + 1].kind is Kind.COMP]
-            tree = canonical_options(self.cluster, self.constraints, self.compressor)
+            tree = canonical_options(self.cluster, self.constraints, self._tree)
             forwarded = []
             for n in range(1, len(pairs) + 1):
                 for drop in itertools.combinations(pairs, n):
@@ -543,8 +564,7 @@ class PlanContext:
         if got is not None:
             return got
         option = self.evaluator.options[k]
-        rows, options = _placements_in_tree(option, self.cluster, self.constraints,
-                                            self.compressor)
+        rows, options = _placements_in_tree(option, self.cluster, self.constraints, self._tree)
         gpu, cpu = self.on_device(option, Device.GPU), self.on_device(option, Device.CPU)
         where = [j for j, st in enumerate(option.steps) if st.device is not None]
         masks = np.arange(1 << len(where))
@@ -557,9 +577,14 @@ class PlanContext:
         on_cpu = (ordinal >= 0) & ((masks[:, None] >> np.maximum(ordinal, 0)) & 1).astype(bool)
         resource = np.where(on_cpu, c.resource, g.resource)
         duration = np.where(on_cpu[:, None, :], c.duration[None], g.duration[None])
-        priced = [StepTasks(resource[mask], g.step, duration[mask]) for mask in rows]
+        catalogue = self.evaluator.catalogue
+        fresh = [j for j, o in enumerate(options) if o not in catalogue.index]
+        if fresh:
+            taken = np.array(rows, dtype=np.int64)[fresh]
+            catalogue.add_batches([options[j] for j in fresh], [PricedBatch(
+                np.arange(len(fresh)), resource[taken], duration[taken])])
         got = np.full(len(masks), -1, dtype=np.int64)
-        got[rows] = self.evaluator.add(options, priced)
+        got[rows] = [catalogue.index[o] for o in options]
         for idx in got[rows].tolist():  # every placement of a form shares the table
             self._placements[idx] = got
         return got
@@ -570,9 +595,17 @@ class PlanContext:
         hit = self._stacked.get(id(candidates))
         if hit is not None and hit[0] is candidates:
             return hit[1]
-        priced = [self.pricer.tasks(o) for o in candidates]
-        got = (np.stack([p.busy for p in priced], axis=0),
-               np.stack([p.total for p in priced], axis=0))
+        catalogue = self.evaluator.catalogue
+        rows = [catalogue.index.get(o, -1) for o in candidates]
+        if min(rows, default=0) >= 0:  # catalogued (Algorithm 1's): read their rows
+            got = (catalogue.busy[rows], catalogue.total[rows])
+        else:
+            busy = np.empty((len(candidates), len(self.numels), len(RESOURCES)))
+            total = np.empty((len(candidates), len(self.numels)))
+            for batch in self.pricer.batch(candidates):
+                busy[batch.positions] = batch.busy
+                total[batch.positions] = batch.total
+            got = (busy, total)
         self._stacked[id(candidates)] = (candidates, got)
         return got
 
@@ -584,7 +617,7 @@ class PlanContext:
         return self.evaluator.iteration_us(choice)
 
     def allowed(self, option: Option) -> bool:
-        return option in option_set(self.cluster, self.constraints, self.compressor)
+        return option in option_set(self.cluster, self.constraints, self._tree)
 
     def on_device(self, option: Option, device: Device) -> Option:
         """The same option with every Comp/Decomp moved to ``device``."""

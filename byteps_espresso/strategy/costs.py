@@ -86,8 +86,10 @@ __all__ = [
     "RESOURCES",
     "SERVER",
     "CompressedSizes",
+    "PricedBatch",
     "Pricer",
     "StepTasks",
+    "busy_per_resource",
     "bytes_per_us",
 ]
 
@@ -198,12 +200,20 @@ class Pricer:
         self._partner_sizes: dict[str, CompressedSizes] = dict(partner_sizes or {})
         self._prefix: dict[tuple[int, ...], tuple] = {}
         self._ops: dict[tuple, tuple] = {}
+        # The task table: every step setting's tasks priced once, one row per task
+        # (resource, duration per size), and each setting's first row (-1: not priced).
+        self._res = np.zeros(0, dtype=np.int64)
+        self._dur = np.zeros((0, len(self.numels)))
+        self._first = np.zeros(0, dtype=np.int64)
         c = cluster
         self._b_intra = bytes_per_us(c.intra_gbps)
         self._b_inter = bytes_per_us(c.inter_gbps)
         self._b_server = bytes_per_us(c.server_gbps) if c.servers else 0.0
         self._b_h2d = bytes_per_us(c.h2d_gbps)
         self._multi = c.machines > 1
+        self._groups = {Scope.FLAT: c.world_size, Scope.INTRA: c.gpus_per_machine,
+                        Scope.INTER: c.machines}
+        self._extents: dict[tuple[Scope, ...], np.ndarray] = {}
         self.factors = None if factors is None else list(factors)
         self._rounds: tuple[Pricer, Pricer] | None = None  # the low-rank sums' pricers
         if not free_compression and not costs.has(compressor):
@@ -211,11 +221,125 @@ class Pricer:
 
     # ---- public -----------------------------------------------------------------------------
     def tasks(self, option: Option) -> StepTasks:
-        """The option's tasks (memoized)."""
+        """The option's tasks (memoized), read from the task table (:meth:`batch`)."""
         got = self._memo.get(option)
-        if got is None:
-            got = self._memo[option] = self._price(option)
+        if got is None and self._low_rank(option):
+            got = self._memo[option] = self._price_lowrank(option)
+        elif got is None:
+            (priced,) = self.batch((option,))
+            got = self._memo[option] = StepTasks(
+                priced.resource[0], np.array(_task_layout(option)[2], dtype=np.int64),
+                priced.duration[0])
         return got
+
+    def batch(self, options: Sequence[Option]) -> list[PricedBatch]:
+        """The tasks of ``options`` as arrays, one :class:`PricedBatch` per task count
+        (positions into ``options``), equal bit for bit to :meth:`walk`'s.
+
+        Each task is a row of the task table: one task of one step setting (what a step's
+        tasks depend on, :func:`_setting`), priced the first time any option needs it and
+        shared by every option with that setting; an option's prices are a gather of its
+        rows, a few array operations over (options x tasks x sizes) per batch instead of a
+        walk per option."""
+        if self.factors is not None and any(map(self._low_rank, options)):
+            return self._batch_low_rank(options)
+        used, groups = _batch_layout(tuple(options))
+        self._price_settings(used)
+        out = []
+        for positions, settings, parts in groups:
+            rows = self._first[settings] + parts  # (B, L)
+            out.append(PricedBatch(positions, self._res[rows],
+                                   np.ascontiguousarray(self._dur[rows].transpose(0, 2, 1))))
+        return out
+
+    def _low_rank(self, option: Option) -> bool:
+        """Whether ``option`` is a low-rank compressor's ``Comp -> S -> Decomp``."""
+        return self.factors is not None and option.is_compressed
+
+    def _batch_low_rank(self, options: Sequence[Option]) -> list[PricedBatch]:
+        """:meth:`batch` of a list holding low-rank Options: the uncompressed ones from the
+        task table, the others by :meth:`_price_lowrank`, grouped by task count alike."""
+        dense = np.array([k for k, o in enumerate(options) if not self._low_rank(o)],
+                         dtype=np.int64)
+        out = [PricedBatch(dense[b.positions], b.resource, b.duration)
+               for b in (self.batch([options[k] for k in dense]) if len(dense) else [])]
+        by_len: dict[int, list[int]] = {}
+        for k, option in enumerate(options):
+            if self._low_rank(option):
+                by_len.setdefault(len(self.tasks(option).resource), []).append(k)
+        for positions in by_len.values():
+            priced = [self.tasks(options[k]) for k in positions]
+            out.append(PricedBatch(np.array(positions, dtype=np.int64),
+                                   np.stack([p.resource for p in priced]),
+                                   np.stack([p.duration for p in priced])))
+        return out
+
+    def _price_settings(self, settings: np.ndarray) -> None:
+        """Price the step settings not in the task table yet (their example steps)."""
+        known = len(_SETTINGS.example)
+        if len(self._first) < known:
+            self._first = np.concatenate([self._first,
+                                          np.full(known - len(self._first), -1, np.int64)])
+        missing = settings[self._first[settings] < 0]
+        if not len(missing):
+            return
+        examples = [_SETTINGS.example[m] for m in missing.tolist()]
+        compute = [k for k, (_, op) in enumerate(examples) if op.kind.is_compute]
+        if compute:  # every Comp/Decomp at once
+            self._first[missing[compute]] = len(self._res) + np.arange(len(compute))
+            resource, duration = self._compute_all([examples[k] for k in compute])
+            self._res = np.concatenate([self._res, resource])
+            self._dur = np.concatenate([self._dur, duration])
+        first = len(self._res)
+        resources: list[int] = []
+        durations: list[np.ndarray] = []
+        for k, (prog, op) in enumerate(examples):
+            if op.kind.is_compute:
+                continue
+            tasks = self._comm(prog, op)
+            assert len(tasks) == _tasks_of(op.kind), op.step  # _task_layout's count
+            self._first[missing[k]] = first + len(resources)
+            for task in tasks:
+                resources.append(task.resource)
+                durations.append(task.duration)
+        if resources:
+            self._res = np.concatenate([self._res, np.array(resources, dtype=np.int64)])
+            self._dur = np.concatenate([self._dur, np.stack(durations)])
+
+    def _compute_all(self, steps: Sequence[tuple[Program, Op]]) \
+            -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_compute` of S Comp/Decomp steps at once, any kind, device and compressor:
+        their (S,) resources and (S, U) durations. Per-step values are (S, 1) columns and
+        each element goes through the same operations as in :meth:`_compute`:
+        ``count x (a + b x numel)``, then on the CPU ``x share + copy``."""
+        ops = [op for _, op in steps]
+        comp = np.array([op.kind is Kind.COMP for op in ops])[:, None]
+        extent = np.stack([self.extent(op.shards) for op in ops])
+        chunks = _column([self._group(op.chunks) if op.chunks is not None else 1
+                          for op in ops])
+        pieces = np.stack([self.extent(op.piece_shards) if op.piece_shards is not None
+                           else extent[k] for k, op in enumerate(ops)])
+        numel = np.where(comp, _ceil_div(extent, chunks), pieces)  # type: ignore[arg-type]
+        count = np.where(comp, chunks, _column([
+            payload_count(op.payloads, self._group) for op in ops]))
+        if self.free_compression:
+            work = np.zeros_like(numel)
+        else:
+            models = [self.costs.model(op.codec or self.compressor,
+                                       op.device.value,  # type: ignore[union-attr]
+                                       "compress" if op.kind is Kind.COMP else "decompress")
+                      for op in ops]
+            work = count * (_column([m.a_us for m in models])
+                            + _column([m.b_us for m in models]) * numel)
+        on_gpu = np.array([op.device is Device.GPU for op in ops])
+        host = GPU if self.cluster.host_device else CPU
+        resource = np.where(on_gpu, GPU, host).astype(np.int64)
+        if self.free_compression:
+            return resource, work
+        share = _column([self._active(prog, op) / self.cluster.cpu_threads
+                         for prog, op in steps])
+        copy = extent * FLOAT32_BYTES / self._b_h2d
+        return resource, np.where(on_gpu[:, None], work, work * share + copy)
 
     def sizes_of(self, codec: str | None) -> CompressedSizes:
         """Payload bytes of the job's compressor (None) or of the partner ``codec``."""
@@ -228,9 +352,7 @@ class Pricer:
 
     # ---- the walk ---------------------------------------------------------------------------
     def _group(self, scope: Scope) -> int:
-        c = self.cluster
-        return {Scope.FLAT: c.world_size, Scope.INTRA: c.gpus_per_machine,
-                Scope.INTER: c.machines}[scope]
+        return self._groups[scope]
 
     def _link(self, scope: Scope, k: int) -> tuple[float, float, int]:
         """(bytes/us, latency us, resource) of a ring in ``scope`` with k groups per NIC."""
@@ -243,10 +365,11 @@ class Pricer:
             return min(self._b_intra, self._b_inter), c.inter_latency_us, INTER
         return self._b_intra, c.intra_latency_us, INTRA
 
-    def _price(self, option: Option) -> StepTasks:
-        """Walk the compiled program; the tasks after every prefix are memoized, so options
-        sharing a prefix (most of the tree) share its pricing."""
-        if self.factors is not None and option.is_compressed:
+    def walk(self, option: Option) -> StepTasks:
+        """The option's tasks by walking its compiled program step by step (the reference
+        that :meth:`tasks` and :meth:`batch` equal; tests compare them). The tasks after
+        every prefix are memoized, so options sharing a prefix share its pricing."""
+        if self._low_rank(option):
             return self._price_lowrank(option)
         prog = compile_option(option)
         codes = tuple(_CODES[s] for s in option.steps)
@@ -302,13 +425,9 @@ class Pricer:
                            axis=1))
 
     def _op_tasks(self, prog: Program, op: Op) -> tuple[tuple[int, np.ndarray], ...]:
-        """(resource, duration) of ``op``'s tasks, memoized by what they depend on: the step,
-        the extents it works on and whether a rooted step before it left one worker per
-        machine holding data (``_active``). Options that differ in their prefix share them."""
-        prev = self._before(prog, op)
-        key = (op.step, op.codec, op.shards, op.chunks, op.piece_shards, op.payloads,
-               op.forwards, prev is not None and bool(prev.rooted),
-               prev.shards if prev is not None else ())
+        """(resource, duration) of ``op``'s tasks, memoized by what they depend on
+        (:func:`_setting`). Options that differ in their prefix share them."""
+        key = _setting(prog, op)
         got = self._ops.get(key)
         if got is None:
             got = self._ops[key] = (self._compute(prog, op),) if op.kind.is_compute else \
@@ -329,8 +448,13 @@ class Pricer:
         return out
 
     def extent(self, shards: Sequence[Scope]) -> np.ndarray:
-        """Elements held per worker on the shard path ``shards`` (the largest shard)."""
-        return shard_numel(self.numels, shards, self._group)
+        """Elements held per worker on the shard path ``shards`` (the largest shard;
+        memoized: do not modify it)."""
+        key = tuple(shards)
+        got = self._extents.get(key)
+        if got is None:
+            got = self._extents[key] = shard_numel(self.numels, key, self._group)
+        return got
 
     def _before(self, prog: Program, op: Op) -> Op | None:
         return prog.ops[op.index - 1] if op.index else None
@@ -379,6 +503,112 @@ class Pricer:
         comm = _Comm(p, bw, lat, resource, scope, e, e * FLOAT32_BYTES, active,
                      self.sizes_of(op.codec), payload_count(op.forwards, self._group))
         return _COMM_MODELS[op.kind](self, comm)
+
+
+@dataclass(frozen=True)
+class PricedBatch:
+    """Options of one task count priced together (:meth:`Pricer.batch`).
+
+    Attributes:
+        positions: (B,) where each option stands in the list priced.
+        resource: (B, L) each task's resource.
+        duration: (B, U, L) each task's duration per distinct size, microseconds.
+    """
+
+    positions: np.ndarray
+    resource: np.ndarray
+    duration: np.ndarray
+
+    @functools.cached_property
+    def busy(self) -> np.ndarray:
+        """(B, U, R) total busy time per resource (:attr:`StepTasks.busy` of each option)."""
+        return busy_per_resource(self.resource, self.duration)
+
+    @functools.cached_property
+    def total(self) -> np.ndarray:
+        """(B, U) each option's time alone (:attr:`StepTasks.total`)."""
+        return self.duration.sum(axis=2)
+
+
+def busy_per_resource(resource: np.ndarray, duration: np.ndarray) -> np.ndarray:
+    """(B, U, R) busy time per resource of options with tasks on ``resource`` (B, L) lasting
+    ``duration`` (B, U, L): the product with the one-hot resource matrices, as
+    :attr:`StepTasks.busy` computes it for one option."""
+    return np.matmul(duration, _ONE_HOT[resource])
+
+
+def _setting(prog: Program, op: Op) -> tuple:
+    """What a step's tasks depend on: the step, the extents it works on and whether a rooted
+    step before it left one worker per machine holding data (``Pricer._active``)."""
+    prev = prog.ops[op.index - 1] if op.index else None
+    return (op.step, op.codec, op.shards, op.chunks, op.piece_shards, op.payloads,
+            op.forwards, prev is not None and bool(prev.rooted),
+            prev.shards if prev is not None else ())
+
+
+class _Settings:
+    """Every step setting seen, numbered on first sight, with an example (program, op) to
+    price it from. Settings depend on the programs alone, so every pricer shares them."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple, int] = {}
+        self.example: list[tuple[Program, Op]] = []
+
+    def of(self, prog: Program, op: Op) -> int:
+        key = _setting(prog, op)
+        got = self.ids.get(key)
+        if got is None:
+            got = self.ids[key] = len(self.example)
+            self.example.append((prog, op))
+        return got
+
+
+_SETTINGS = _Settings()
+
+
+def _tasks_of(kind: Kind) -> int:
+    """Tasks of a step: PushPull(C) pushes, aggregates and pulls; any other step is one."""
+    return 3 if kind in (Kind.PUSH_PULL, Kind.PUSH_PULL_C) else 1
+
+
+@functools.lru_cache(maxsize=16384)
+def _task_layout(option: Option) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per task of the option: its step setting, its place among the setting's tasks and
+    its step index (cached per Option; a function of the program alone)."""
+    prog = compile_option(option)
+    settings: list[int] = []
+    parts: list[int] = []
+    steps: list[int] = []
+    for op in prog.ops:
+        setting = _SETTINGS.of(prog, op)
+        for j in range(_tasks_of(op.kind)):
+            settings.append(setting)
+            parts.append(j)
+            steps.append(op.index)
+    return tuple(settings), tuple(parts), tuple(steps)
+
+
+@functools.lru_cache(maxsize=256)
+def _batch_layout(options: tuple[Option, ...]) \
+        -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """The settings ``options`` use, and per task count L (positions, settings (B, L), task
+    within the setting (B, L)); cached per option list (the tree's lists recur)."""
+    layouts = [_task_layout(o) for o in options]
+    by_len: dict[int, list[int]] = {}
+    for pos, (settings, _, _) in enumerate(layouts):
+        by_len.setdefault(len(settings), []).append(pos)
+    groups = [(np.array(positions, dtype=np.int64),
+               np.array([layouts[p][0] for p in positions], dtype=np.int64),
+               np.array([layouts[p][1] for p in positions], dtype=np.int64))
+              for positions in by_len.values()]
+    used = np.unique(np.concatenate([g[1].ravel() for g in groups])) if groups else \
+        np.zeros(0, dtype=np.int64)
+    return used, groups
+
+
+def _column(values: Sequence[float]) -> np.ndarray:
+    """(S, 1) column of per-step values, broadcast against (S, U) arrays."""
+    return np.array(values)[:, None]
 
 
 class _Comm(NamedTuple):

@@ -40,7 +40,7 @@ import numba
 import numpy as np
 
 from byteps_espresso.strategy.cluster import lane_of
-from byteps_espresso.strategy.costs import GPU, RESOURCES, Pricer, StepTasks
+from byteps_espresso.strategy.costs import GPU, RESOURCES, PricedBatch, Pricer, StepTasks
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.workload import Workload
 
@@ -845,39 +845,51 @@ class Catalogue:
     def add(self, options: Sequence[Option],
             priced: Sequence[StepTasks] | None = None) -> list[int]:
         """Add options and return their indices; ``priced`` gives their tasks (in the order of
-        ``options``) when the caller has them, else the pricer prices them now. The arrays
-        grow by doubling, so adding options one group at a time stays linear."""
-        given = dict(zip(options, priced, strict=True)) if priced is not None else {}
-        new = [o for o in dict.fromkeys(options) if o not in self.index]
+        ``options``) when the caller has them, else the pricer prices them now, in one batch
+        (:meth:`Pricer.batch`). The arrays grow by doubling, so adding options one group at
+        a time stays linear."""
+        index = self.index
+        new = [o for o in dict.fromkeys(options) if o not in index]
         if new:
-            tasks = [given[o] if o in given else self.pricer.tasks(o) for o in new]
-            n_old = len(self.options)
-            n_all = n_old + len(new)
-            width = max(self.res.shape[1], *(len(p.resource) for p in tasks))
-            if n_all > self.res.shape[0] or width > self.res.shape[1]:
-                rows = max(n_all, 2 * self.res.shape[0], 64)
-                res = np.zeros((rows, width), dtype=np.int64)
-                dur = np.zeros((rows, len(self.pricer.numels), width))
-                lens = np.zeros(rows, dtype=np.int64)
-                busy = np.zeros((rows, *self.busy.shape[1:]))
-                total = np.zeros((rows, self.total.shape[1]))
-                res[:n_old, : self.res.shape[1]] = self.res[:n_old]
-                dur[:n_old, :, : self.dur.shape[2]] = self.dur[:n_old]
-                lens[:n_old] = self.len[:n_old]
-                busy[:n_old] = self.busy[:n_old]
-                total[:n_old] = self.total[:n_old]
-                self.res, self.dur, self.len = res, dur, lens
-                self.busy, self.total = busy, total
-            for k, (opt, p) in enumerate(zip(new, tasks, strict=True)):
-                row = n_old + k
-                self.res[row, : len(p.resource)] = p.resource
-                self.dur[row, :, : len(p.resource)] = p.duration
-                self.len[row] = len(p.resource)
-                self.busy[row] = p.busy
-                self.total[row] = p.total
-                self.index[opt] = row
-                self.options.append(opt)
-        return [self.index[o] for o in options]
+            if priced is not None:
+                given = dict(zip(options, priced, strict=True))
+                batches = [PricedBatch(np.array([k]), p.resource[None], p.duration[None])
+                           for k, p in enumerate(given[o] for o in new)]
+            else:
+                batches = self.pricer.batch(new)
+            self.add_batches(new, batches)
+        return [index[o] for o in options]
+
+    def add_batches(self, new: Sequence[Option], batches: Sequence[PricedBatch]) -> None:
+        """Append ``new`` options (none catalogued yet, no repeats), priced as ``batches``
+        (positions into ``new``), in the order of ``new``."""
+        n_old = len(self.options)
+        n_all = n_old + len(new)
+        width = max(self.res.shape[1], *(b.resource.shape[1] for b in batches))
+        if n_all > self.res.shape[0] or width > self.res.shape[1]:
+            rows = max(n_all, 2 * self.res.shape[0], 64)
+            res = np.zeros((rows, width), dtype=np.int64)
+            dur = np.zeros((rows, len(self.pricer.numels), width))
+            lens = np.zeros(rows, dtype=np.int64)
+            busy = np.zeros((rows, *self.busy.shape[1:]))
+            total = np.zeros((rows, self.total.shape[1]))
+            res[:n_old, : self.res.shape[1]] = self.res[:n_old]
+            dur[:n_old, :, : self.dur.shape[2]] = self.dur[:n_old]
+            lens[:n_old] = self.len[:n_old]
+            busy[:n_old] = self.busy[:n_old]
+            total[:n_old] = self.total[:n_old]
+            self.res, self.dur, self.len = res, dur, lens
+            self.busy, self.total = busy, total
+        for b in batches:
+            rows = n_old + b.positions
+            n_tasks = b.resource.shape[1]
+            self.res[rows, :n_tasks] = b.resource
+            self.dur[rows, :, :n_tasks] = b.duration
+            self.len[rows] = n_tasks
+            self.busy[rows] = b.busy
+            self.total[rows] = b.total
+        self.index.update(zip(new, range(n_old, n_all), strict=True))
+        self.options.extend(new)
 
 
 class Evaluator:
