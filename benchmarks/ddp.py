@@ -11,6 +11,9 @@ links and gloo: on loopback (``loopback``) or on the emulated cluster with shape
     espresso     bps.DistributedOptimizer, Compression.none (fp32 PS path, fused buckets)
     espresso-C   bps.DistributedOptimizer, Compression.espresso(C) (profile, plan, trials)
     espresso-powersgd  bps.DistributedOptimizer, Compression.powersgd (rank 4, as the hook)
+    espresso-planned-powersgd  Compression.espresso("powersgd"), rank 4 and 10 plain first
+                 as the hook, planned per bucket (which buckets, and the dense path of
+                 their sums)
 
 Runs of one (model, link) cell are interleaved ``--repeats`` times, so a slow phase of the
 shared host hits every variant alike. Reported per variant: the median iteration over the
@@ -55,6 +58,9 @@ def _worker_args(variant: str, model: str, args: argparse.Namespace) -> list[str
         return [*base, "--runtime", "espresso", "--compression", "none"]
     if compressor == "powersgd":
         return [*base, "--runtime", "espresso", "--compression", "powersgd"]
+    if compressor == "planned-powersgd":
+        return [*base, "--runtime", "espresso", "--compression", "espresso", "--compressor",
+                "powersgd"]
     return [*base, "--runtime", "espresso", "--compression", "espresso", "--compressor",
             compressor, "--ratio", str(args.ratio)]
 

@@ -128,6 +128,8 @@ def _compression(args: argparse.Namespace) -> bps.CompressionSpec:
     """examples/train.py's choice: its ``--compression fp32`` is this script's ``none``."""
     if args.compression == "powersgd":  # as the powersgd hook above: rank 4, 10 plain first
         return bps.Compression.powersgd(4, start_iter=10)
+    if args.compressor == "powersgd":  # the same settings, planned per bucket
+        return bps.Compression.espresso("powersgd", rank=4, start_iter=10)
     return _example().compression(argparse.Namespace(
         compression="fp32" if args.compression == "none" else "espresso",
         compressor=args.compressor, ratio=args.ratio, algorithm="espresso", strategy=None))
