@@ -168,54 +168,54 @@ def _with_lanes(ctx: PlanContext) -> PlanContext:
     return lanes
 
 
-def offload_only() -> list[dict]:
-    """(d) alone, every cell with and without lanes."""
-    rows = []
+def _cells():  # type: ignore[no-untyped-def]
+    """Every (model, workload, setting, 8 x 8 cluster, compressor, params) of (b)-(d)."""
     for model in WORKLOADS:
         workload = Workload.builtin(model)
         for setting, kw in SETTINGS.items():
             cluster = Cluster.preset(8, 8, kw["intra"], kw["inter_gbps"])
             for compressor, params in COMPRESSORS.items():
-                ctx = PlanContext(workload, cluster, compressor, params)
-                ctx.prepare()
-                rows.append({"workload": model, "setting": setting, "compressor": compressor,
-                             "offload": offload_check(ctx),
-                             "offload_lanes": offload_check(_with_lanes(ctx))})
-                print(f"  {model:9} {setting:12} {compressor:10} done", file=sys.stderr)
+                yield model, workload, setting, cluster, compressor, params
+
+
+def offload_only() -> list[dict]:
+    """(d) alone, every cell with and without lanes."""
+    rows = []
+    for model, workload, setting, cluster, compressor, params in _cells():
+        ctx = PlanContext(workload, cluster, compressor, params)
+        ctx.prepare()
+        rows.append({"workload": model, "setting": setting, "compressor": compressor,
+                     "offload": offload_check(ctx),
+                     "offload_lanes": offload_check(_with_lanes(ctx))})
+        print(f"  {model:9} {setting:12} {compressor:10} done", file=sys.stderr)
     return rows
 
 
 def quality_and_time(runs: int) -> list[dict]:
     rows = []
-    for model in WORKLOADS:
-        workload = Workload.builtin(model)
-        for setting, kw in SETTINGS.items():
-            cluster = Cluster.preset(8, 8, kw["intra"], kw["inter_gbps"])
-            for compressor, params in COMPRESSORS.items():
-                timing, ctx, solution = _timed_search(workload, cluster, compressor, params,
-                                                      runs)
-                base = {}
-                for name in REPORTED_BASELINES:
-                    try:
-                        base[name] = baselines.get(name).run(ctx).iteration_us / 1e3
-                    except baselines.BaselineUnavailable:
-                        continue
-                ms = solution.iteration_us / 1e3
-                opts = solution.options
-                rows.append({
-                    "workload": model, "setting": setting, "compressor": compressor,
-                    "espresso_ms": ms, "baselines_ms": base,
-                    "compressed": sum(o.is_compressed for o in opts),
-                    "cpu": sum(o.uses_cpu for o in opts),
-                    "never_slower": all(ms <= v + 1e-6 for k, v in base.items()
-                                        if k != "upper-bound"),
-                    "vs_upper_bound": ms / base["upper-bound"],
-                    **timing,
-                    "offload": offload_check(ctx),
-                    "offload_lanes": offload_check(_with_lanes(ctx)),
-                })
-                print(f"  {model:9} {setting:12} {compressor:10} espresso {ms:8.2f} ms "
-                      f"plan {timing['plan_ms']:6.1f} ms", file=sys.stderr)
+    for model, workload, setting, cluster, compressor, params in _cells():
+        timing, ctx, solution = _timed_search(workload, cluster, compressor, params, runs)
+        base = {}
+        for name in REPORTED_BASELINES:
+            try:
+                base[name] = baselines.get(name).run(ctx).iteration_us / 1e3
+            except baselines.BaselineUnavailable:
+                continue
+        ms = solution.iteration_us / 1e3
+        opts = solution.options
+        rows.append({
+            "workload": model, "setting": setting, "compressor": compressor,
+            "espresso_ms": ms, "baselines_ms": base,
+            "compressed": sum(o.is_compressed for o in opts),
+            "cpu": sum(o.uses_cpu for o in opts),
+            "never_slower": all(ms <= v + 1e-6 for k, v in base.items() if k != "upper-bound"),
+            "vs_upper_bound": ms / base["upper-bound"],
+            **timing,
+            "offload": offload_check(ctx),
+            "offload_lanes": offload_check(_with_lanes(ctx)),
+        })
+        print(f"  {model:9} {setting:12} {compressor:10} espresso {ms:8.2f} ms "
+              f"plan {timing['plan_ms']:6.1f} ms", file=sys.stderr)
     return rows
 
 
