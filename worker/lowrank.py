@@ -62,7 +62,7 @@ class LowRank:
         [0]
     """
 
-    def __init__(self, params: Mapping[str, Any], shapes: Mapping[str, torch.Size],
+    def __init__(self, params: Mapping[str, Any], shapes: Mapping[str, Sequence[int]],
                  workers: int) -> None:
         self.state = PowerSGD(**params)
         self.shapes = dict(shapes)
@@ -70,6 +70,14 @@ class LowRank:
         # Set for one iteration in ESPRESSO_COMPRESSION_ERROR_EVERY (worker/optimizer.py).
         self.measuring = False
         self._errors: dict[str, tuple[float, float]] = {}
+
+    @classmethod
+    def of_job(cls, session: Any, params: Mapping[str, Any],
+               shapes: Mapping[str, Sequence[int]]) -> LowRank:
+        """A job's PowerSGD state: its parameters over every worker, seeded by
+        ``ESPRESSO_SEED`` unless ``params`` names a seed."""
+        return cls({"seed": session.runtime.cfg.seed, **params}, shapes,
+                   session.runtime.topology.world_size)
 
     def take_errors(self) -> dict[str, tuple[float, float]]:
         """{``<bucket>#powersgd``: (squared norm of each worker's error, squared norm of its

@@ -205,8 +205,7 @@ class _PowerSGD(CompressionSpec):
         return None
 
     def lowrank(self, session: Session, shapes: Mapping[str, torch.Size]) -> LowRank:
-        params = {"seed": session.runtime.cfg.seed, **self.params}
-        return LowRank(params, shapes, session.runtime.topology.world_size)
+        return LowRank.of_job(session, self.params, shapes)
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
@@ -472,6 +471,7 @@ class _Sync:
         self.passes = passes
         self.params = {name: p for name, p in named}
         self.numel = {name: p.numel() for name, p in named}
+        self.shapes = {name: tuple(p.shape) for name, p in named}
         self.device = self.session.runtime.device
         self.world = self.session.runtime.topology.world_size
         # Reverse registration order: the usual backward order.
@@ -499,7 +499,7 @@ class _Sync:
         self.bad: list[int] = []
         self.codec = compression.codec(self.session)
         self.lowrank = compression.lowrank(self.session,
-                                           {name: p.shape for name, p in named})
+                                           self.shapes)
         # What measures the compression error (ESPRESSO_COMPRESSION_ERROR_EVERY), if anything.
         self.measured = self.codec if self.codec is not None else self.lowrank
         # DGC's recipe: (momentum, weight decay) applied before communication, and each
@@ -530,8 +530,7 @@ class _Sync:
             # The compressor is timed on gradient and bucket sizes: the plan may fuse or not.
             traffic = {b.name: sum(b.numels) for b in self.buckets}
             self.probes = compression.probes(
-                self.session, [*self.numel.values(), *traffic.values()], traffic,
-                {n: tuple(p.shape) for n, p in self.params.items()})
+                self.session, [*self.numel.values(), *traffic.values()], traffic, self.shapes)
         for name in self.order:
             self.params[name].register_post_accumulate_grad_hook(self._hook(name))
 
@@ -741,8 +740,7 @@ class _Sync:
                     self.ready_times, self.starts, self.probes,
                     {b.name: sum(b.numels) for b in self.buckets},
                     self.compression.excluded(self.session, self.params),
-                    tuple(Bucket.of(b.tensors) for b in self.buckets),
-                    {n: tuple(p.shape) for n, p in self.params.items()}))
+                    tuple(Bucket.of(b.tensors) for b in self.buckets), self.shapes))
         elif self.trials is not None:
             if self.iteration > self._trials_from:
                 self._trial_step()

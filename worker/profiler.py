@@ -382,12 +382,8 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
         (cluster, {"exchange": factor, "ps": factor}) for the kinds of step measured.
     """
     from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes, Pricer
-    from byteps_espresso.strategy.lowrank import is_lowrank
 
-    # The fp32 Option moves no payload: a low-rank compressor (no per-element payload of its
-    # own) is priced without one.
-    sizes = CompressedSizes(compressor, nbytes=lambda n: 0) if is_lowrank(compressor) \
-        else CompressedSizes(compressor, dict(params))
+    sizes = CompressedSizes(compressor, dict(params))
 
     def per_step(c: Any) -> np.ndarray:
         return Pricer(c, compressor, sizes, costs, numels).tasks(option).per_step(
@@ -573,7 +569,6 @@ class LaneProbes:
         self.cpu_threads = rt.cfg.cpu_threads
         self.codec = None if codec is None else codec.bare()
         self.low_rank = low_rank
-        self.low_rank_samples: list[dict[str, Any]] = []
         self.links: dict[tuple[str, int], list[float]] = {}
         self.compressor: dict[tuple[str, str, int], list[float]] = {}
         self.handles: list[Any] = []
@@ -754,7 +749,8 @@ class LaneProbes:
     def _low_rank_products(self, ex: Any) -> None:
         assert self.low_rank is not None
         params, shapes = self.low_rank
-        self.low_rank_samples += cost_samples(params, shapes, self.device, _CODEC_BUDGET_S)
+        for x in cost_samples(params, shapes, self.device, _CODEC_BUDGET_S):
+            self.compressor.setdefault((x["device"], x["op"], x["numel"]), []).append(x["us"])
 
     # ---- results -----------------------------------------------------------------------------
     def step_times(self, names: Sequence[str], steps: int) -> np.ndarray:
@@ -810,21 +806,17 @@ class LaneProbes:
         processes do not share)."""
         from byteps_espresso.strategy import CompressorCosts
 
-        if self.low_rank is not None:  # PowerSGD's products, median per size and op
-            groups: dict[tuple[str, int], list[float]] = {}
-            for x in self.low_rank_samples:
-                groups.setdefault((x["op"], x["numel"]), []).append(x["us"])
-            return CompressorCosts.fit(
-                [{"compressor": "powersgd", "device": "gpu", "op": op, "numel": n,
-                  "us": statistics.median(us)} for (op, n), us in sorted(groups.items())],
-                note=f"PowerSGD's products timed in the lanes during the profiled iterations "
-                     f"on {self.device}, in multiply-adds; by byteps_espresso.worker.profiler",
-                params={"powersgd": dict(self.low_rank[0])})
-        codec = self.codec
-        assert codec is not None
-        samples = [{"compressor": codec.name, "device": dev, "op": op, "numel": n,
+        name = "powersgd" if self.low_rank is not None else self.codec.name  # type: ignore
+        samples = [{"compressor": name, "device": dev, "op": op, "numel": n,
                     "us": statistics.median(us)}
                    for (dev, op, n), us in sorted(self.compressor.items())]
+        if self.low_rank is not None:  # its products alone: no numba kernels, no partner
+            return CompressorCosts.fit(
+                samples, note=f"PowerSGD's products timed in the lanes during the profiled "
+                f"iterations on {self.device}, in multiply-adds; by "
+                "byteps_espresso.worker.profiler", params={name: dict(self.low_rank[0])})
+        codec = self.codec
+        assert codec is not None
         if self.servers:
             samples += _isolated_samples(codec, numels, self.device, {Device.CPU: "server"},
                                          _CODEC_BUDGET_S)
@@ -879,10 +871,7 @@ class EspressoSpec(CompressionSpec):
         return _codec(session, self.compressor, self.params, self.error_feedback)
 
     def lowrank(self, session: Session, shapes: Mapping[str, torch.Size]) -> LowRank | None:
-        if not self.low_rank:
-            return None
-        params = {"seed": session.runtime.cfg.seed, **self.params}
-        return LowRank(params, shapes, session.runtime.topology.world_size)
+        return LowRank.of_job(session, self.params, shapes) if self.low_rank else None
 
     def probes(self, session: Session, numels: Sequence[int], traffic: Mapping[str, int],
                shapes: Mapping[str, Sequence[int]] | None = None) -> LaneProbes | None:
@@ -924,7 +913,7 @@ class EspressoSpec(CompressionSpec):
             shapes = profile.shapes if profile is not None and profile.shapes else None
             workload = workload_from_offsets(offsets, names, numel, shapes=shapes)
             codec = self.codec(session)
-            if self.low_rank and not (in_lanes and probes.low_rank_samples):
+            if self.low_rank and not (in_lanes and probes.compressor):
                 costs = lowrank_costs(self.params, list((shapes or {}).values()), rt.device)
             else:
                 costs = probes.costs(list(numel.values())) if in_lanes else measure_costs(
@@ -1075,8 +1064,7 @@ class StrategyFileSpec(CompressionSpec):
         strategy = self._load(session)
         if not is_lowrank(strategy.compressor):
             return None
-        params = {"seed": session.runtime.cfg.seed, **strategy.params}
-        return LowRank(params, shapes, session.runtime.topology.world_size)
+        return LowRank.of_job(session, strategy.params, shapes)
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:

@@ -248,11 +248,6 @@ def _partner_twins(option: Option, partner: str | None) -> list[Option]:
     return out
 
 
-def _no_payload(numel: int) -> int:
-    raise ValueError("a low-rank compressor's Options sum dense factors: no step moves its "
-                     "payloads (tree.enumerate_options with compressor= prunes them)")
-
-
 def load_kernels() -> None:
     """Load the numba kernels a plan runs (compile them on a cold cache), once per process:
     paid once like an import, so the planner starts its clock after it."""
@@ -324,9 +319,7 @@ class PlanContext:
 
         def make_priced() -> _Priced:
             # the kernels registry first: an unknown compressor is named as such
-            sizes = given_sizes or (CompressedSizes(self.compressor, nbytes=_no_payload)
-                                    if self.low_rank
-                                    else CompressedSizes(self.compressor, self.params))
+            sizes = given_sizes or CompressedSizes(self.compressor, self.params)
             return _Priced(Pricer(self.cluster, self.compressor, sizes, self.costs, self.numels,
                                   free_compression=self.free_compression,
                                   factors=[k[1] for k in distinct] if self.low_rank else None),

@@ -65,7 +65,7 @@ import numpy as np
 
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
-from byteps_espresso.strategy.lowrank import Factors, inner
+from byteps_espresso.strategy.lowrank import Factors, inner, is_lowrank
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope, Step
 from byteps_espresso.strategy.program import (
     RULES,
@@ -109,11 +109,15 @@ def bytes_per_us(gbps: float) -> float:
 
 
 class CompressedSizes:
-    """Exact payload bytes per element count, from the kernels registry (memoized)."""
+    """Exact payload bytes per element count, from the kernels registry (memoized). A
+    low-rank compressor has no per-element payload (its Options sum dense factors, which
+    the pricer sizes from :class:`Factors`): asking for one raises."""
 
     def __init__(self, compressor: str, params: dict | None = None,
                  nbytes: Callable[[int], int] | None = None) -> None:
-        if nbytes is None:
+        if nbytes is None and is_lowrank(compressor):
+            nbytes = _no_payload
+        elif nbytes is None:
             from byteps_espresso.kernels import create
 
             nbytes = create(compressor, backend="numba", **(params or {})).compressed_nbytes
@@ -135,6 +139,11 @@ class CompressedSizes:
                 got[i] = size
             self._vectors[key] = got
         return got
+
+
+def _no_payload(numel: int) -> int:
+    raise ValueError("a low-rank compressor's Options sum dense factors: no step moves its "
+                     "payloads (tree.enumerate_options with compressor= prunes them)")
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ def test_a_wrapped_option_is_priced_as_it_runs():
     dense = Option.parse("ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)")
     tasks = pricer.tasks(wrap(dense))
     f = pricer.factors
-    sizes = CompressedSizes("powersgd", nbytes=lambda n: 0)
+    sizes = CompressedSizes("powersgd")
     first, second = (Pricer(CLUSTER, "powersgd", sizes, costs, n, free_compression=True)
                      .tasks(dense) for n in ([x.p for x in f], [x.q for x in f]))
     compressing = np.array([x.q > 0 for x in f], dtype=float)
@@ -137,6 +137,8 @@ def test_a_wrapped_option_is_priced_as_it_runs():
     u = ctx.tensor_size_index(0)
     assert f[u].q == 0
     np.testing.assert_allclose(tasks.total[u], pricer.tasks(dense).total[u])
+    with pytest.raises(ValueError, match="no step moves its payloads"):
+        sizes(np.array([100.0]))
 
 
 def test_distinct_sizes_follow_shapes_and_a_shapeless_workload_is_refused():
