@@ -91,6 +91,15 @@ def _optional_float(low: float) -> Callable[[str], float | None]:
     return parse
 
 
+def _budget(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("must be a number of fp32 iterations >= 0, or `none`")
+    return value
+
+
 def _bucket_cap(text: str) -> float | None:
     lowered = text.strip().lower()
     if lowered in ("", "auto"):
@@ -289,7 +298,7 @@ VARIABLES: tuple[Variable, ...] = (
              "Strategy JSON planned offline (`espresso plan`): every `DistributedOptimizer` "
              "uses it whatever compression the script passes; no profiling or planning at "
              "start-up."),
-    Variable("ESPRESSO_PROFILE_STEPS", "profile_steps", _int(0), 5,
+    Variable("ESPRESSO_PROFILE_STEPS", "profile_steps", _int(0), 4,
              "Uncompressed iterations profiled before planning (the first max(2, lanes) "
              "also probe links and the compressor in the lanes; below 2: probes with "
              "training paused)."),
@@ -301,6 +310,13 @@ VARIABLES: tuple[Variable, ...] = (
              "probes). They begin after the compressor's schedule (dgc's warm-up), which "
              "the planned strategy trains through. Below 2: use the planned strategy at "
              "once."),
+    Variable("ESPRESSO_STARTUP_BUDGET", "startup_budget", _budget, 10.0,
+             "Start-up budget, in fp32 iterations (the profiled iterations' median): from "
+             "the first step to the first iteration under the kept strategy. The trials "
+             "spend what profiling, planning and a compressor's warm-up leave of it: a "
+             "finalist runs only where its iterations fit (priced at its prediction times "
+             "the model's error seen so far); none fits: the planned strategy is kept "
+             "untried (0: no trials). `none`: every finalist runs."),
     Variable("ESPRESSO_BUCKET_CAP_MB", "bucket_cap_mb", _bucket_cap, None,
              "Tensor fusion: gradients ready together in backward order are synchronized as "
              "one bucket of at most this many MiB (0: every gradient alone). `auto`: the "
@@ -434,8 +450,9 @@ class Config:
     max_message_bytes: int = 1 << 30
     compressor: str | None = None
     strategy_path: str | None = None
-    profile_steps: int = 5
+    profile_steps: int = 4
     trial_steps: int = 6
+    startup_budget: float | None = 10.0
     bucket_cap_mb: float | None = None
     nonfinite: str = "error"
     exclude: tuple[str, ...] | None = None
@@ -597,7 +614,9 @@ class Config:
         by_attr = {f.name: getattr(self, f.name) for f in fields(self)}
         for var in VARIABLES:
             value = by_attr[var.attr]
-            if value is None:
+            if value is None:  # unset, or a limit set to `none` where one is the default
+                if var.default is not None:
+                    out[var.name] = "none"
                 continue
             if isinstance(value, bool):
                 out[var.name] = "1" if value else "0"

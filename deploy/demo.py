@@ -38,8 +38,10 @@ __all__ = ["TARGET_FACTOR", "RunResult", "Startup", "compressed_tensors", "main"
 TARGET_FACTOR = 1.05
 # Rank 0's log line for the planner's search (worker/profiler.py), in milliseconds.
 _PLANNED = re.compile(r"^\[worker 0\].*planned in ([0-9.]+) ms")
-# Rank 0's log line for loading the planner's kernels before the first step, in seconds.
-_LOADED = re.compile(r"^\[worker 0\].*loaded the planner's kernels in ([0-9.]+) s")
+# Rank 0's log line for loading the planner's kernels (and the cluster's trees) before the
+# first step, in seconds.
+_LOADED = re.compile(r"^\[worker 0\].*loaded the planner's kernels in ([0-9.]+) s"
+                     r"(?: and this cluster's trees in ([0-9.]+) s)?")
 
 # Lines of the launcher's output shown live: rank 0's progress bar and per-epoch summary,
 # and the launcher's own verdict. Everything is also written to the run's log file.
@@ -106,7 +108,7 @@ class RunResult:
                 planning = float(match.group(1)) / 1e3
             match = _LOADED.match(line)
             if match:
-                before = float(match.group(1))
+                before = sum(float(g) for g in match.groups() if g is not None)
         planned_at = ends[min(profile_steps, len(ends)) - 1]  # the last profiled step plans
         start = profile_steps  # the step the trials begin at (later after a warm-up)
         trial_steps = 0
@@ -114,7 +116,8 @@ class RunResult:
         if trials is not None and trials.exists():
             data = json.loads(trials.read_text())
             trial_steps = sum(len(f["iteration_ms"]) for f in data["finalists"])
-            start = max(start, int(data.get("start", start)))
+            if trial_steps:  # none: the start-up budget kept the plan, which ran from here
+                start = max(start, int(data.get("start", start)))
         start = min(start, len(ends))
         steps = min(start + trial_steps, len(ends))
         begun = ends[start - 1]

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -483,7 +484,8 @@ class _Sync:
         self.iteration = 0
         self.ready_times: list[dict[str, float]] = []
         self.starts: list[float] = [time.perf_counter()]  # iteration i began at starts[i]
-        self.ended = self.starts[0]  # when the last synchronize() returned
+        # When the last synchronize() returned, and when the first step began (_first_step_at)
+        self.ended = self._first_step = self.starts[0]
         self.unused_warned = False
         # True from a synchronize() until the next gradient arrives: a second synchronize()
         # (step() after an explicit one) has nothing new to send.
@@ -736,6 +738,7 @@ class _Sync:
                 self.probes.wait(timeout)
             self.starts.append(time.perf_counter())
             if self.iteration >= self._profile_steps:
+                self._first_step = self._first_step_at()
                 self._apply_plan(StartupProfile(
                     self.ready_times, self.starts, self.probes,
                     {b.name: sum(b.numels) for b in self.buckets},
@@ -852,6 +855,17 @@ class _Sync:
                 p.grad.copy_(value)
 
     # ---- plans and trials --------------------------------------------------------------------
+    def _first_step_at(self) -> float:
+        """When the first step began (perf_counter s): its first gradient, less the median time
+        the later profiled iterations took from their start to their first gradient (the
+        optimizer is built, and ``starts[0]`` taken, before the script's own set-up)."""
+        reach = [min(ready.values()) - start
+                 for ready, start in zip(self.ready_times[1:], self.starts[1:], strict=False)
+                 if ready]
+        if not self.ready_times or not self.ready_times[0] or not reach:
+            return self.starts[0]
+        return max(self.starts[0], min(self.ready_times[0].values()) - statistics.median(reach))
+
     def _trial_step(self) -> None:
         """Record the finalist's iteration; move to the next one, or keep the fastest."""
         trials = self.trials
@@ -860,15 +874,22 @@ class _Sync:
         if not trials.done:
             self._use_strategy(trials.current)
             return
+        self._keep(trials)
+
+    def _keep(self, trials: Trials) -> None:
         kept = trials.choose(self.session)
         self.session.strategy = kept
         self._use_strategy(kept)
         self.trials = None
 
     def _begin_trials(self) -> None:
-        assert self.trials is not None
-        if self.trials.current is not self.trials.finalists[0]:  # the first is running
-            self._use_strategy(self.trials.current)
+        trials = self.trials
+        assert trials is not None
+        trials.begin(self.session, time.perf_counter() - self._first_step)
+        if trials.done:  # the start-up budget has no room for them: the plan stays
+            self._keep(trials)
+        elif trials.current is not trials.finalists[0]:  # the first is running
+            self._use_strategy(trials.current)
 
     def _use_strategy(self, strategy: Any) -> None:
         if [b.tensors for b in strategy.layout] != [b.tensors for b in self.buckets]:
@@ -923,8 +944,9 @@ class _Sync:
             steady = (self.codec.steady_step if self.codec is not None
                       else self.lowrank.state.start_iter if self.lowrank is not None else 0)
             self._trials_from = max(self.iteration, steady)
-            self.trials = Trials(plan.finalists, self.session.runtime.cfg.trial_steps,
-                                 fp32_ms=plan.fp32_ms, start=self._trials_from)
+            cfg = self.session.runtime.cfg
+            self.trials = Trials(plan.finalists, cfg.trial_steps, fp32_ms=plan.fp32_ms,
+                                 start=self._trials_from, budget=cfg.startup_budget)
             if self.iteration == self._trials_from:
                 self._begin_trials()
         if self.codec is not None:

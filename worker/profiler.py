@@ -592,19 +592,6 @@ class LaneProbes:
                 payload = self.codec.compress(dev, x, "espresso.probe", self.codec.steady_step)
                 self.codec.decompress(dev, payload, x.numel(), "espresso.probe",
                                       self.codec.steady_step)
-        # Rank 0 (which plans) loads the planner's numba kernels now, before the first step,
-        # as it loads the codec's: once per process, like an import. At planning time every
-        # rank waited for it (most of a first plan's 250-310 ms in the main job, against 7 ms
-        # with the kernels loaded); in a thread beside the profiled iterations it slowed those
-        # by 40-150 ms each (the loading is mostly Python, under the lock). After the codec's,
-        # numba's own start-up is paid: 0.08-0.12 s here against 0.5 s before them.
-        if rt.topology.rank == 0:
-            from byteps_espresso.strategy.context import load_kernels
-
-            t0 = time.perf_counter()
-            load_kernels()
-            log.info("loaded the planner's kernels in %.2f s, before the first step",
-                     time.perf_counter() - t0)
 
     def close(self) -> None:
         """Stop timing the lanes' steps (the profile is no longer needed)."""
@@ -880,7 +867,49 @@ class EspressoSpec(CompressionSpec):
             return None
         low_rank = (dict(self.params), list((shapes or {}).values())) if self.low_rank \
             else None
-        return LaneProbes(session, self.codec(session), numels, traffic, low_rank=low_rank)
+        probes = LaneProbes(session, self.codec(session), numels, traffic, low_rank=low_rank)
+        if session.runtime.topology.rank == 0:
+            self._load_planner(session)
+        return probes
+
+    def _load_planner(self, session: Session) -> None:
+        """Rank 0 (which plans) loads the planner now, before the first step, as the probes
+        load the codec's kernels: its numba kernels, and this cluster's trees (the Options,
+        their programs and twins, under the finalists' restrictions), by planning a model of
+        two gradients. Both are paid once per process, like an import, and neither depends
+        on what the profile measures. At planning time every rank waited for them: the
+        kernels were most of a first plan's 250-310 ms in the main job (7 ms with them
+        loaded), the trees 120-230 ms of a first plan's CPU (BENCHMARKS.md, "Prices from a
+        task table"). In a thread beside the profiled iterations the loading slowed those by
+        40-150 ms each (it is mostly Python, under the lock)."""
+        from byteps_espresso.strategy import Cluster, CompressorCosts
+        from byteps_espresso.strategy.context import load_kernels
+        from byteps_espresso.strategy.planner import plan_bucketed
+
+        rt = session.runtime
+        t0 = time.perf_counter()
+        load_kernels()
+        loaded = time.perf_counter()
+        topo = rt.topology
+        cluster = Cluster.preset(topo.machines, topo.local_size, "pcie", 10.0,
+                                 servers=rt.cfg.num_servers, cpu_threads=rt.cfg.cpu_threads,
+                                 lanes=rt.lanes, shared_host=rt.shared_host,
+                                 host_device=rt.device.type == "cpu")
+        numel = {"espresso.warm.a": 1 << 16, "espresso.warm.b": 1 << 10}
+        shapes = {"espresso.warm.a": (256, 256), "espresso.warm.b": (32, 32)}
+        workload = workload_from_offsets(np.zeros((1, 2)), list(numel), numel, shapes=shapes)
+        # Nominal costs (1 us per thousand elements): the trees do not depend on them, and
+        # a compressor without a shipped profile is priced from the probes' timings later.
+        devices = ("gpu",) if self.low_rank else ("gpu", "cpu", "server")
+        costs = CompressorCosts.fit(
+            {"compressor": c, "device": d, "op": op, "numel": n, "us": 1.0 + n / 1e3}
+            for c in (self.compressor, PARTNER) for d in devices
+            for op in ("compress", "decompress") for n in (1e3, 1e6))
+        plan_bucketed(workload, cluster, self.compressor, dict(self.params),
+                      within=_TRIAL_WITHIN if self._trials(session) else None,
+                      algorithm=self.algorithm, constraints=self.constraints, costs=costs)
+        log.info("loaded the planner's kernels in %.2f s and this cluster's trees in %.2f s, "
+                 "before the first step", loaded - t0, time.perf_counter() - loaded)
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:

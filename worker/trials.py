@@ -27,6 +27,15 @@ on to the next finalist. The ``fp32`` finalist trains no trial iterations where 
 iterations measured it (on their buckets, the ones it then keeps): those ran its Option.
 The trials were most of the start-up once the link probes shrank (the main job at
 1 Gbit/s: 3.1-3.8 s of 5.8-6.6, 5 finalists x 6 iterations).
+
+The start-up has a budget (``ESPRESSO_STARTUP_BUDGET``, in fp32 iterations): from the first
+step to the first iteration under the kept strategy. What the profiled iterations, the
+planning and a compressor's warm-up left of it is what the trials may spend. Before each
+finalist (:meth:`Trials.begin`, then at every switch) the ranks exchange what they spent and
+what the finalists measured, and a finalist runs only if its iterations, priced at its
+prediction times the model's error seen so far (at most the fp32 iteration), fit in what is
+left; the rest are not measured. Where not even the planned strategy's fit, there are no
+trials and the plan is kept as the model ranked it.
 """
 
 from __future__ import annotations
@@ -55,18 +64,24 @@ _RACE_TIMED = 2
 _RACE_FACTOR = 1.3
 
 
-def table(rows: Sequence[tuple[str, float, float]], kept: str,
+def table(rows: Sequence[tuple[str, float, float | None]], kept: str,
           stopped: Collection[str] = (), profiled: Collection[str] = ()) -> str:
-    """The trials as text: (algorithm, predicted ms, measured ms) per finalist; ``stopped``:
-    the finalists that lost the race and stopped early; ``profiled``: those the profiled
-    iterations measured."""
+    """The trials as text: (algorithm, predicted ms, measured ms or None) per finalist;
+    ``stopped``: the finalists that lost the race and stopped early; ``profiled``: those the
+    profiled iterations measured; None: one the start-up budget left unmeasured."""
     lines = [f"{'finalist':<16} {'predicted':>10} {'measured':>9}"]
     for algorithm, predicted, measured in rows:
         mark = ("  <- kept" if algorithm == kept else "")
         mark += ("  (stopped early)" if algorithm in stopped
-                 else "  (the profiled iterations)" if algorithm in profiled else "")
-        lines.append(f"{algorithm:<16} {predicted:>8.2f}ms {measured:>7.2f}ms{mark}")
+                 else "  (the profiled iterations)" if algorithm in profiled
+                 else "  (not measured: start-up budget)" if measured is None else "")
+        ms = "-" if measured is None else f"{measured:.2f}ms"
+        lines.append(f"{algorithm:<16} {predicted:>8.2f}ms {ms:>9}{mark}")
     return "\n".join(lines)
+
+
+def _ms(value: float) -> float | None:
+    return None if np.isnan(value) else float(value)
 
 
 class Trials:
@@ -81,13 +96,16 @@ class Trials:
             gives it the profiled iterations' buckets); None: none.
         start: the training iteration the first trial iteration runs (``trials.json`` records
             it; later than the plan where a compressor's schedule runs first).
+        budget: fp32 iterations the whole start-up may take (``ESPRESSO_STARTUP_BUDGET``;
+            needs ``fp32_ms``); None: every finalist runs. :meth:`begin` converts it.
 
     Raises:
         ValueError: fewer than two finalists or steps < 2.
     """
 
     def __init__(self, finalists: Sequence[Any], steps: int,
-                 fp32_ms: float | None = None, start: int = 0) -> None:
+                 fp32_ms: float | None = None, start: int = 0,
+                 budget: float | None = None) -> None:
         if len(finalists) < 2:
             raise ValueError("trials need at least two finalists")
         if steps < 2:
@@ -105,11 +123,65 @@ class Trials:
         if len(self.profiled) == len(self.finalists):
             raise ValueError("trials need a finalist that the profile did not measure")
         self.index = 0
+        self.budget = budget if fp32_ms is not None else None
+        # Trial milliseconds left to spend (slowest rank's); set by begin(), None: no limit.
+        self.left_ms: float | None = None
+        self.unmeasured: set[int] = set()  # finalists the budget left out
         self._skip_profiled()
 
     def _skip_profiled(self) -> None:
         while self.index in self.profiled:
             self.index += 1
+
+    def begin(self, session: Session, elapsed_s: float) -> None:
+        """Start the trials ``elapsed_s`` after the first step (this rank's count; every
+        rank calls it at the same iteration): what the budget leaves is spent on them, and
+        where the first finalist does not fit there are none (:attr:`done`; :meth:`choose`
+        keeps the planned strategy)."""
+        if self.budget is None or self.done:
+            return
+        assert self.fp32_ms is not None
+        spent = float(slowest_across_ranks(session, np.array([elapsed_s * 1e3]))[0])
+        self.left_ms = self.budget * self.fp32_ms - spent
+        if session.runtime.topology.rank == 0:
+            log.info("start-up budget %g fp32 iterations (%.0f ms): %.0f ms spent before the "
+                     "trials, %.0f ms left for them", self.budget, self.budget * self.fp32_ms,
+                     spent, self.left_ms)
+        self._afford(session, spent_ms=0.0)
+
+    def _afford(self, session: Session, spent_ms: float | None = None) -> None:
+        """Leave out the current finalist and every later one unless its iterations fit in
+        what is left of the budget (all ranks call it at the same iteration)."""
+        if self.left_ms is None or self.done:
+            return
+        measured = [i for i in range(self.index) if self.times_ms[i] and i not in self.stopped]
+        if spent_ms is None:  # the trial iterations so far and the medians, slowest rank's
+            every = slowest_across_ranks(session, np.array(
+                [sum(map(sum, self.times_ms)), *(self._median(i) for i in measured)]))
+            spent_ms, medians = float(every[0]), every[1:]
+        else:
+            medians = np.zeros(0)
+        # The model has been optimistic here (module docstring): a finalist's iterations are
+        # priced at its prediction times the largest error the measured finalists showed, or
+        # the profiled fp32 iterations' own where none has run yet.
+        errors = [m / self.finalists[i].predicted_ms for i, m in zip(measured, medians,
+                                                                     strict=True)]
+        errors += [self.fp32_ms / s.predicted_ms for i, s in enumerate(self.finalists)
+                   if i in self.profiled]
+        per_iteration = self.finalists[self.index].predicted_ms * max([1.0, *errors])
+        per_iteration = min(per_iteration, self.fp32_ms) if self.fp32_ms else per_iteration
+        if spent_ms + per_iteration * self.steps <= self.left_ms:
+            return
+        self.unmeasured = {i for i in range(self.index, len(self.finalists))
+                           if i not in self.profiled}
+        if session.runtime.topology.rank == 0:
+            log.info("trials: the start-up budget leaves %s unmeasured (%.0f of %.0f ms "
+                     "spent; %d iterations of about %.0f ms do not fit)%s", ", ".join(
+                         self.finalists[i].algorithm for i in sorted(self.unmeasured)),
+                     spent_ms, self.left_ms, self.steps, per_iteration,
+                     "; the planned strategy is kept as the model ranked it"
+                     if 0 in self.unmeasured else "")
+        self.index = len(self.finalists)
 
     @property
     def current(self) -> Any:
@@ -132,6 +204,8 @@ class Trials:
         if len(times) == self.steps or (session is not None and self._outpaced(session)):
             self.index += 1
             self._skip_profiled()
+            if session is not None:
+                self._afford(session)
 
     def _outpaced(self, session: Session) -> bool:
         """Whether the current finalist, at its ``_RACE_TIMED``-th timed iteration, trails the
@@ -162,8 +236,10 @@ class Trials:
         return statistics.median(self.times_ms[i][1:])
 
     def medians_ms(self) -> np.ndarray:
-        """Per finalist, the median iteration time after the warm-up (once :attr:`done`)."""
-        return np.array([self._median(i) for i in range(len(self.finalists))])
+        """Per finalist, the median iteration time after the warm-up (once :attr:`done`;
+        NaN for those the budget left out)."""
+        return np.array([np.nan if i in self.unmeasured else self._median(i)
+                         for i in range(len(self.finalists))])
 
     def choose(self, session: Session) -> Any:
         """The finalist with the smallest slowest-rank median (all ranks call it; every rank
@@ -172,7 +248,9 @@ class Trials:
             raise RuntimeError(f"finalist {self.index + 1} of {len(self.finalists)} is still "
                                "being measured")
         measured = slowest_across_ranks(session, self.medians_ms())
-        kept = int(np.argmin(measured))  # the first minimum: a tie keeps the planned strategy
+        # The first minimum: a tie keeps the planned strategy, and so does a budget that
+        # left every finalist unmeasured (the model's ranking stands).
+        kept = 0 if 0 in self.unmeasured else int(np.nanargmin(measured))
         rt = session.runtime
         if rt.topology.rank == 0:
             log.info("trials (median of %d iterations after a warm-up, slowest rank):\n%s",
@@ -186,7 +264,7 @@ class Trials:
         return self.finalists[kept]
 
     def table(self, measured: np.ndarray, kept: int) -> str:
-        return table([(s.algorithm, s.predicted_ms, float(ms))
+        return table([(s.algorithm, s.predicted_ms, _ms(ms))
                       for s, ms in zip(self.finalists, measured, strict=True)],
                      self.finalists[kept].algorithm,
                      {self.finalists[i].algorithm for i in self.stopped},
@@ -195,13 +273,14 @@ class Trials:
     def _write(self, out: Path, measured: np.ndarray, kept: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
         entries = [{"algorithm": s.algorithm, "predicted_ms": s.predicted_ms,
-                    "measured_ms": float(ms), "iteration_ms": times,
+                    "measured_ms": _ms(ms), "iteration_ms": times,
                     "stopped_early": i in self.stopped, "profiled": i in self.profiled,
                     "options": {name: str(o) for name, o in s.options.items()}}
                    for i, (s, ms, times) in enumerate(zip(self.finalists, measured,
                                                           self.times_ms, strict=True))]
         atomic_write_text(out / "trials.json", json.dumps(
-            {"steps": self.steps, "start": self.start, "kept": self.finalists[kept].algorithm,
+            {"steps": self.steps, "start": self.start, "budget": self.budget,
+             "budget_left_ms": self.left_ms, "kept": self.finalists[kept].algorithm,
              "finalists": entries}, indent=1) + "\n")
         self.finalists[kept].save(out / "strategy.json")
         log.info("wrote trials.json and the kept strategy to %s; ESPRESSO_STRATEGY=%s "

@@ -65,6 +65,16 @@ def test_as_env_round_trips():
     assert Config.from_env(cfg.as_env()) == cfg
 
 
+def test_the_startup_budget_is_fp32_iterations_or_none():
+    assert Config.from_env(BASE).startup_budget == 10.0
+    unlimited = Config.from_env({**BASE, "ESPRESSO_STARTUP_BUDGET": "none"})
+    assert unlimited.startup_budget is None
+    assert Config.from_env(unlimited.as_env()) == unlimited
+    assert Config.from_env({**BASE, "ESPRESSO_STARTUP_BUDGET": "0"}).startup_budget == 0.0
+    with pytest.raises(ConfigError, match=r"ESPRESSO_STARTUP_BUDGET.*>= 0, or `none`"):
+        Config.from_env({**BASE, "ESPRESSO_STARTUP_BUDGET": "-1"})
+
+
 def test_every_variable_is_in_the_readme_table():
     table = markdown_table()
     with open("README.md", encoding="utf-8") as fh:

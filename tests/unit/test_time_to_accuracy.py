@@ -44,8 +44,8 @@ def test_startup_splits_profiling_planning_and_trials(tmp_path):
     # 3 profiled steps (the third plans: 0.25 s in the log), 2 finalists x 2 trial steps
     # (counted from trials.json's iterations, as a finalist may stop early)
     ends = [1.0, 2.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.2]
-    log = ["[worker 0] 2026 profiler: loaded the planner's kernels in 0.30 s, before the first "
-           "step", "[worker 1] x: planned in 99.0 ms:",
+    log = ["[worker 0] 2026 profiler: loaded the planner's kernels in 0.25 s and this "
+           "cluster's trees in 0.05 s, before the first step", "[worker 1] x: planned in 99.0 ms:",
            "[worker 0] 2026 profiler: planned in 250.0 ms:"]
     run = _run(tmp_path, "e", [], ends, log)
     profile = tmp_path / "profile"
@@ -85,3 +85,8 @@ def test_startup_counts_the_plan_through_a_warm_up_before_the_trials(tmp_path):
     assert s == Startup(1.5, 0.5, 2.0, warmup_s=1.5, steps=7)
     assert s.total_s == 5.5  # the end of step 6, the last trial
     assert "the plan through the compressor's warm-up 1.5" in s.text()
+    # The start-up budget ran no trials after the warm-up: the plan, kept, ran from step 2
+    (profile / "trials.json").write_text(json.dumps(
+        {"steps": 1, "start": 5, "kept": "espresso", "finalists": [
+            {"iteration_ms": []}, {"iteration_ms": []}]}))
+    assert run.startup(2, profile) == Startup(1.5, 0.5, 0.0, steps=2)

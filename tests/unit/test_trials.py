@@ -6,6 +6,7 @@ medians (the slowest rank's count) is the real collective code path.
 
 import json
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -263,3 +264,58 @@ def test_slowest_across_ranks_is_the_elementwise_maximum():
         assert got.shape == (2, 2)
         np.testing.assert_array_equal(got[0], [3.0, 0.0])
         assert np.isnan(got[1, 0]) and got[1, 1] == 0.5
+
+
+def _priced(finalists, *predicted_ms):
+    return [replace(s, predicted_ms=ms) for s, ms in zip(finalists, predicted_ms, strict=True)]
+
+
+def test_the_start_up_budget_leaves_out_finalists_that_do_not_fit(tmp_path, every):
+    finalists = _priced(every[:3], 10.0, 10.0, 10.0)
+    # Budget 10 fp32 iterations of 20 ms: 200 ms from the first step. The slowest rank began
+    # the trials 130 ms after it, so 70 ms are left. The plan's 3 iterations, priced at its
+    # 10 ms prediction, fit (30 ms); it measures 15 ms, 1.5x its prediction, so the next
+    # finalist is priced at 15 ms: 45 spent + 45 > 70, and neither of the others runs.
+    def run(hub, rank):
+        session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
+        trials = Trials(finalists, 3, fp32_ms=20.0, budget=10.0)
+        trials.begin(session, 0.100 + 0.010 * rank)
+        seen = []
+        while not trials.done:
+            seen.append(trials.index)
+            trials.record(0.015, session)
+        return seen, trials.left_ms, trials.choose(session).algorithm
+
+    runs = _on_every_rank(run)
+    assert {repr(r) for r in runs.values()} == {repr(([0, 0, 0], 70.0, "espresso"))}
+    written = json.loads((tmp_path / "trials.json").read_text())
+    assert [f["measured_ms"] for f in written["finalists"]] == [15.0, None, None]
+    assert written["budget"] == 10.0 and written["budget_left_ms"] == 70.0
+
+
+def test_a_budget_spent_before_the_trials_keeps_the_plan_untried(tmp_path, every):
+    fp32 = next(s for s in every if s.algorithm == "fp32")
+    finalists = _priced([every[0], every[1], fp32], 10.0, 12.0, 10.0)
+    # The profiled fp32 iterations took 20 ms against a 10 ms prediction: the model's error
+    # so far is 2x, so the plan's 3 iterations are priced at 60 ms, over the 50 ms left.
+    def run(hub, rank, elapsed_s):
+        session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
+        trials = Trials(finalists, 3, fp32_ms=20.0, budget=10.0)
+        trials.begin(session, elapsed_s)
+        done = trials.done
+        return done, trials.choose(session).algorithm if done else None
+
+    runs = _on_every_rank(lambda hub, rank: run(hub, rank, 0.150))
+    assert set(runs.values()) == {(True, "espresso")}
+    written = json.loads((tmp_path / "trials.json").read_text())["finalists"]
+    assert [f["measured_ms"] for f in written] == [None, None, 20.0]
+    # 60 ms fit in 70: the plan runs
+    assert set(_on_every_rank(lambda hub, rank: run(hub, rank, 0.130)).values()) == {
+        (False, None)}
+
+
+def test_without_a_budget_or_the_fp32_time_every_finalist_runs(every):
+    for trials in (Trials(every[:2], 2, fp32_ms=20.0, budget=None),
+                   Trials(every[:2], 2, fp32_ms=None, budget=10.0)):
+        trials.begin(None, 1e6)  # no exchange either: nothing to decide
+        assert trials.left_ms is None and trials.current is every[0]
