@@ -33,9 +33,9 @@ step to the first iteration under the kept strategy. What the profiled iteration
 planning and a compressor's warm-up left of it is what the trials may spend. Before each
 finalist (:meth:`Trials.begin`, then at every switch) the ranks exchange what they spent and
 what the finalists measured, and a finalist runs only if its iterations, priced at its
-prediction times the model's error seen so far (at most the fp32 iteration), fit in what is
-left; the rest are not measured. Where not even the planned strategy's fit, there are no
-trials and the plan is kept as the model ranked it.
+prediction times the model's error seen so far (``MODEL_ERROR`` before any has run; at
+most the fp32 iteration), fit in what is left; the rest are not measured. Where not even the
+planned strategy's fit, there are no trials and the plan is kept as the model ranked it.
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ log = logging.getLogger(__name__)
 # that noise of the best in the race.
 _RACE_TIMED = 2
 _RACE_FACTOR = 1.3
+# How far over its prediction a finalist may run, as long as none has been measured: on a
+# host whose cores the workers share the model has been 1.6-2.4x optimistic (worker/profiler.py
+# takes the finalists predicted within this factor of the plan). Within the start-up budget
+# the plan's trial at random-k, priced at its prediction alone, took 448 ms of 243 ms left
+# (2.3x its prediction; BENCHMARKS.md "End-to-end").
+MODEL_ERROR = 2.5
 
 
 def table(rows: Sequence[tuple[str, float, float | None]], kept: str,
@@ -154,22 +160,23 @@ class Trials:
         what is left of the budget (all ranks call it at the same iteration)."""
         if self.left_ms is None or self.done:
             return
-        measured = [i for i in range(self.index) if self.times_ms[i] and i not in self.stopped]
-        if spent_ms is None:  # the trial iterations so far and the medians, slowest rank's
+        measured = [i for i in range(self.index) if self.times_ms[i]]
+        if spent_ms is None:  # the trial iterations so far and their means, slowest rank's
             every = slowest_across_ranks(session, np.array(
-                [sum(map(sum, self.times_ms)), *(self._median(i) for i in measured)]))
-            spent_ms, medians = float(every[0]), every[1:]
+                [sum(map(sum, self.times_ms)),
+                 *(statistics.fmean(self.times_ms[i]) for i in measured)]))
+            spent_ms, means = float(every[0]), every[1:]
         else:
-            medians = np.zeros(0)
-        # The model has been optimistic here (module docstring): a finalist's iterations are
-        # priced at its prediction times the largest error the measured finalists showed, or
-        # the profiled fp32 iterations' own where none has run yet.
-        errors = [m / self.finalists[i].predicted_ms for i, m in zip(measured, medians,
+            measured, means = [], np.zeros(0)
+        # A finalist's iterations are priced at its prediction times the largest error the
+        # finalists measured so far showed, warm-ups included (MODEL_ERROR before any has
+        # run), and at most at the fp32 iteration: a slower one loses the race.
+        errors = [m / self.finalists[i].predicted_ms for i, m in zip(measured, means,
                                                                      strict=True)]
-        errors += [self.fp32_ms / s.predicted_ms for i, s in enumerate(self.finalists)
-                   if i in self.profiled]
-        per_iteration = self.finalists[self.index].predicted_ms * max([1.0, *errors])
-        per_iteration = min(per_iteration, self.fp32_ms) if self.fp32_ms else per_iteration
+        error = max(errors) if errors else MODEL_ERROR
+        assert self.fp32_ms is not None
+        per_iteration = min(self.finalists[self.index].predicted_ms * max(1.0, error),
+                            self.fp32_ms)
         if spent_ms + per_iteration * self.steps <= self.left_ms:
             return
         self.unmeasured = {i for i in range(self.index, len(self.finalists))

@@ -273,9 +273,10 @@ def _priced(finalists, *predicted_ms):
 def test_the_start_up_budget_leaves_out_finalists_that_do_not_fit(tmp_path, every):
     finalists = _priced(every[:3], 10.0, 10.0, 10.0)
     # Budget 10 fp32 iterations of 20 ms: 200 ms from the first step. The slowest rank began
-    # the trials 130 ms after it, so 70 ms are left. The plan's 3 iterations, priced at its
-    # 10 ms prediction, fit (30 ms); it measures 15 ms, 1.5x its prediction, so the next
-    # finalist is priced at 15 ms: 45 spent + 45 > 70, and neither of the others runs.
+    # the trials 130 ms after it, so 70 ms are left. The plan's 3 iterations, unmeasured and
+    # priced at its 10 ms prediction x MODEL_ERROR (25 ms), capped at fp32's 20, fit (60 ms);
+    # it measures 15 ms, 1.5x its prediction, so the next finalist is priced at 15 ms:
+    # 45 spent + 45 > 70, and neither of the others runs.
     def run(hub, rank):
         session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
         trials = Trials(finalists, 3, fp32_ms=20.0, budget=10.0)
@@ -296,8 +297,8 @@ def test_the_start_up_budget_leaves_out_finalists_that_do_not_fit(tmp_path, ever
 def test_a_budget_spent_before_the_trials_keeps_the_plan_untried(tmp_path, every):
     fp32 = next(s for s in every if s.algorithm == "fp32")
     finalists = _priced([every[0], every[1], fp32], 10.0, 12.0, 10.0)
-    # The profiled fp32 iterations took 20 ms against a 10 ms prediction: the model's error
-    # so far is 2x, so the plan's 3 iterations are priced at 60 ms, over the 50 ms left.
+    # Nothing measured yet: the plan's 3 iterations are priced at its 10 ms prediction x
+    # MODEL_ERROR, at most the 20 ms of the profiled fp32 iterations: 60 ms, over the 50 left.
     def run(hub, rank, elapsed_s):
         session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
         trials = Trials(finalists, 3, fp32_ms=20.0, budget=10.0)
