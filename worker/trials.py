@@ -96,7 +96,7 @@ class Trials:
     Args:
         finalists: Strategies, the planned one first.
         steps: iterations per finalist, the first a warm-up (at least 2).
-        fp32_ms: the profiled fp32 iterations' time (the slowest rank's median, the same on
+        fp32_ms: the profiled fp32 iterations' time (the slowest rank's fastest, the same on
             every rank), a time to race against from the first finalist on, and the measured
             time of the ``fp32`` finalist, which then trains no trial iterations (the caller
             gives it the profiled iterations' buckets); None: none.

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from byteps_espresso.worker.local_transport import LocalHub
+from byteps_espresso.worker.optimizer import first_step_at
 from byteps_espresso.worker.session import slowest_across_ranks
 from byteps_espresso.worker.trials import Trials
 
@@ -320,3 +321,14 @@ def test_without_a_budget_or_the_fp32_time_every_finalist_runs(every):
                    Trials(every[:2], 2, fp32_ms=None, budget=10.0)):
         trials.begin(None, 1e6)  # no exchange either: nothing to decide
         assert trials.left_ms is None and trials.current is every[0]
+
+
+def test_the_first_step_begins_at_the_first_zero_grad_or_before_its_first_gradient():
+    # built at 0.0; iterations 1 and 2 began at 1.0 and 2.0 and reached their first gradient
+    # 0.1 and 0.3 s later (median 0.2); iteration 0's first gradient came at 0.8
+    starts, ready = [0.0, 1.0, 2.0], [{"a": 0.8, "b": 0.9}, {"a": 1.1}, {"a": 2.3, "b": 2.4}]
+    assert first_step_at(starts, ready, None) == pytest.approx(0.6)
+    assert first_step_at(starts, ready, 0.5) == 0.5  # zero_grad() came earlier
+    assert first_step_at(starts, ready, 0.7) == pytest.approx(0.6)  # the earlier of the two
+    assert first_step_at(starts, [{"a": 0.1}, {"a": 1.5}, {"a": 2.5}], None) == 0.0  # built
+    assert first_step_at(starts, [{}, {}], None) == 0.0  # nothing seen
