@@ -61,7 +61,7 @@ from byteps_espresso.strategy.lowrank import wrap
 from byteps_espresso.strategy.options import Kind, Option, Scope
 
 __all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "NonFiniteGradientError",
-           "Plan", "StartupProfile"]
+           "Plan", "StartupProfile", "first_step_at"]
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from byteps_espresso.worker.session import Session, slowest_across_ranks
 
 from byteps_espresso.strategy.workload import atomic_write_text
 
-__all__ = ["Trials", "table"]
+__all__ = ["MODEL_ERROR", "Trials", "table"]
 
 log = logging.getLogger(__name__)
 
