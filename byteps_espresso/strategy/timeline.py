@@ -74,77 +74,17 @@ _YES = np.bool_(True)
 
 
 @numba.njit(cache=True)
-def _place(starts, ends, count, r, t, d):  # pragma: no cover - compiled  # noqa: PLR0917
-    """Earliest start >= t of a d-long task on resource r; inserts it; returns the start."""
-    n = count[r]
-    # The first interval ending after t, searched back from the last one: only the last
-    # BACKFILL_WINDOW gaps may be back-filled, so the scan stops there (the same index as a
-    # binary search over all intervals clamped to the window, in fewer steps: most tasks go
-    # after every busy interval or into the last few gaps).
-    floor = max(n - BACKFILL_WINDOW, 0)
-    idx = n
-    while idx > floor and ends[r, idx - 1] > t:
-        idx -= 1
-    if idx > 0 and idx == floor and ends[r, idx - 1] > t:
-        t = ends[r, idx - 1]
-    while idx < n and starts[r, idx] < t + d:
-        t = max(t, ends[r, idx])
-        idx += 1
-    end = t + d
-    # Keep busy intervals merged where they touch, so a backlogged resource is one interval
-    # and the scan above stays short.
-    joins_prev = idx > 0 and ends[r, idx - 1] == t
-    joins_next = idx < n and starts[r, idx] == end
-    if joins_prev and joins_next:
-        ends[r, idx - 1] = ends[r, idx]
-        for k in range(idx, n - 1):
-            starts[r, k] = starts[r, k + 1]
-            ends[r, k] = ends[r, k + 1]
-        count[r] = n - 1
-    elif joins_prev:
-        ends[r, idx - 1] = end
-    elif joins_next:
-        starts[r, idx] = t
-    else:
-        for k in range(n, idx, -1):
-            starts[r, k] = starts[r, k - 1]
-            ends[r, k] = ends[r, k - 1]
-        starts[r, idx] = t
-        ends[r, idx] = end
-        count[r] = n + 1
-    return t
-
-
-@numba.njit(cache=True)
-def _backward(starts, ends, count, t, work):  # pragma: no cover - compiled
-    """End of a backward segment of ``work`` us starting at t, flowing around GPU tasks."""
-    n = count[0]
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ends[0, mid] <= t:
-            lo = mid + 1
-        else:
-            hi = mid
-    idx = lo
-    remaining = work
-    while remaining > 0.0:
-        if idx < n and starts[0, idx] < t + remaining:
-            if starts[0, idx] > t:
-                remaining -= starts[0, idx] - t
-            t = max(t, ends[0, idx])
-            idx += 1
-        else:
-            t += remaining
-            remaining = 0.0
-    return t
-
-
-@numba.njit(cache=True)
-def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0912, PLR0917
+def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0912, PLR0915, PLR0917
              cat_res, cat_dur, forward, best_t, best_s, tol, record, task_start, task_end, out,
              follow, trace):  # pragma: no cover - compiled
-    """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]).
+    """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]): per
+    tensor, (1) its backward segment, then per task (2) the earliest fitting start on its
+    resource and (3) the insertion of its busy interval.
+
+    Steps (1)-(3) are written out here rather than called: a call that passes the busy
+    intervals (starts, ends, count) costs six atomic reference-count updates, and with them
+    in their own functions a warm ResNet101 plan spent about a quarter of its time there
+    (perf: NRT_incref/NRT_decref; 2026-12-03, branch plan-time).
 
     acc = [backward end, last task end, sum of tensor done times]. Returns False (and stops)
     as soon as the run cannot beat (best_t, best_s) lexicographically: a lower bound of its
@@ -168,7 +108,27 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
         rest += gaps[i]
     for i in range(j0, j1):
         rest -= gaps[i]
-        bwd = _backward(starts, ends, count, bwd, gaps[i])
+        # (1) the backward segment of tensor i from bwd on, flowing around the GPU tasks: the
+        # first GPU interval ending after bwd (binary search), then through the gaps
+        n = count[0]
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ends[0, mid] <= bwd:
+                lo = mid + 1
+            else:
+                hi = mid
+        idx = lo
+        remaining = gaps[i]
+        while remaining > 0.0:
+            if idx < n and starts[0, idx] < bwd + remaining:
+                if starts[0, idx] > bwd:
+                    remaining -= starts[0, idx] - bwd
+                bwd = max(bwd, ends[0, idx])
+                idx += 1
+            else:
+                bwd += remaining
+                remaining = 0.0
         t = bwd
         if lane[i] >= 0:  # the lane runs one Option at a time, in submission order
             t = max(t, acc[3 + lane[i]])
@@ -179,7 +139,44 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
         for j in range(cat_len[o]):
             d = cat_dur[o, u, j]
             if d > 0.0:
-                t = _place(starts, ends, count, cat_res[o, j], t, d)
+                # (2) task j at the earliest start >= t where its resource r is idle for d
+                r = cat_res[o, j]
+                n = count[r]
+                # The first interval ending after t, searched back from the last one: only the
+                # last BACKFILL_WINDOW gaps may be back-filled, so the scan stops there (the
+                # same index as a binary search over all intervals clamped to the window, in
+                # fewer steps: most tasks go after every busy interval or into the last gaps).
+                floor = max(n - BACKFILL_WINDOW, 0)
+                idx = n
+                while idx > floor and ends[r, idx - 1] > t:
+                    idx -= 1
+                if idx > 0 and idx == floor and ends[r, idx - 1] > t:
+                    t = ends[r, idx - 1]
+                while idx < n and starts[r, idx] < t + d:
+                    t = max(t, ends[r, idx])
+                    idx += 1
+                # (3) insert [t, t + d), merged with the intervals it touches, so that a
+                # backlogged resource is one interval and the scan above stays short
+                end = t + d
+                joins_prev = idx > 0 and ends[r, idx - 1] == t
+                joins_next = idx < n and starts[r, idx] == end
+                if joins_prev and joins_next:
+                    ends[r, idx - 1] = ends[r, idx]
+                    for k in range(idx, n - 1):
+                        starts[r, k] = starts[r, k + 1]
+                        ends[r, k] = ends[r, k + 1]
+                    count[r] = n - 1
+                elif joins_prev:
+                    ends[r, idx - 1] = end
+                elif joins_next:
+                    starts[r, idx] = t
+                else:
+                    for k in range(n, idx, -1):
+                        starts[r, k] = starts[r, k - 1]
+                        ends[r, k] = ends[r, k - 1]
+                    starts[r, idx] = t
+                    ends[r, idx] = end
+                    count[r] = n + 1
             if record:
                 task_start[i, j] = t
             t += d
@@ -244,10 +241,11 @@ def _trace_state(starts, ends, count, acc, bwd, i, out):  # pragma: no cover  # 
     """Record what the rest of a run depends on once tensor i is scheduled: the lanes' free
     times and, per resource, the busy intervals that end after the backward end ``bwd``,
     their starts clipped to it. Later tasks start at bwd or later, and where such a task
-    goes (_place: the intervals ending after its earliest start, counted from the last for
-    the back-fill window; _backward the same) reads nothing else, so two runs with the same
-    record at tensor i schedule every later tensor alike. At most TRACE_DEPTH intervals per
-    resource are kept; a state with more is not traced (count -1: never followed).
+    goes (_advance: the intervals ending after its earliest start, counted from the last
+    for the back-fill window; the backward segments the same) reads nothing else, so two
+    runs with the same record at tensor i schedule every later tensor alike. At most
+    TRACE_DEPTH intervals per resource are kept; a state with more is not traced (count -1:
+    never followed).
 
     out = (ready, done, lanes (n, lanes), count (n, resources), offset (n + 1,),
     intervals (capacity, 2)): tensor i's intervals are intervals[offset[i]:offset[i + 1]],
@@ -277,6 +275,19 @@ def _copy_trace(out, trace, j0, j1):  # pragma: no cover - compiled
     """Tensors j0..j1-1 of ``trace`` into ``out`` (whose tensors before j0 are recorded)."""
     cnt, off, iv = out[3], out[4], out[5]
     pos = off[j0]
+    src0 = trace[4][j0]
+    if pos + trace[4][j1] - src0 <= iv.shape[0]:
+        # Every state fits: the entries of the loop below, copied as whole blocks (tensor by
+        # tensor, a reschedule near the end of ResNet101's 314 tensors took ~30 us, most of it
+        # this copy).
+        out[0][j0:j1] = trace[0][j0:j1]
+        out[1][j0:j1] = trace[1][j0:j1]
+        out[2][j0:j1] = trace[2][j0:j1]
+        cnt[j0:j1] = trace[3][j0:j1]
+        for m in range(j0 + 1, j1 + 1):
+            off[m] = trace[4][m] - src0 + pos
+        iv[pos:off[j1]] = trace[5][src0:trace[4][j1]]
+        return
     for m in range(j0, j1):
         out[0][m] = trace[0][m]
         out[1][m] = trace[1][m]
