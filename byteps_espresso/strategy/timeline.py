@@ -79,12 +79,13 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
              follow, trace):  # pragma: no cover - compiled
     """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]): per
     tensor, (1) its backward segment, then per task (2) the earliest fitting start on its
-    resource and (3) the insertion of its busy interval.
+    resource and (3) the insertion of its busy interval; when following a trace, (4) whether
+    the state after the tensor is the traced one.
 
-    Steps (1)-(3) are written out here rather than called: a call that passes the busy
-    intervals (starts, ends, count) costs six atomic reference-count updates, and with them
-    in their own functions a warm ResNet101 plan spent about a quarter of its time there
-    (perf: NRT_incref/NRT_decref; 2026-12-03, branch plan-time).
+    Steps (1)-(4) are written out here rather than called: a call that passes arrays costs
+    two atomic reference-count updates per array, and with (1)-(3) in their own functions
+    a warm ResNet101 plan spent about a quarter of its time there (perf: NRT_incref and
+    NRT_decref; with (4) in its own function, its follows 10-15% more; 2026-12-03).
 
     acc = [backward end, last task end, sum of tensor done times]. Returns False (and stops)
     as soon as the run cannot beat (best_t, best_s) lexicographically: a lower bound of its
@@ -95,7 +96,7 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
     record: write each task's start and end, and the trace of the run into ``out``
     (:func:`_trace_state`). follow: ``trace`` is the trace of ``choice`` itself (but for
     tensor oi); from the first tensor i >= oi after which this run's state is the traced one
-    (:func:`_same_state`) every later tensor is scheduled as traced, so its done time is read
+    (step 4) every later tensor is scheduled as traced, so its done time is read
     from the trace instead of simulated (the sums, maxima and bounds still run in the same
     order: the same floats as simulating; the busy intervals and lanes are left as they were
     at that tensor, and a recording run copies the rest of its trace, not its tasks).
@@ -103,6 +104,10 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
     bwd = acc[0]
     last = acc[1]
     sdone = acc[2]
+    # the arrays of the traces, taken out of their tuples once (an item of a tuple per tensor
+    # costs its reference counting, as a call does: see above)
+    ready_out, done_out = out[0], out[1]
+    ready_tr, lanes_tr, cnt_tr, off_tr, iv_tr = trace[0], trace[2], trace[3], trace[4], trace[5]
     rest = 0.0  # backward still to run after tensor i: bwd + rest bounds the final backward
     for i in range(j0, gaps.shape[0]):
         rest += gaps[i]
@@ -135,7 +140,7 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
         o = ok if i == oi else choice[i]
         u = size_idx[i]
         if record:
-            out[0][i] = bwd
+            ready_out[i] = bwd
         for j in range(cat_len[o]):
             d = cat_dur[o, u, j]
             if d > 0.0:
@@ -183,7 +188,7 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
             if record:
                 task_end[i, j] = t
         if record:
-            out[1][i] = t
+            done_out[i] = t
         if lane[i] >= 0:
             acc[3 + lane[i]] = t
         if record:
@@ -193,8 +198,32 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
         if _beaten(forward + max(bwd + rest, last), sdone, best_t, best_s, tol):
             _keep(acc, bwd, last, sdone)
             return False
-        if follow and i >= oi and bwd == trace[0][i] and \
-                _same_state(starts, ends, count, acc, bwd, i, trace):
+        if follow and i >= oi and bwd == ready_tr[i]:
+            # (4) whether this run's state after tensor i is the traced one (_trace_state):
+            # the lanes' free times clipped to bwd (a lane free before bwd delays nothing),
+            # and per resource the busy intervals ending after bwd, their starts clipped to it
+            same = True
+            for q in range(lanes_tr.shape[1]):
+                if max(acc[3 + q], bwd) != max(lanes_tr[i, q], bwd):
+                    same = False
+                    break
+            pos = off_tr[i]
+            r = 0
+            while same and r < count.shape[0]:
+                m = cnt_tr[i, r]
+                k = count[r] - m
+                if m < 0 or k < 0 or (k > 0 and ends[r, k - 1] > bwd):
+                    same = False
+                q = 0
+                while same and q < m:
+                    if ends[r, k + q] != iv_tr[pos, 1] or \
+                            max(starts[r, k + q], bwd) != iv_tr[pos, 0]:
+                        same = False
+                    pos += 1
+                    q += 1
+                r += 1
+            if not same:
+                continue
             if record:  # the rest of the run is the trace's
                 _copy_trace(out, trace, i + 1, j1)
             return _replay(acc, gaps, i + 1, j1, rest, bwd, last, sdone, forward, best_t,
@@ -350,28 +379,6 @@ def _from_trace(starts, ends, count, acc, i, trace):  # pragma: no cover  # noqa
     acc[2] = sdone
     for q in range(trace[2].shape[1]):
         acc[3 + q] = trace[2][i, q]
-    return True
-
-
-@numba.njit(cache=True)
-def _same_state(starts, ends, count, acc, bwd, i, trace):  # pragma: no cover  # noqa: PLR0917
-    """Whether this run's state after tensor i is the one ``trace`` recorded there
-    (:func:`_trace_state`; the caller compared the backward ends). A lane free before bwd
-    delays nothing, so lanes compare clipped to bwd."""
-    lanes, cnt, off, iv = trace[2], trace[3], trace[4], trace[5]
-    for q in range(lanes.shape[1]):
-        if max(acc[3 + q], bwd) != max(lanes[i, q], bwd):
-            return False
-    pos = off[i]
-    for r in range(count.shape[0]):
-        m = cnt[i, r]
-        k = count[r] - m
-        if m < 0 or k < 0 or (k > 0 and ends[r, k - 1] > bwd):
-            return False
-        for q in range(m):
-            if ends[r, k + q] != iv[pos, 1] or max(starts[r, k + q], bwd) != iv[pos, 0]:
-                return False
-            pos += 1
     return True
 
 
