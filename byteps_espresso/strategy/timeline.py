@@ -1170,11 +1170,15 @@ class Evaluator:
     def _tail_tables(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The bound tables of ``_offload_search`` for tensors whose options are table[i]
         (entries >= 0): busy (n, M, R) and total (n, M) per placement mask, and the
-        cumulative backward segments (n,)."""
-        rows = np.where(table >= 0, table, table[:, :1])  # (n, M) every candidate option
+        cumulative backward segments (n,). Only the allowed masks are looked up (the bounds
+        read no other; the rest stays 0): most tensors allow one, and gathering every mask
+        took UGATIT's plans 0.6-1.5 ms (148 tensors x 256 masks)."""
+        i, mask = np.nonzero(table >= 0)
         cat = self.catalogue
-        busy = np.ascontiguousarray(cat.busy[rows, self.size_idx[:, None]])
-        total = np.ascontiguousarray(cat.total[rows, self.size_idx[:, None]])
+        busy = np.zeros((*table.shape, cat.busy.shape[2]))
+        total = np.zeros(table.shape)
+        busy[i, mask] = cat.busy[table[i, mask], self.size_idx[i]]
+        total[i, mask] = cat.total[table[i, mask], self.size_idx[i]]
         return busy, total, np.cumsum(self.gaps)
 
     def best_row(self, rows: np.ndarray, current: float, tol: float = 1e-6) \
