@@ -83,9 +83,10 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
     the state after the tensor is the traced one.
 
     Steps (1)-(4) are written out here rather than called: a call that passes arrays costs
-    two atomic reference-count updates per array, and with (1)-(3) in their own functions
-    a warm ResNet101 plan spent about a quarter of its time there (perf: NRT_incref and
-    NRT_decref; with (4) in its own function, its follows 10-15% more; 2026-12-03).
+    two atomic reference-count updates per array (numba's NRT_incref and NRT_decref, also
+    with inline="always"). With (1)-(3) in their own functions a warm ResNet101 plan took
+    1.35x the CPU time, and with (4) in its own function Algorithm 1 took 10-15% more
+    (BENCHMARKS.md, "Kernels without reference counting"; 2026-12-03).
 
     acc = [backward end, last task end, sum of tensor done times]. Returns False (and stops)
     as soon as the run cannot beat (best_t, best_s) lexicographically: a lower bound of its
