@@ -544,6 +544,8 @@ def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_res, 
     work = choice.copy()
     best_k = -1
     best_t = current
+    if cands.shape[0] == 0:  # nothing to run (nor room to make: the catalogue may be empty)
+        return best_k, best_t
     first, last = members.min(), members.max()
     state = _run_room(n_res, gaps.shape[0], cat_len, lane)
     dummy = np.zeros((1, 1))
@@ -566,6 +568,8 @@ def _best_row(gaps, size_idx, lane, rows, cat_len, cat_res, cat_dur, n_res, forw
     order as a running best; (-1, current) if none is below."""
     best_r = -1
     best_t = current
+    if rows.shape[0] == 0:
+        return best_r, best_t
     state = _run_room(n_res, gaps.shape[0], cat_len, lane)
     dummy = np.zeros((1, 1))
     none = _no_trace()
