@@ -27,6 +27,7 @@ Prints the tables and writes benchmarks/results/plan.json (--startup: plan_start
 
     .venv/bin/python benchmarks/plan.py [--instances 200] [--runs 5]
     .venv/bin/python benchmarks/plan.py --offload-only   # (d) alone: plan_offload.json
+    .venv/bin/python benchmarks/plan.py --time-only [--runs 5]   # (c) alone: plan_time.json
     .venv/bin/python benchmarks/plan.py --startup [--runs 5] [--cold-runs 1]
 """
 
@@ -72,6 +73,7 @@ EXHAUSTIVE_CHECK = 5_000_000
 LANES = RUNTIME_LANES
 RESULTS = Path(__file__).resolve().parent / "results" / "plan.json"
 OFFLOAD_RESULTS = RESULTS.with_name("plan_offload.json")
+TIME_RESULTS = RESULTS.with_name("plan_time.json")
 STARTUP_RESULTS = RESULTS.with_name("plan_startup.json")
 # The main job's measured profile (workload, cluster, costs) and what its trials keep
 # (worker/profiler.py's _TRIAL_WITHIN: finalists predicted within 2.5x of the plan).
@@ -189,6 +191,34 @@ def offload_only() -> list[dict]:
                      "offload_lanes": offload_check(_with_lanes(ctx))})
         print(f"  {model:9} {setting:12} {compressor:10} done", file=sys.stderr)
     return rows
+
+
+def time_only(runs: int) -> list[dict]:
+    """(c) alone: every cell's cold and warm plans (no baselines, no (d))."""
+    rows = []
+    for model, workload, setting, cluster, compressor, params in _cells():
+        timing, _, _ = _timed_search(workload, cluster, compressor, params, runs)
+        rows.append({"workload": model, "setting": setting, "compressor": compressor,
+                     **timing})
+        print(f"  {model:9} {setting:12} {compressor:10} warm {timing['plan_ms']:6.1f} ms",
+              file=sys.stderr)
+    return rows
+
+
+def print_time(rows: list[dict]) -> None:
+    """Per model, the median over its cells of (c)'s figures, against the targets."""
+    print("\n(c) planning time per model, median over its cells of each cell's median (ms): "
+          "plan_time_ms / process CPU")
+    print(f"{'workload':9} {'cold':>15} {'warm':>15} {'target':>7}")
+    keys = ("cold_plan_ms", "cold_plan_cpu_ms", "plan_ms", "plan_cpu_ms")
+    for model in WORKLOADS:
+        cells = [r for r in rows if r["workload"] == model]
+        if not cells:
+            continue
+        cold, cold_cpu, warm, warm_cpu = (statistics.median(r[k] for r in cells) for k in keys)
+        target = TARGET_MS[model]
+        print(f"{model:9} {cold:>7.1f}/{cold_cpu:<7.1f} {warm:>7.1f}/{warm_cpu:<7.1f} "
+              f"{'-' if target is None else target:>7}")
 
 
 def quality_and_time(runs: int) -> list[dict]:
@@ -347,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="(e) runs with an empty numba cache (each compiles the kernels)")
     parser.add_argument("--offload-only", action="store_true",
                         help="only (d): Algorithm 2 against the exhaustive traversal")
+    parser.add_argument("--time-only", action="store_true",
+                        help="only (c): cold and warm planning time per cell")
     parser.add_argument("--startup-child", metavar="COMPRESSOR", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -373,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     warm = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2), "randomk",
                        {"ratio": 0.01})
     warm.prepare()  # numba kernels loaded before anything is timed
+    if args.time_only:
+        rows = time_only(args.runs)
+        print_time(rows)
+        _write(args.out or str(TIME_RESULTS), {
+            "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
+            **_machine(), "workloads": rows, "seconds": time.time() - t0})
+        return 0
     opt = near_optimality(args.instances, "randomk", {"ratio": 0.01})
     rows = quality_and_time(args.runs)
     print_tables(opt, rows)

@@ -276,6 +276,20 @@ class Fronts:
     compressible: frozenset[int]
     fastest_alone: np.ndarray
 
+    @functools.cached_property
+    def table(self) -> np.ndarray:
+        """``index`` as one (sizes, longest front) array, -1 padded (the kernels' form)."""
+        table = np.full((len(self.index), max(map(len, self.index), default=0)), -1,
+                        dtype=np.int64)
+        for u, front in enumerate(self.index):
+            table[u, : len(front)] = front
+        return table
+
+    @functools.cached_property
+    def count(self) -> np.ndarray:
+        """The length of each size's front (the valid entries of ``table``)."""
+        return np.array([len(front) for front in self.index], dtype=np.int64)
+
 
 @dataclass
 class PlanContext:

@@ -86,7 +86,6 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
     fronts = ctx.fronts(device)
     evaluator = ctx.evaluator
     size_idx = evaluator.size_idx
-    uncompressed = set(ctx.uncompressed_index().tolist())
     n = ctx.n_tensors
     # Sizes whose non-dominated options are all uncompressed were decided by the group moves.
     order = [i for i in ctx.visit_order if size_idx[i] in fronts.compressible]
@@ -96,20 +95,15 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
     t_alone = _group_moves(ctx, alone, fronts.index)
     if t_alone < t_choice - 1e-6:
         choice = alone
+    plain = np.zeros(len(evaluator.options), dtype=np.bool_)
+    plain[ctx.uncompressed_index()] = True
     for _ in range(passes):
-        changed = False
-        now = evaluator.schedule(choice)
-        for i in order:
-            keep = int(choice[i])
-            ready, done = now[2], now[3]
-            if use_bubbles and i + 1 < n and keep in uncompressed and done[i] <= ready[i + 1]:
-                continue
-            # ties keep the current option, whose time the schedule already holds
-            best_k, _ = evaluator.best_of(choice, i, fronts.index[size_idx[i]], current=now)
-            if best_k != keep:
-                choice[i] = best_k
-                changed = True
-                now = evaluator.reschedule(choice, i, now)
+        # steps 4 and 5 over ``order``, in one kernel call (Evaluator.greedy_pass); ties keep
+        # the current option, whose time the schedule already holds
+        changed = evaluator.greedy_pass(choice, np.array(order, dtype=np.int64),
+                                        front=fronts.table, front_len=fronts.count,
+                                        plain=plain, bubbles=use_bubbles,
+                                        current=evaluator.schedule(choice))
         if not changed:
             break
         # Later passes revisit only sizes down to the smallest compressed tensor: below it,
