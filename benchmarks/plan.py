@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from byteps_espresso.strategy import Cluster, Workload, baselines, search
+from byteps_espresso.strategy import Cluster, CompressorCosts, Workload, baselines, search
 from byteps_espresso.strategy.cli import RUNTIME_LANES
 from byteps_espresso.strategy.context import PlanContext, clear_model_cache
 from byteps_espresso.strategy.instances import random_instance
@@ -300,25 +300,29 @@ def print_offload(rows: list[dict]) -> None:
               f"{len(rows) - len(checked)} skipped")
 
 
+def main_job_profile() -> tuple[Workload, Cluster, CompressorCosts]:
+    """The main job's measured workload, cluster and compressor costs (calibrate.json)."""
+    profile = json.loads(PROFILE.read_text())["profile"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("workload", "cluster", "costs"):
+            (Path(tmp) / f"{name}.json").write_text(json.dumps(profile[name]))
+        return (Workload.load(Path(tmp) / "workload.json"),
+                Cluster.load(Path(tmp) / "cluster.json"),
+                CompressorCosts.load(Path(tmp) / "costs.json"))
+
+
 def startup_child(compressor: str) -> dict:
     """One start-up plan in this (fresh) process, timed as worker/profiler.py logs it."""
     import torch  # noqa: F401  - the runtime has imported it before it plans
     from byteps_espresso.kernels.cli import warm_up
 
-    from byteps_espresso.strategy import CompressorCosts
     from byteps_espresso.strategy.planner import plan_bucketed
 
     # By the time rank 0 plans, the profiled iterations have run the compressor's numba
     # kernels: numba's own start-up is paid.
     warm_up([compressor])
 
-    profile = json.loads(PROFILE.read_text())["profile"]
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("workload", "cluster", "costs"):
-            (Path(tmp) / f"{name}.json").write_text(json.dumps(profile[name]))
-        workload = Workload.load(Path(tmp) / "workload.json")
-        cluster = Cluster.load(Path(tmp) / "cluster.json")
-        measured = CompressorCosts.load(Path(tmp) / "costs.json")
+    workload, cluster, measured = main_job_profile()
     costs = measured if measured.has(compressor) else None
     params = COMPRESSORS[compressor]
     t0, c0 = time.perf_counter(), time.process_time()

@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
-from byteps_espresso.strategy import Cluster, CompressorCosts, Workload
+from plan import main_job_profile
+
+from byteps_espresso.strategy import Cluster, Workload
 from byteps_espresso.strategy.instances import random_instance
 from byteps_espresso.strategy.planner import plan, plan_bucketed
 from byteps_espresso.strategy.strategy_file import Strategy
@@ -74,13 +75,7 @@ def _random() -> dict:
 
 
 def _startup() -> dict:
-    profile = json.loads(PROFILE.read_text())["profile"]
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("workload", "cluster", "costs"):
-            (Path(tmp) / f"{name}.json").write_text(json.dumps(profile[name]))
-        workload = Workload.load(Path(tmp) / "workload.json")
-        cluster = Cluster.load(Path(tmp) / "cluster.json")
-        measured = CompressorCosts.load(Path(tmp) / "costs.json")
+    workload, cluster, measured = main_job_profile()
     out = {}
     for compressor in ("efsignsgd", "randomk"):
         costs = measured if measured.has(compressor) else None
