@@ -259,6 +259,17 @@ def test_mixed_compressors_are_reached_and_never_slow_a_plan():
         assert got.predicted_ms <= without.predicted_ms + 1e-9
 
 
+def _prepared(model, intra, gbps, compressor, lanes):  # type: ignore[no-untyped-def]
+    """A prepared PlanContext of a built-in model at 8 x 8 (``lanes``: None for no limit)."""
+    cluster = Cluster.preset(8, 8, intra, gbps)
+    if lanes:
+        cluster = cluster.with_(lanes=lanes)
+    ctx = PlanContext(Workload.builtin(model), cluster, compressor,
+                      {} if compressor == "efsignsgd" else PARAMS)
+    ctx.prepare()
+    return ctx
+
+
 @pytest.mark.parametrize(("model", "intra", "gbps", "compressor", "lanes"), [
     ("bert", "pcie", 25, "efsignsgd", None),
     ("resnet101", "nvlink", 100, "dgc", None),
@@ -275,12 +286,7 @@ def test_following_the_schedule_s_trace_gives_every_candidate_s_exact_floats(mod
     from byteps_espresso.strategy import timeline as tl
 
     rng = np.random.default_rng(len(model))
-    cluster = Cluster.preset(8, 8, intra, gbps)
-    if lanes:
-        cluster = cluster.with_(lanes=lanes)
-    ctx = PlanContext(Workload.builtin(model), cluster, compressor,
-                      {} if compressor == "efsignsgd" else PARAMS)
-    ctx.prepare()
+    ctx = _prepared(model, intra, gbps, compressor, lanes)
     ev = ctx.evaluator
     gpu, cpu = ctx.fronts(Device.GPU).index, ctx.fronts(Device.CPU).index
     choice = np.array([rng.choice(gpu[u]) for u in ev.size_idx], dtype=np.int64)
@@ -319,12 +325,7 @@ def test_greedy_pass_equals_best_of_and_reschedule_per_tensor(model, intra, gbps
     """Evaluator.greedy_pass, one kernel call, takes the options that best_of and reschedule
     called per tensor from Python take, from a random start (so that many tensors move)."""
     rng = np.random.default_rng(len(model) + len(compressor))
-    cluster = Cluster.preset(8, 8, intra, gbps)
-    if lanes:
-        cluster = cluster.with_(lanes=lanes)
-    ctx = PlanContext(Workload.builtin(model), cluster, compressor,
-                      {} if compressor == "efsignsgd" else PARAMS)
-    ctx.prepare()
+    ctx = _prepared(model, intra, gbps, compressor, lanes)
     ev = ctx.evaluator
     fronts = ctx.fronts(Device.GPU)
     start = np.array([rng.choice(fronts.index[u]) for u in ev.size_idx], dtype=np.int64)
