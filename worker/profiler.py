@@ -363,13 +363,20 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
     Each communication step of the profiled ``option`` (the fp32 path every tensor ran while
     profiling) was timed in its lane, and the model prices it as a latency part plus the rest
     (bandwidth, server work). Two factors are fitted, each the median over its steps of
-    (measured - rest) / latency part, at least 0: ``exchange`` over the steps in which every
+    (measured - rest) / latency part, at least 1: ``exchange`` over the steps in which every
     member sends and receives (``Cluster.exchange_latency``: the all-reduce, reduce-scatter
     and all-gather kinds, whose cost the contention multiplies), ``ps`` over the push/pulls
     (``server_latency_us``). Rooted collectives keep the probed latency: with every intra
     latency scaled by the exchanges' factor, a Reduce -> PushPull -> Broadcast plan (one
     member per machine works, the other waits) was predicted at 57.8 ms and ran at 44.5
     (BENCHMARKS.md, "Worker runtime").
+
+    The floor: the probes ran with training paused, so their latency is the least a step
+    pays in training. A profiled step faster than its priced rest says the bandwidth or the
+    servers' work is overpriced, not that the latency vanished. In the end-to-end runs of
+    2049aa5, 18 of 28 PS fits came out below 1 and 7 at 0; with 0 the PS path priced a
+    256-float push/pull that took 2.2 ms at almost nothing, and a plan of eight sequential
+    PowerSGD push/pulls per iteration, predicted at 38.8 ms, ran at 71-77 ms.
 
     Args:
         cluster: the probed cluster.
@@ -406,7 +413,7 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
         rest = base[:, cols] - latency
         ok = (latency > 0) & np.isfinite(measured_us[:, cols])
         if ok.any():
-            factors[what] = max(0.0, float(np.median(
+            factors[what] = max(1.0, float(np.median(
                 (measured_us[:, cols][ok] - rest[ok]) / latency[ok])))
     scaled = replace(cluster, exchange_latency=cluster.exchange_latency
                      * factors.get("exchange", 1.0))

@@ -128,7 +128,9 @@ def test_in_training_latency_recovers_the_latencies_the_steps_took(text, servers
         probed.intra_latency_us, probed.inter_latency_us, probed.inter_gbps)
 
 
-def test_in_training_latency_ignores_unmeasured_steps_and_never_goes_negative():
+def test_in_training_latency_ignores_unmeasured_steps_and_keeps_the_probes_as_a_floor():
+    from dataclasses import replace
+
     from byteps_espresso.strategy import Option
 
     option = Option.parse("ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)")
@@ -139,7 +141,12 @@ def test_in_training_latency_ignores_unmeasured_steps_and_never_goes_negative():
     assert fitted.server_latency_us == probed.server_latency_us
     faster = np.zeros((len(_NUMELS), 3))  # steps faster than their bandwidth part alone
     fitted, factors = _fit(probed, option, faster)
-    assert factors == {"exchange": 0.0, "ps": 0.0} and fitted.exchange_latency == 0.0
+    # the paused probes' latency is the least a step pays in training
+    assert factors == {"exchange": 1.0, "ps": 1.0} and fitted.exchange_latency == 1.0
+    assert fitted.server_latency_us == probed.server_latency_us
+    half = _step_prices(replace(probed, exchange_latency=0.5,
+                                server_latency_us=probed.server_latency_us / 2), option)
+    assert _fit(probed, option, half)[1] == {"exchange": 1.0, "ps": 1.0}
 
 
 @pytest.mark.parametrize("sizes", [(256, 1 << 20), (256, 1 << 13), (1 << 10, 1 << 16)])
