@@ -21,8 +21,9 @@ the backward pass, as a ``Comp`` does), batched like PyTorch's ``powerSGD_hook``
 4. one dense sum of ``[Q of each compressed member]``;
 5. each compressed member's estimate ``P^ Q^T`` of the sum (and its new error).
 
-The first sum runs under the bucket's own name while nothing is compressed (the same
-program, keys and counters as ``Compression.none``) and under ``<bucket>#powersgd.p`` from
+The first sum runs under the bucket's own name while nothing is compressed (in a plan on
+the job's fp32 Option, the same program, keys and counters as ``Compression.none``: ``S`` is
+chosen for P and Q, which are small) and under ``<bucket>#powersgd.p`` from
 ``start_iter`` on, the second under ``<bucket>#powersgd.q``: each name keeps one size, so a
 PS key never changes its length. Both count rounds with the bucket's iteration.
 """
@@ -97,7 +98,8 @@ class LowRank:
                 if self.state.compresses(self.shapes[name], step)]
 
     def reduce(self, ex: Executor, option: Option, flat: torch.Tensor, *, name: str,
-               members: Sequence[str], offsets: Sequence[int], step: int) -> torch.Tensor:
+               members: Sequence[str], offsets: Sequence[int], step: int,
+               dense: Option | None = None) -> torch.Tensor:
         """The sum over workers of one bucket (flat, PowerSGD's estimate where it compressed).
 
         Args:
@@ -109,11 +111,13 @@ class LowRank:
             members: its parameters, in buffer order.
             offsets: where each member starts in ``flat``.
             step: the bucket's iteration (the same on every rank).
+            dense: the Option of an iteration that compresses no member (the bucket's one
+                sum, under its own name); None: ``option``.
         """
         flat = flat.reshape(-1)
         chosen = self.compressed(members, step)
         if not chosen:
-            return ex.run(option, flat, name=name, step=step)
+            return ex.run(option if dense is None else dense, flat, name=name, step=step)
         ends = [*offsets[1:], offsets[-1] + math.prod(self.shapes[members[-1]])]
         spans = [(offsets[i], ends[i]) for i in chosen]
         dense = _complement(spans, flat.numel())

@@ -98,6 +98,15 @@ class CompressionSpec(abc.ABC):
         """PowerSGD around the buckets' Options (None: the Options alone)."""
         return None
 
+    def uncompressed_sums(self, session: Session, sums: Option) -> Option:
+        """The Option of a PowerSGD bucket's iterations in which it compresses no member
+        (its first ``start_iter``), given ``sums``, the Option of its two sums: the job's
+        fp32 Option. A plan picks ``sums`` for P and Q, a few thousand elements each, so it
+        may be a latency-bound path: on the LSTM at 1 Gbit/s the planned PowerSGD's
+        ``Reduce(intra) -> Reduce(inter) -> Broadcast(inter) -> Broadcast(intra)`` took the
+        uncompressed first iterations 130-170 ms each, fp32's path 90 ms."""
+        return session.fp32
+
     def probes(self, session: Session, numels: Sequence[int], traffic: Mapping[str, int],
                shapes: Mapping[str, Sequence[int]] | None = None) -> Any | None:
         """Cost probes to run in the lanes during the profiled iterations (None: none);
@@ -207,6 +216,11 @@ class _PowerSGD(CompressionSpec):
 
     def lowrank(self, session: Session, shapes: Mapping[str, torch.Size]) -> LowRank:
         return LowRank.of_job(session, self.params, shapes)
+
+    def uncompressed_sums(self, session: Session, sums: Option) -> Option:
+        # Its sums run the job's dense path already; PyTorch's hook, too, all-reduces the
+        # uncompressed iterations as it does P and Q.
+        return sums
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
@@ -632,10 +646,11 @@ class _Sync:
         # Option would (PS rounds, start_iter).
         lowrank, name, members, offsets = self.lowrank, bucket.name, bucket.tensors, \
             bucket.offsets
+        dense = self.compression.uncompressed_sums(self.session, sums)
         return self.engine.call(
             self.engine.lane_of(name),
             lambda ex: lowrank.reduce(ex, sums, flat, name=name, members=members,
-                                      offsets=offsets, step=step), name)
+                                      offsets=offsets, step=step, dense=dense), name)
 
     def _option(self, bucket: _Bucket) -> Option:
         """The bucket's Option this iteration (the fp32 one while profiling)."""

@@ -113,6 +113,45 @@ def test_the_sums_run_under_their_own_names_once_it_compresses():
                      "bucket" + Q_SUFFIX: {12 * 2 + 12 * 2}}
 
 
+def test_the_uncompressed_iterations_run_the_dense_option_and_the_sums_theirs():
+    # A plan's S suits P and Q; the first start_iter iterations sum the whole bucket, which
+    # the job's fp32 path does (CompressionSpec.uncompressed_sums).
+    dense = Option.parse("ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)")
+    hub = LocalHub(MACHINES, LOCAL, timeout_s=10)
+    executors = [Executor(hub.transport(r), None) for r in range(WORLD)]
+    lowranks = [LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)]
+    offsets, _ = _layout()
+    outs = []
+    with ThreadPoolExecutor(WORLD) as pool:
+        for step in range(2):
+            flats = _inputs(step)
+            futs = [pool.submit(lowranks[r].reduce, executors[r], OPTION, flats[r],
+                                name="bucket", members=MEMBERS, offsets=offsets, step=step,
+                                dense=dense) for r in range(WORLD)]
+            outs.append([f.result(timeout=30) for f in futs])
+    bound = {(str(option), name) for option, name, _, _ in executors[0]._bound}
+    assert bound == {(str(dense), "bucket"), (str(OPTION), "bucket" + P_SUFFIX),
+                     (str(OPTION), "bucket" + Q_SUFFIX)}
+    torch.testing.assert_close(outs[0][0], sum(_inputs(0)), rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(o, outs[0][0]) for o in outs[0])
+    # from start_iter on, what the bucket's sums alone give (the oracle of the test above)
+    assert all(torch.equal(o, _run([LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)],
+                                   1, first=1)[0][0][0]) for o in outs[1])
+
+
+def test_compression_specs_pick_the_uncompressed_iterations_option():
+    from types import SimpleNamespace
+
+    from byteps_espresso.worker.profiler import EspressoSpec
+
+    session = SimpleNamespace(fp32=Option.parse("PushPull(flat)"))
+    sums = Option.parse("Reduce(flat) -> Broadcast(flat)")
+    # a plan's sums are chosen for P and Q: the uncompressed iterations take fp32's path
+    assert EspressoSpec("powersgd").uncompressed_sums(session, sums) == session.fp32
+    # the fixed scheme's sums are its dense path already (PyTorch's hook all-reduces both)
+    assert Compression.powersgd(2).uncompressed_sums(session, sums) == sums
+
+
 def test_the_measured_error_is_each_workers_error_feedback_over_its_input():
     lowranks = [LowRank(PARAMS, SHAPES, WORLD) for _ in range(WORLD)]
     _run(lowranks, 2)
