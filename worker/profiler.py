@@ -362,14 +362,20 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
     The probes run after backward; the Options run during it, on the cores backward uses.
     Each communication step of the profiled ``option`` (the fp32 path every tensor ran while
     profiling) was timed in its lane, and the model prices it as a latency part plus the rest
-    (bandwidth, server work). Two factors are fitted, each the median over its steps of
-    (measured - rest) / latency part, at least 1: ``exchange`` over the steps in which every
-    member sends and receives (``Cluster.exchange_latency``: the all-reduce, reduce-scatter
-    and all-gather kinds, whose cost the contention multiplies), ``ps`` over the push/pulls
-    (``server_latency_us``). Rooted collectives keep the probed latency: with every intra
-    latency scaled by the exchanges' factor, a Reduce -> PushPull -> Broadcast plan (one
-    member per machine works, the other waits) was predicted at 57.8 ms and ran at 44.5
-    (BENCHMARKS.md, "Worker runtime").
+    (bandwidth, server work). Two factors are fitted, each by least squares over its steps
+    of ``measured = rest + factor x latency part``, every step's error relative to its price
+    at the probes' latency, at least 1: ``exchange`` over the steps in which every member
+    sends and receives (``Cluster.exchange_latency``: the all-reduce, reduce-scatter and
+    all-gather kinds, whose cost the contention multiplies), ``ps`` over the push/pulls
+    (``server_latency_us``). Relative errors let the latency-bound steps (a small bucket's)
+    decide the factor: a bandwidth-bound step's latency part is a sliver of its time and its
+    residual mostly the bandwidth's error. The median over steps of (measured - rest) /
+    latency part, which weighed them alike, gave factors of 0 to 19 across runs of one job
+    (the LSTM at 1 Gbit/s, 2049aa5), and ~1 in runs where that job's small push/pulls took
+    7.5-18 ms in training against 1-2 ms priced. Rooted collectives keep the probed
+    latency: with every intra latency scaled by the exchanges' factor, a Reduce -> PushPull
+    -> Broadcast plan (one member per machine works, the other waits) was predicted at 57.8
+    ms and ran at 44.5 (BENCHMARKS.md, "Worker runtime").
 
     The floor: the probes ran with training paused, so their latency is the least a step
     pays in training. A profiled step faster than its priced rest says the bandwidth or the
@@ -413,8 +419,10 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
         rest = base[:, cols] - latency
         ok = (latency > 0) & np.isfinite(measured_us[:, cols])
         if ok.any():
-            factors[what] = max(1.0, float(np.median(
-                (measured_us[:, cols][ok] - rest[ok]) / latency[ok])))
+            lat, price = latency[ok], base[:, cols][ok]
+            residual = measured_us[:, cols][ok] - rest[ok]
+            fit = float(np.sum(lat * residual / price ** 2) / np.sum((lat / price) ** 2))
+            factors[what] = max(1.0, fit)
     scaled = replace(cluster, exchange_latency=cluster.exchange_latency
                      * factors.get("exchange", 1.0))
     if cluster.servers:
@@ -586,6 +594,8 @@ class LaneProbes:
         self.spent: dict[tuple[str, int], float] = {}
         # What :meth:`cluster` inverted: us per (path, elements), and where the PS's came from.
         self.medians: dict[tuple[str, int], float] = {}
+        # And the fp32 steps it was given: (elements per bucket, us per bucket and step).
+        self.steps: tuple[list[int], list[list[float | None]]] = ([], [])
         self.ps_source = "probes"
         self._probe = {n: torch.ones(n, device=rt.device) for n in (_PROBE_SMALL, _PROBE_LANES)}
         self._host = {n: np.ones(n, dtype=np.float32) for n in (_PROBE_SMALL, _PROBE_LANES)}
@@ -650,11 +660,15 @@ class LaneProbes:
 
     def record(self) -> dict[str, Any]:
         """The link times :meth:`cluster` inverted (us per path and elements), the PS path's
-        source and the lanes' seconds, as ``probes.json`` in ``ESPRESSO_PROFILE_OUT``."""
+        source, the profiled fp32 steps' times (what :func:`in_training_latency` fits, so a
+        profile can be fitted again offline) and the lanes' seconds, as ``probes.json`` in
+        ``ESPRESSO_PROFILE_OUT``."""
         links: dict[str, dict[str, float]] = {}
         for (path, n), us in sorted(self.medians.items()):
             links.setdefault(path, {})[str(n)] = us
+        numels, steps_us = self.steps
         return {"links_us": links, "ps_source": self.ps_source,
+                "fp32_steps": {"option": str(self.fp32), "numels": numels, "us": steps_us},
                 "lane_seconds": {f"{what}/{it}": sec
                                  for (what, it), sec in sorted(self.spent.items())}}
 
@@ -778,6 +792,8 @@ class LaneProbes:
         timed, every rank probes the PS path with training paused. Every rank calls it; the
         cluster is built on rank 0 (the others return None: :func:`_probes`)."""
         medians = {key: statistics.median(us) for key, us in self.links.items()}
+        self.steps = ([int(n) for n in sizes], [[float(us) if np.isfinite(us) else None
+                                                 for us in row] for row in steps_us])
         self.ps_source = "probes"
         if self.ps_from_traffic:
             ps = traffic_times(self.fp32, sizes, steps_us, self.topology.size)

@@ -16,6 +16,8 @@ import pytest
 import torch
 from byteps_espresso.worker.runtime import DEFAULT_LANES
 
+from byteps_espresso.strategy.options import Option
+
 WORLD = 4
 _spec = importlib.util.spec_from_file_location(
     "optimizer_worker", Path(__file__).parent / "workers" / "optimizer_worker.py")
@@ -122,6 +124,13 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
         else:
             assert probes["ps_source"] == "probes" and ps == {256, 1 << 18}
         assert probes["lane_seconds"]["links/0"] > 0 and probes["lane_seconds"]["compressor/1"] > 0
+        # the fp32 steps the latencies were fitted to, per profiled bucket and step
+        steps_of = probes["fp32_steps"]
+        fp32 = Option.parse(steps_of["option"])
+        assert len(steps_of["us"]) == len(steps_of["numels"]) > 0
+        assert all(len(row) == len(fp32.steps) for row in steps_of["us"])
+        assert all(us is None or us > 0 for row in steps_of["us"] for us in row)
+        assert any(us is not None for row in steps_of["us"] for us in row)
     cluster_json = json.loads((out / "cluster.json").read_text())
     assert cluster_json["intra_link"] == "measured"
     assert cluster_json["server_latency_us"] is not None and cluster_json["server_gbps"] > 0

@@ -149,6 +149,42 @@ def test_in_training_latency_ignores_unmeasured_steps_and_keeps_the_probes_as_a_
     assert _fit(probed, option, half)[1] == {"exchange": 1.0, "ps": 1.0}
 
 
+def test_in_training_latency_follows_the_latency_bound_steps():
+    """The LSTM's buckets at 1 Gbit/s: a small bucket whose steps are mostly latency, two
+    large ones mostly bandwidth. In training every step pays 5x the probes' latency and the
+    large steps' bytes move 30% faster than the probes read: the fit still finds the 5. The
+    median of each step's (measured - rest) / latency, which it replaced, read the PS path's
+    latency as gone (the large push/pulls are two of three), as it did in training runs."""
+    from dataclasses import replace
+
+    from byteps_espresso.worker.profiler import in_training_latency
+
+    from byteps_espresso.strategy import Cluster, CompressorCosts, Option
+    from byteps_espresso.strategy.costs import CompressedSizes, Pricer
+
+    numels = [3_024, 256_000, 226_304]
+    option = Option.parse("ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)")
+    probed = Cluster(machines=2, gpus_per_machine=2, intra_gbps=4.0, intra_latency_us=500.0,
+                     inter_gbps=1.0, inter_latency_us=700.0, servers=1, server_gbps=2.0,
+                     server_latency_us=450.0)
+
+    def prices(cluster):
+        return Pricer(cluster, "randomk", CompressedSizes("randomk", {"ratio": 0.01}),
+                      CompressorCosts.default(), numels).tasks(option).per_step(3)
+
+    slow = prices(replace(probed, exchange_latency=5.0, server_latency_us=5 * 450.0))
+    latency = slow - prices(replace(probed, exchange_latency=0.0, server_latency_us=0.0))
+    measured = slow.copy()
+    measured[1:] -= 0.3 * (slow[1:] - latency[1:])  # the large steps' bytes 30% faster
+    fitted, factors = in_training_latency(probed, option, numels, measured,
+                                          compressor="randomk", params={"ratio": 0.01},
+                                          costs=CompressorCosts.default())
+    assert factors == pytest.approx({"exchange": 5.0, "ps": 5.0}, rel=0.05)
+    assert fitted.server_latency_us == pytest.approx(5 * 450.0, rel=0.05)
+    ratios = (measured - (slow - latency)) / (latency / 5)
+    assert np.median(ratios[:, 1]) < 1  # the push/pulls' median ratio
+
+
 @pytest.mark.parametrize("sizes", [(256, 1 << 20), (256, 1 << 13), (1 << 10, 1 << 16)])
 def test_probe_times_at_any_two_sizes_invert_to_the_link_that_made_them(sizes):
     from byteps_espresso.worker.profiler import _cluster
