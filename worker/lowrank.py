@@ -22,8 +22,8 @@ the backward pass, as a ``Comp`` does), batched like PyTorch's ``powerSGD_hook``
 5. each compressed member's estimate ``P^ Q^T`` of the sum (and its new error).
 
 The first sum runs under the bucket's own name while nothing is compressed (in a plan on
-the job's fp32 Option, the same program, keys and counters as ``Compression.none``: ``S`` is
-chosen for P and Q, which are small) and under ``<bucket>#powersgd.p`` from
+``S`` or the job's fp32 Option, whichever the model prices faster for the whole bucket:
+``S`` is chosen for P and Q, which are small) and under ``<bucket>#powersgd.p`` from
 ``start_iter`` on, the second under ``<bucket>#powersgd.q``: each name keeps one size, so a
 PS key never changes its length. Both count rounds with the bucket's iteration.
 """
@@ -70,6 +70,9 @@ class LowRank:
         self.workers = workers
         # Set for one iteration in ESPRESSO_COMPRESSION_ERROR_EVERY (worker/optimizer.py).
         self.measuring = False
+        # The Option of a bucket's iterations that compress nothing, per (bucket, sums'
+        # Option): what CompressionSpec.uncompressed_sums chose (worker/optimizer.py).
+        self.uncompressed: dict[tuple[str, Option], Option] = {}
         self._errors: dict[str, tuple[float, float]] = {}
 
     @classmethod

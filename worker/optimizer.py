@@ -56,6 +56,7 @@ from byteps_espresso.strategy.buckets import (
     check_layout,
     layout,
 )
+from byteps_espresso.strategy.costs import dense_us
 from byteps_espresso.strategy.lowrank import inner as low_rank_inner
 from byteps_espresso.strategy.lowrank import wrap
 from byteps_espresso.strategy.options import Kind, Option, Scope
@@ -98,14 +99,21 @@ class CompressionSpec(abc.ABC):
         """PowerSGD around the buckets' Options (None: the Options alone)."""
         return None
 
-    def uncompressed_sums(self, session: Session, sums: Option) -> Option:
+    def uncompressed_sums(self, session: Session, sums: Option, numel: int) -> Option:
         """The Option of a PowerSGD bucket's iterations in which it compresses no member
-        (its first ``start_iter``), given ``sums``, the Option of its two sums: the job's
-        fp32 Option. A plan picks ``sums`` for P and Q, a few thousand elements each, so it
-        may be a latency-bound path: on the LSTM at 1 Gbit/s the planned PowerSGD's
-        ``Reduce(intra) -> Reduce(inter) -> Broadcast(inter) -> Broadcast(intra)`` took the
-        uncompressed first iterations 130-170 ms each, fp32's path 90 ms."""
-        return session.fp32
+        (its first ``start_iter``; ``numel`` elements), given ``sums``, the Option of its two
+        sums: of ``sums`` and the job's fp32 Option, the one the model prices faster for the
+        whole bucket, on the cluster of the strategy in use (``sums`` without one). A plan
+        picks ``sums`` for P and Q, a few thousand elements each: on the LSTM at 1 Gbit/s
+        its ``PushPull(flat)`` (every worker's whole bucket through the one server machine)
+        took the uncompressed iterations 130-170 ms each where fp32's path took 90 ms. At
+        0.25 Gbit/s it is the other way round: fp32's path through that server took 220-270
+        ms, the planned ``ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)``
+        100-125 ms (BENCHMARKS.md, "End-to-end")."""
+        strategy = session.strategy
+        if strategy is None or sums == session.fp32:
+            return sums
+        return min((sums, session.fp32), key=lambda o: dense_us(strategy.cluster, o, numel))
 
     def probes(self, session: Session, numels: Sequence[int], traffic: Mapping[str, int],
                shapes: Mapping[str, Sequence[int]] | None = None) -> Any | None:
@@ -217,7 +225,7 @@ class _PowerSGD(CompressionSpec):
     def lowrank(self, session: Session, shapes: Mapping[str, torch.Size]) -> LowRank:
         return LowRank.of_job(session, self.params, shapes)
 
-    def uncompressed_sums(self, session: Session, sums: Option) -> Option:
+    def uncompressed_sums(self, session: Session, sums: Option, numel: int) -> Option:
         # Its sums run the job's dense path already; PyTorch's hook, too, all-reduces the
         # uncompressed iterations as it does P and Q.
         return sums
@@ -646,7 +654,10 @@ class _Sync:
         # Option would (PS rounds, start_iter).
         lowrank, name, members, offsets = self.lowrank, bucket.name, bucket.tensors, \
             bucket.offsets
-        dense = self.compression.uncompressed_sums(self.session, sums)
+        dense = lowrank.uncompressed.get((name, sums))
+        if dense is None:  # priced once per bucket and sums
+            dense = lowrank.uncompressed[name, sums] = self.compression.uncompressed_sums(
+                self.session, sums, flat.numel())
         return self.engine.call(
             self.engine.lane_of(name),
             lambda ex: lowrank.reduce(ex, sums, flat, name=name, members=members,

@@ -91,6 +91,7 @@ __all__ = [
     "StepTasks",
     "busy_per_resource",
     "bytes_per_us",
+    "dense_us",
 ]
 
 # Timeline resources (row order of the Gantt chart).
@@ -169,6 +170,20 @@ class StepTasks:
         out = np.zeros((self.duration.shape[0], steps))
         np.add.at(out, (slice(None), self.step), self.duration)
         return out
+
+
+def dense_us(cluster: Cluster, option: Option, numel: int) -> float:
+    """Microseconds of the uncompressed ``option`` for one tensor of ``numel`` float32
+    elements with nothing else running (no compressor takes part).
+
+    Raises:
+        ValueError: ``option`` compresses.
+    """
+    if option.is_compressed:
+        raise ValueError(f"{option} compresses; dense_us prices uncompressed Options")
+    pricer = Pricer(cluster, "none", CompressedSizes("none", nbytes=_no_payload),
+                    CompressorCosts.default(), [numel], free_compression=True)
+    return float(pricer.tasks(option).total[0])
 
 
 def _ceil_div(a: np.ndarray, p: int) -> np.ndarray:

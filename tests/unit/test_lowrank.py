@@ -139,17 +139,38 @@ def test_the_uncompressed_iterations_run_the_dense_option_and_the_sums_theirs():
                                    1, first=1)[0][0][0]) for o in outs[1])
 
 
-def test_compression_specs_pick_the_uncompressed_iterations_option():
+@pytest.mark.parametrize(("gbps", "text", "faster"), [
+    (1.0, "PushPull(flat)", "fp32"),
+    (0.25, "ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)", "sums")])
+def test_compression_specs_pick_the_uncompressed_iterations_option(gbps, text, faster):
+    """Of a plan's sums Option and fp32's, the one the model prices faster for the whole
+    bucket; the fixed scheme keeps its sums. The sums Options the LSTM's plans chose at 1
+    and 0.25 Gbit/s: every worker pushing the whole dense bucket through the one server
+    loses to fp32's shards; fp32's path through that server loses to a hierarchy of
+    collectives on a slow link."""
     from types import SimpleNamespace
 
     from byteps_espresso.worker.profiler import EspressoSpec
 
-    session = SimpleNamespace(fp32=Option.parse("PushPull(flat)"))
-    sums = Option.parse("Reduce(flat) -> Broadcast(flat)")
-    # a plan's sums are chosen for P and Q: the uncompressed iterations take fp32's path
-    assert EspressoSpec("powersgd").uncompressed_sums(session, sums) == session.fp32
+    from byteps_espresso.strategy import Cluster
+    from byteps_espresso.strategy.costs import dense_us
+
+    cluster = Cluster(machines=2, gpus_per_machine=2, intra_gbps=3.5, intra_latency_us=600.0,
+                      inter_gbps=gbps, inter_latency_us=900.0, servers=1,
+                      server_gbps=1.7 * gbps, server_latency_us=700.0)
+    fp32 = Option.parse("ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)")
+    sums = Option.parse(text)
+    numel = 226_305  # the LSTM's weight bucket and the non-finite flag
+    session = SimpleNamespace(fp32=fp32, strategy=SimpleNamespace(cluster=cluster))
+    want = fp32 if faster == "fp32" else sums
+    other = sums if faster == "fp32" else fp32
+    assert dense_us(cluster, want, numel) < dense_us(cluster, other, numel)
+    assert EspressoSpec("powersgd").uncompressed_sums(session, sums, numel) == want
     # the fixed scheme's sums are its dense path already (PyTorch's hook all-reduces both)
-    assert Compression.powersgd(2).uncompressed_sums(session, sums) == sums
+    assert Compression.powersgd(2).uncompressed_sums(session, sums, numel) == sums
+    # before a strategy is in use there is no cluster to price on
+    assert EspressoSpec("powersgd").uncompressed_sums(
+        SimpleNamespace(fp32=fp32, strategy=None), sums, numel) == sums
 
 
 def test_the_measured_error_is_each_workers_error_feedback_over_its_input():
