@@ -90,3 +90,20 @@ def test_catalogue_rows_equal_the_walk():
         assert not cat.dur[row, :, n:].any()
         assert np.array_equal(cat.busy[row], want.busy)
         assert np.array_equal(cat.total[row], want.total)
+
+
+@pytest.mark.parametrize("cluster,compressor,params", CASES)
+def test_dense_us_is_a_dense_options_tasks_end_to_end(cluster, compressor, params):
+    from byteps_espresso.strategy.costs import dense_us
+
+    costs = CompressorCosts.default()
+    pricer = Pricer(cluster, compressor, CompressedSizes(compressor, params), costs, NUMELS)
+    options = enumerate_options(cluster, Constraints())
+    dense = [o for o in options if not o.is_compressed]
+    assert dense
+    for option in dense:
+        want = pricer.walk(option).duration.sum(axis=1)
+        got = [dense_us(cluster, option, n) for n in NUMELS]
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    with pytest.raises(ValueError, match="compresses"):
+        dense_us(cluster, next(o for o in options if o.is_compressed), 1000)
