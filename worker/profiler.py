@@ -370,9 +370,8 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
     (``server_latency_us``). Relative errors let the latency-bound steps (a small bucket's)
     decide the factor: a bandwidth-bound step's latency part is a sliver of its time and its
     residual mostly the bandwidth's error. The median over steps of (measured - rest) /
-    latency part, which weighed them alike, gave factors of 0 to 19 across runs of one job
-    (the LSTM at 1 Gbit/s, 2049aa5), and ~1 in runs where that job's small push/pulls took
-    7.5-18 ms in training against 1-2 ms priced. Rooted collectives keep the probed
+    latency part, which weighed them alike, gave factors of 0 to 19 across the end-to-end
+    runs of 2049aa5 (BENCHMARKS.md, "End-to-end"). Rooted collectives keep the probed
     latency: with every intra latency scaled by the exchanges' factor, a Reduce -> PushPull
     -> Broadcast plan (one member per machine works, the other waits) was predicted at 57.8
     ms and ran at 44.5 (BENCHMARKS.md, "Worker runtime").
