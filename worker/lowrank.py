@@ -102,7 +102,7 @@ class LowRank:
 
     def reduce(self, ex: Executor, option: Option, flat: torch.Tensor, *, name: str,
                members: Sequence[str], offsets: Sequence[int], step: int,
-               dense: Option | None = None) -> torch.Tensor:
+               uncompressed: Option | None = None) -> torch.Tensor:
         """The sum over workers of one bucket (flat, PowerSGD's estimate where it compressed).
 
         Args:
@@ -114,13 +114,14 @@ class LowRank:
             members: its parameters, in buffer order.
             offsets: where each member starts in ``flat``.
             step: the bucket's iteration (the same on every rank).
-            dense: the Option of an iteration that compresses no member (the bucket's one
-                sum, under its own name); None: ``option``.
+            uncompressed: the Option of an iteration that compresses no member (the
+                bucket's one sum, under its own name); None: ``option``.
         """
         flat = flat.reshape(-1)
         chosen = self.compressed(members, step)
         if not chosen:
-            return ex.run(option if dense is None else dense, flat, name=name, step=step)
+            return ex.run(option if uncompressed is None else uncompressed, flat, name=name,
+                          step=step)
         ends = [*offsets[1:], offsets[-1] + math.prod(self.shapes[members[-1]])]
         spans = [(offsets[i], ends[i]) for i in chosen]
         dense = _complement(spans, flat.numel())

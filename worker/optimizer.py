@@ -661,7 +661,8 @@ class _Sync:
         return self.engine.call(
             self.engine.lane_of(name),
             lambda ex: lowrank.reduce(ex, sums, flat, name=name, members=members,
-                                      offsets=offsets, step=step, dense=dense), name)
+                                      offsets=offsets, step=step,
+                                      uncompressed=dense), name)
 
     def _option(self, bucket: _Bucket) -> Option:
         """The bucket's Option this iteration (the fp32 one while profiling)."""

@@ -127,7 +127,7 @@ def test_the_uncompressed_iterations_run_the_dense_option_and_the_sums_theirs():
             flats = _inputs(step)
             futs = [pool.submit(lowranks[r].reduce, executors[r], OPTION, flats[r],
                                 name="bucket", members=MEMBERS, offsets=offsets, step=step,
-                                dense=dense) for r in range(WORLD)]
+                                uncompressed=dense) for r in range(WORLD)]
             outs.append([f.result(timeout=30) for f in futs])
     bound = {(str(option), name) for option, name, _, _ in executors[0]._bound}
     assert bound == {(str(dense), "bucket"), (str(OPTION), "bucket" + P_SUFFIX),
