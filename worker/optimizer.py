@@ -545,21 +545,29 @@ class _Sync:
         self.divisor = self.world if divisor is None else divisor
         self._profile_steps = compression.profile_steps(self.session)
         self.probes = None
+        self._codec_engine: Engine | None = None
         self.trials: Trials | None = None
         self._trials_from = 0  # the iteration the trials' first one runs (see _apply_plan)
         self.buckets: list[_Bucket] = []
         if self._profile_steps == 0:
             self._apply_plan(None)
         else:
-            # While profiling every bucket runs the fp32 path, fused as Compression.none fuses.
-            self._use_buckets(default_layout(self.session,
-                                             [(n, self.numel[n]) for n in self.order]))
-            # The compressor is timed on gradient and bucket sizes: the plan may fuse or not.
-            traffic = {b.name: sum(b.numels) for b in self.buckets}
-            self.probes = compression.probes(
-                self.session, [*self.numel.values(), *traffic.values()], traffic, self.shapes)
+            self._start_profiling(compression)
         for name in self.order:
             self.params[name].register_post_accumulate_grad_hook(self._hook(name))
+
+    def _start_profiling(self, compression: CompressionSpec) -> None:
+        # While profiling every bucket runs the fp32 path, fused as Compression.none fuses.
+        self._use_buckets(default_layout(self.session,
+                                         [(n, self.numel[n]) for n in self.order]))
+        # The compressor is timed on gradient and bucket sizes: the plan may fuse or not.
+        traffic = {b.name: sum(b.numels) for b in self.buckets}
+        self.probes = compression.probes(
+            self.session, [*self.numel.values(), *traffic.values()], traffic, self.shapes)
+        # The codec's engine (a thread per lane), started now rather than in the last
+        # profiled iteration, where it took 10 ms of the plan's switch.
+        self._codec_engine = (self.session.runtime.engine(self.codec)
+                              if self.codec is not None else None)
 
     # ---- buckets ---------------------------------------------------------------------------
     def _use_buckets(self, buckets: Sequence[Bucket]) -> None:
@@ -942,7 +950,8 @@ class _Sync:
         self._use_strategy(strategy)
         self.session.strategy = strategy
         if self.codec is not None and self.engine is self.session.plain:
-            self.engine = self.session.runtime.engine(self.codec)
+            self.engine = self._codec_engine or self.session.runtime.engine(self.codec)
+            self._codec_engine = None
 
     def _checked(self, options: dict[str, Option]) -> dict[str, Option]:
         missing = [name for name in self.bucket_names if name not in options]
@@ -978,7 +987,8 @@ class _Sync:
             if self.iteration == self._trials_from:
                 self._begin_trials()
         if self.codec is not None:
-            self.engine = self.session.runtime.engine(self.codec)
+            self.engine = self._codec_engine or self.session.runtime.engine(self.codec)
+            self._codec_engine = None
 
 
 def first_step_at(starts: Sequence[float], ready: Sequence[Mapping[str, float]],

@@ -8,9 +8,10 @@ model's own tensor sizes on both devices (torch backend on the training device, 
 backend through the host pool), beside the synchronization, under the contention its Options
 will run in (other workers sharing the host and still finishing their backward, the
 interpreter lock); once the synchronization is over, another lane runs a round of link probes
-on idle links (all-reduces of two sizes on the intra groups and local rank 0's inter group,
-push/pulls through the servers: of two sizes, or of the latency-bound one where the
-iterations' own push/pulls give the bandwidth). ``step()`` waits for them, so the next
+on idle links (all-reduces on the intra groups and local rank 0's inter group, push/pulls
+through the servers: the first round of two sizes, the later ones of the latency-bound size
+only; the PS path's of that one alone where the iterations' own push/pulls give the
+bandwidth). ``step()`` waits for them, so the next
 forward pass runs alone and the ready times stay clean. The latencies that training sees are
 then fitted to the profiled iterations' own steps (:func:`in_training_latency`; probes taken
 while training is paused saw 0.4-0.8 ms per collective where training saw 1-7 ms on a host
@@ -90,7 +91,10 @@ _PROBE_REPS = 5
 # iterations save.
 _PROBE_ROUNDS = 2
 # Timed calls per probe size in each probing iteration (medians over all of them are taken).
-# A round is 1 + 2 x _LANE_REPS calls per path, the first an untimed small call.
+# The first round is 1 + 2 x _LANE_REPS calls per path, the first an untimed small call; the
+# later ones time only the latency-bound size (1 + _LANE_REPS calls): their large calls were
+# the bulk of the second round (41 of 58 ms on the LSTM at 1 Gbit/s, 30 of them the inter
+# all-reduce) and the first round's two samples price the bandwidth.
 _LANE_REPS = 2
 # The profiled iterations' own push/pulls price the PS path's bandwidth (only the small PS
 # probe runs, for the latency) when one of them moves at least this many float32 elements
@@ -596,6 +600,10 @@ class LaneProbes:
         # And the fp32 steps it was given: (elements per bucket, us per bucket and step).
         self.steps: tuple[list[int], list[list[float | None]]] = ([], [])
         self.ps_source = "probes"
+        # The kernels' timings alone and the copy bandwidth (:meth:`time_alone`), None until
+        # taken.
+        self.alone: list[dict[str, Any]] | None = None
+        self.h2d_gbps: float | None = None
         self._probe = {n: torch.ones(n, device=rt.device) for n in (_PROBE_SMALL, _PROBE_LANES)}
         self._host = {n: np.ones(n, dtype=np.float32) for n in (_PROBE_SMALL, _PROBE_LANES)}
         self._timed = {n: torch.randn(n, generator=torch.Generator().manual_seed(n)).to(rt.device)
@@ -644,7 +652,7 @@ class LaneProbes:
             first = iteration < engine.lanes  # the lanes take turns from iteration 0
             self.handles.append(engine.call(lane, self._spending(
                 "links", iteration, lambda ex, lane=lane, first=first: self._links(
-                    ex, lane, first)), "espresso.probe.links"))
+                    ex, lane, first, bandwidth=iteration == 0)), "espresso.probe.links"))
 
     def wait(self, timeout: float) -> None:
         """Wait for every probe queued so far (raises a probe's error)."""
@@ -658,15 +666,18 @@ class LaneProbes:
         return self.rounds > 0
 
     def record(self) -> dict[str, Any]:
-        """The link times :meth:`cluster` inverted (us per path and elements), the PS path's
-        source, the profiled fp32 steps' times (what :func:`in_training_latency` fits, so a
-        profile can be fitted again offline) and the lanes' seconds, as ``probes.json`` in
-        ``ESPRESSO_PROFILE_OUT``."""
+        """The link times :meth:`cluster` inverted (us per path and elements), how many timed
+        calls each median is of, the PS path's source, the profiled fp32 steps' times (what
+        :func:`in_training_latency` fits, so a profile can be fitted again offline) and the
+        lanes' seconds, as ``probes.json`` in ``ESPRESSO_PROFILE_OUT``."""
         links: dict[str, dict[str, float]] = {}
         for (path, n), us in sorted(self.medians.items()):
             links.setdefault(path, {})[str(n)] = us
+        samples: dict[str, dict[str, int]] = {}
+        for (path, n), times in sorted(self.links.items()):
+            samples.setdefault(path, {})[str(n)] = len(times)
         numels, steps_us = self.steps
-        return {"links_us": links, "ps_source": self.ps_source,
+        return {"links_us": links, "link_samples": samples, "ps_source": self.ps_source,
                 "fp32_steps": {"option": str(self.fp32), "numels": numels, "us": steps_us},
                 "lane_seconds": {f"{what}/{it}": sec
                                  for (what, it), sec in sorted(self.spent.items())}}
@@ -705,19 +716,21 @@ class LaneProbes:
         _synchronize(self.device)
         return out, (time.perf_counter() - t0) * 1e6
 
-    def _links(self, ex: Any, lane: int, first: bool) -> None:
+    def _links(self, ex: Any, lane: int, first: bool, bandwidth: bool) -> None:
         # An untimed small call on each path absorbs the members' skew (how far apart they
         # reached this point, which is not a link cost); the timed calls that follow it start
         # together, since each collective ends at about the same time on every member. On a
-        # lane's first round every size gets an untimed call (first collectives, PS keys).
+        # lane's first round every size it probes gets an untimed call (first collectives,
+        # PS keys). Only the first round (``bandwidth``) times the bandwidth-bound size.
         small = self._probe[_PROBE_SMALL]
         for scope in (Scope.INTRA, Scope.INTER):
             if not _probes(self.topology, scope):
                 continue
-            for x in self._probe.values() if first else (small,):
+            sizes = self._probe if bandwidth else {_PROBE_SMALL: small}
+            for x in sizes.values() if first else (small,):
                 ex.transport.allreduce(scope, x)
             for _ in range(_LANE_REPS):
-                for n, x in self._probe.items():
+                for n, x in sizes.items():
                     _, us = self._timed_call(
                         lambda x=x, scope=scope: ex.transport.allreduce(scope, x))
                     self.links.setdefault((scope.value, n), []).append(us)
@@ -726,8 +739,8 @@ class LaneProbes:
                 return f"espresso.probe.lane{lane}.{n}"
 
             # With the bandwidth from the training's push/pulls, the latency-bound size only.
-            sizes = {_PROBE_SMALL: self._host[_PROBE_SMALL]} if self.ps_from_traffic \
-                else self._host
+            sizes = self._host if bandwidth and not self.ps_from_traffic \
+                else {_PROBE_SMALL: self._host[_PROBE_SMALL]}
             for n in sizes:
                 ex.ps.declare(key(n), n, list(range(self.topology.world_size)))
             for n, x in sizes.items() if first else ((_PROBE_SMALL, sizes[_PROBE_SMALL]),):
@@ -810,11 +823,35 @@ class LaneProbes:
         return _cluster(self.topology, self.servers, self.cpu_threads, medians, h2d_gbps,
                         lanes=self.lanes)
 
+    def time_alone(self, numels: Sequence[int]) -> None:
+        """Time what :meth:`costs` prices from the kernels alone, before the first step (on
+        the rank that plans): the ``server`` profile (the numba kernels as the PS servers run
+        them: the lanes' ``cpu`` timings include the workers' contention, which the servers'
+        own processes do not share) and the intra-machine partner of mixed Options. Neither
+        depends on the profile. Timed at planning instead, while every rank waited, they
+        took 30-45 ms of the last profiled iteration (a third of a 1 Gbit/s LSTM iteration;
+        the numba kernels' first load included); here they follow the planner's kernels.
+        The copy bandwidth between the device and the host is measured here too (8-11 ms
+        of that iteration on a CPU device)."""
+        self.h2d_gbps = _copy_gbps(self.device)
+        codec = self.codec
+        if codec is None:
+            return
+        samples = []
+        if self.servers:
+            samples += _isolated_samples(codec, numels, self.device, {Device.CPU: "server"},
+                                         _CODEC_BUDGET_S)
+        topo = self.topology
+        if topo.machines > 1 and topo.local_size > 1 and codec.name != PARTNER:
+            # mixed Options (the partner inside the machine) are priced only with its profile
+            samples += _isolated_samples(codec.partner(PARTNER), numels, self.device,
+                                         {Device.GPU: "gpu", Device.CPU: "cpu"},
+                                         _CODEC_BUDGET_S)
+        self.alone = samples
+
     def costs(self, numels: Sequence[int]) -> Any:
-        """``strategy.CompressorCosts`` fitted to the median timings in the lanes, plus a
-        ``server`` profile: the numba kernels timed alone, as the PS servers run them (the
-        lanes' ``cpu`` timings include the workers' contention, which the servers' own
-        processes do not share)."""
+        """``strategy.CompressorCosts`` fitted to the median timings in the lanes, plus what
+        :meth:`time_alone` measured (timed now where it has not run)."""
         from byteps_espresso.strategy import CompressorCosts
 
         name = "powersgd" if self.low_rank is not None else self.codec.name  # type: ignore
@@ -828,16 +865,10 @@ class LaneProbes:
                 "byteps_espresso.worker.profiler", params={name: dict(self.low_rank[0])})
         codec = self.codec
         assert codec is not None
-        if self.servers:
-            samples += _isolated_samples(codec, numels, self.device, {Device.CPU: "server"},
-                                         _CODEC_BUDGET_S)
-        topo = self.topology
-        if topo.machines > 1 and topo.local_size > 1 and codec.name != PARTNER:
-            # mixed Options (the partner inside the machine) are priced only with its profile
-            samples += _isolated_samples(codec.partner(PARTNER), numels, self.device,
-                                         {Device.GPU: "gpu", Device.CPU: "cpu"},
-                                         _CODEC_BUDGET_S)
-        return CompressorCosts.fit(samples, note=f"measured in the lanes during the profiled "
+        if self.alone is None:
+            self.time_alone(numels)
+        return CompressorCosts.fit([*samples, *(self.alone or [])],
+                                   note=f"measured in the lanes during the profiled "
                                    f"iterations on {self.device} (gpu) and the host pool (cpu); "
                                    "server: the numba kernels alone; by "
                                    "byteps_espresso.worker.profiler",
@@ -894,6 +925,7 @@ class EspressoSpec(CompressionSpec):
         probes = LaneProbes(session, self.codec(session), numels, traffic, low_rank=low_rank)
         if session.runtime.topology.rank == 0:
             self._load_planner(session)
+            probes.time_alone(numels)
         return probes
 
     def _load_planner(self, session: Session) -> None:
@@ -955,8 +987,9 @@ class EspressoSpec(CompressionSpec):
                 session, -probes.step_times(list(profiled), len(session.fp32.steps)))
         # Paused probes are collectives too: every rank takes them, or none does. Rank 0,
         # which plans, gets the cluster.
-        cluster = (probes.cluster(_copy_gbps(rt.device), list(profiled.values()), steps_us,
-                                  session) if in_lanes else measure_cluster(session))
+        cluster = (probes.cluster(probes.h2d_gbps or _copy_gbps(rt.device),
+                                  list(profiled.values()), steps_us, session)
+                   if in_lanes else measure_cluster(session))
         data: bytes | None = None
         if rt.topology.rank == 0:
             # shared_host: the fp32 baseline's path; host_device: cpu steps share the cores

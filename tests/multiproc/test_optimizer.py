@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from byteps_espresso.worker.profiler import _LANE_REPS, _PROBE_ROUNDS
 from byteps_espresso.worker.runtime import DEFAULT_LANES
 
 from byteps_espresso.strategy.options import Option
@@ -123,6 +124,11 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
             assert ps == {256, bucket if shared else (bucket + 1) // 2}
         else:
             assert probes["ps_source"] == "probes" and ps == {256, 1 << 18}
+        # Every probing round times the latency-bound size, only the first the large one.
+        rounds = max(_PROBE_ROUNDS, DEFAULT_LANES)
+        for path, counts in probes["link_samples"].items():
+            assert counts["256"] == rounds * _LANE_REPS, path
+            assert all(c == _LANE_REPS for n, c in counts.items() if n != "256"), path
         assert probes["lane_seconds"]["links/0"] > 0 and probes["lane_seconds"]["compressor/1"] > 0
         # the fp32 steps the latencies were fitted to, per profiled bucket and step
         steps_of = probes["fp32_steps"]
