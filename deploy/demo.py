@@ -38,10 +38,11 @@ __all__ = ["TARGET_FACTOR", "RunResult", "Startup", "compressed_tensors", "main"
 TARGET_FACTOR = 1.05
 # Rank 0's log line for the planner's search (worker/profiler.py), in milliseconds.
 _PLANNED = re.compile(r"^\[worker 0\].*planned in ([0-9.]+) ms")
-# Rank 0's log line for loading the planner's kernels (and the cluster's trees) before the
-# first step, in seconds.
+# Rank 0's log line for loading the planner's kernels (and the cluster's trees, and timing
+# the kernels alone) before the first step, in seconds.
 _LOADED = re.compile(r"^\[worker 0\].*loaded the planner's kernels in ([0-9.]+) s"
-                     r"(?: and this cluster's trees in ([0-9.]+) s)?")
+                     r"(?: and this cluster's trees in ([0-9.]+) s)?"
+                     r"(?:, timed the kernels alone in ([0-9.]+) s)?")
 
 # Lines of the launcher's output shown live: rank 0's progress bar and per-epoch summary,
 # and the launcher's own verdict. Everything is also written to the run's log file.
@@ -137,7 +138,7 @@ class Startup:
             schedule runs (dgc's sparsity warm-up; worker/optimizer.py): training under the
             plan, part of the start-up only in that the kept strategy comes after them.
         before_s: before the first step, outside the training clock: rank 0 loading the
-            planner's kernels (once per process).
+            planner's kernels and timing the compressor's kernels alone (once per process).
         steps: the steps until the first under the kept strategy (profiled + trials).
     """
 
@@ -174,7 +175,8 @@ class Startup:
             if fp32_iteration_ms:
                 per += f" (= {beyond * 1e3 / fp32_iteration_ms:.0f})"
         if self.before_s:
-            per += f"; before the first step: {self.before_s:.2f} s loading the planner"
+            per += (f"; before the first step: {self.before_s:.2f} s loading the planner "
+                    "and timing the kernels alone")
         warmup = (f" + the plan through the compressor's warm-up {self.warmup_s:.1f}"
                   if self.warmup_s else "")
         return (f"{self.total_s:.1f} s (profiling {self.profiling_s:.1f} + planning "

@@ -139,8 +139,10 @@ class Plan:
             one (``options``) first; empty: no trials.
         buckets: the tensor-fusion layout over ``order`` (each Option's key is a bucket's
             name); None: the default layout (``ESPRESSO_BUCKET_CAP_MB``, else DDP's caps).
-        fp32_ms: the profiled fp32 iterations' measured time (slowest rank's median), the
+        fp32_ms: the profiled fp32 iterations' measured time (slowest rank's fastest), the
             trials' yardstick from their first finalist on; None: not measured.
+        fp32_fastest_ms: the fastest profiled fp32 iteration over all ranks, the unit of the
+            start-up budget; None: ``fp32_ms``.
     """
 
     options: dict[str, Option]
@@ -148,6 +150,7 @@ class Plan:
     finalists: tuple[Any, ...] = ()
     buckets: tuple[Bucket, ...] | None = None
     fp32_ms: float | None = None
+    fp32_fastest_ms: float | None = None
 
 
 @dataclass
@@ -983,7 +986,8 @@ class _Sync:
             self._trials_from = max(self.iteration, steady)
             cfg = self.session.runtime.cfg
             self.trials = Trials(plan.finalists, cfg.trial_steps, fp32_ms=plan.fp32_ms,
-                                 start=self._trials_from, budget=cfg.startup_budget)
+                                 start=self._trials_from, budget=cfg.startup_budget,
+                                 budget_unit_ms=plan.fp32_fastest_ms)
             if self.iteration == self._trials_from:
                 self._begin_trials()
         if self.codec is not None:

@@ -924,11 +924,15 @@ class EspressoSpec(CompressionSpec):
             else None
         probes = LaneProbes(session, self.codec(session), numels, traffic, low_rank=low_rank)
         if session.runtime.topology.rank == 0:
-            self._load_planner(session)
+            kernels_s, trees_s = self._load_planner(session)
+            t0 = time.perf_counter()
             probes.time_alone(numels)
+            log.info("loaded the planner's kernels in %.2f s and this cluster's trees in "
+                     "%.2f s, timed the kernels alone in %.2f s, before the first step",
+                     kernels_s, trees_s, time.perf_counter() - t0)
         return probes
 
-    def _load_planner(self, session: Session) -> None:
+    def _load_planner(self, session: Session) -> tuple[float, float]:
         """Rank 0 (which plans) loads the planner now, before the first step, as the probes
         load the codec's kernels: its numba kernels, and this cluster's trees (the Options,
         their programs and twins, under the finalists' restrictions), by planning a model of
@@ -937,7 +941,8 @@ class EspressoSpec(CompressionSpec):
         kernels were most of a first plan's 250-310 ms in the main job (7 ms with them
         loaded), the trees 120-230 ms of a first plan's CPU (BENCHMARKS.md, "Prices from a
         task table"). In a thread beside the profiled iterations the loading slowed those by
-        40-150 ms each (it is mostly Python, under the lock)."""
+        40-150 ms each (it is mostly Python, under the lock). Returns the seconds each
+        took."""
         from byteps_espresso.strategy import Cluster, CompressorCosts
         from byteps_espresso.strategy.context import load_kernels
         from byteps_espresso.strategy.planner import plan_bucketed
@@ -964,8 +969,7 @@ class EspressoSpec(CompressionSpec):
         plan_bucketed(workload, cluster, self.compressor, dict(self.params),
                       within=_TRIAL_WITHIN if self._trials(session) else None,
                       algorithm=self.algorithm, constraints=self.constraints, costs=costs)
-        log.info("loaded the planner's kernels in %.2f s and this cluster's trees in %.2f s, "
-                 "before the first step", loaded - t0, time.perf_counter() - loaded)
+        return loaded - t0, time.perf_counter() - loaded
 
     def plan(self, session: Session, tensors: Sequence[tuple[str, int]],
              profile: Any | None) -> Plan:
@@ -1048,7 +1052,8 @@ class EspressoSpec(CompressionSpec):
         session.strategy = finalists[0]
         plan = _plan_of(finalists[0], tuple(finalists) if len(finalists) > 1 else ())
         if plan.finalists and profile is not None:
-            plan = replace(plan, fp32_ms=_fp32_ms(session, profile.starts, probes is not None))
+            slowest, fastest = _fp32_ms(session, profile.starts, probes is not None)
+            plan = replace(plan, fp32_ms=slowest, fp32_fastest_ms=fastest)
         return plan
 
     def _on_layout(self, strategy: Any, workload: Any, cluster: Any, costs: Any,
@@ -1066,9 +1071,12 @@ class EspressoSpec(CompressionSpec):
         return self.algorithm == "espresso" and session.runtime.cfg.trial_steps >= 2
 
 
-def _fp32_ms(session: Session, starts: Sequence[float], probed: bool) -> float | None:
-    """The profiled iterations' time on the fp32 path: the slowest rank's fastest of those
-    after the first that ran no probes (``probed``: the lanes probed), ms; None without any
+def _fp32_ms(session: Session, starts: Sequence[float],
+             probed: bool) -> tuple[float | None, float | None]:
+    """The profiled iterations' time on the fp32 path, ms, from the fastest of those after
+    the first that ran no probes (``probed``: the lanes probed): the slowest rank's (an
+    iteration is over when the last worker's gradients are in; the fp32 finalist's measured
+    time) and the fastest rank's (the start-up budget's unit). (None, None) without any
     (every rank profiled the same iterations, so all agree). All ranks call it.
 
     The fastest, not the median: the first iterations of a run are slower than its steady
@@ -1078,8 +1086,9 @@ def _fp32_ms(session: Session, starts: Sequence[float], probed: bool) -> float |
     clean = [starts[i + 1] - starts[i] for i in range(1, len(starts) - 1)
              if not (probed and probe_lanes(i, lanes))]
     if not clean:
-        return None
-    return float(slowest_across_ranks(session, np.array([min(clean)]))[0]) * 1e3
+        return None, None
+    slowest, fastest = slowest_across_ranks(session, np.array([min(clean), -min(clean)]))
+    return float(slowest) * 1e3, -float(fastest) * 1e3
 
 
 def _plan_of(strategy: Any, finalists: tuple[Any, ...] = ()) -> Plan:

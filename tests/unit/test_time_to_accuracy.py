@@ -45,7 +45,8 @@ def test_startup_splits_profiling_planning_and_trials(tmp_path):
     # (counted from trials.json's iterations, as a finalist may stop early)
     ends = [1.0, 2.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.2]
     log = ["[worker 0] 2026 profiler: loaded the planner's kernels in 0.25 s and this "
-           "cluster's trees in 0.05 s, before the first step", "[worker 1] x: planned in 99.0 ms:",
+           "cluster's trees in 0.04 s, timed the kernels alone in 0.01 s, before the first "
+           "step", "[worker 1] x: planned in 99.0 ms:",
            "[worker 0] 2026 profiler: planned in 250.0 ms:"]
     run = _run(tmp_path, "e", [], ends, log)
     profile = tmp_path / "profile"
@@ -59,7 +60,8 @@ def test_startup_splits_profiling_planning_and_trials(tmp_path):
     assert s == Startup(3.25, 0.25, 2.0, before_s=0.3, steps=7)
     assert s.total_s == 5.5  # the end of the last trial step
     assert "5.5 s" in s.text(500.0) and "11 fp32 iterations" in s.text(500.0)
-    assert "before the first step: 0.30 s loading the planner" in s.text(500.0)
+    assert ("before the first step: 0.30 s loading the planner and timing the kernels alone"
+            in s.text(500.0))
     # fp32 took 3.0 s for the same 7 steps: 2.5 s beyond it, 5 of its 500 ms iterations
     fp32 = _run(tmp_path, "f", [], [0.5, 1.0, 1.5, 2.0, 2.5, 2.75, 3.0, 3.25])
     assert s.beyond_s(fp32) == pytest.approx(2.5)

@@ -316,6 +316,23 @@ def test_a_budget_spent_before_the_trials_keeps_the_plan_untried(tmp_path, every
         (False, None)}
 
 
+def test_the_budget_counts_in_the_fastest_rank_s_fp32_iteration(tmp_path, every):
+    fp32 = next(s for s in every if s.algorithm == "fp32")
+    finalists = _priced([every[0], every[1], fp32], 10.0, 12.0, 10.0)
+    # The slowest rank's fastest fp32 iteration is 20 ms, the fastest rank's 18: the budget
+    # is 180 ms, 50 left after 130 spent, and the plan's 3 iterations at 20 ms do not fit
+    # (with 20-ms units 70 would be left and they would).
+    def run(hub, rank):
+        session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
+        trials = Trials(finalists, 3, fp32_ms=20.0, budget=10.0, budget_unit_ms=18.0)
+        trials.begin(session, 0.100 + 0.010 * rank)
+        return trials.done, trials.left_ms
+
+    runs = list(_on_every_rank(run).values())
+    assert [done for done, _ in runs] == [True] * WORLD
+    assert [left for _, left in runs] == pytest.approx([50.0] * WORLD)
+
+
 def test_without_a_budget_or_the_fp32_time_every_finalist_runs(every):
     for trials in (Trials(every[:2], 2, fp32_ms=20.0, budget=None),
                    Trials(every[:2], 2, fp32_ms=None, budget=10.0)):
