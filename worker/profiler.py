@@ -829,10 +829,10 @@ class LaneProbes:
         them: the lanes' ``cpu`` timings include the workers' contention, which the servers'
         own processes do not share) and the intra-machine partner of mixed Options. Neither
         depends on the profile. Timed at planning instead, while every rank waited, they
-        took 30-45 ms of the last profiled iteration (a third of a 1 Gbit/s LSTM iteration;
-        the numba kernels' first load included); here they follow the planner's kernels.
-        The copy bandwidth between the device and the host is measured here too (8-11 ms
-        of that iteration on a CPU device)."""
+        took about 30 ms of the last profiled iteration (a third of a 1 Gbit/s LSTM
+        iteration; the numba kernels' first load included); here they follow the planner's
+        kernels. The copy bandwidth between the device and the host is measured here too
+        (about 10 ms of that iteration on a CPU device)."""
         self.h2d_gbps = _copy_gbps(self.device)
         codec = self.codec
         if codec is None:
