@@ -311,8 +311,9 @@ VARIABLES: tuple[Variable, ...] = (
              "the planned strategy trains through. Below 2: use the planned strategy at "
              "once."),
     Variable("ESPRESSO_STARTUP_BUDGET", "startup_budget", _budget, 10.0,
-             "Start-up budget, in fp32 iterations (the fastest profiled one): from "
-             "the first step to the first iteration under the kept strategy. The trials "
+             "Start-up budget, in fp32 iterations (the fastest profiled one, over all "
+             "ranks): from the first step to the first iteration under the kept strategy. "
+             "The trials "
              "spend what profiling, planning and a compressor's warm-up leave of it: a "
              "finalist runs only where its iterations fit (priced at its prediction times "
              "the model's error seen so far); none fits: the planned strategy is kept "
