@@ -953,8 +953,7 @@ class _Sync:
         self._use_strategy(strategy)
         self.session.strategy = strategy
         if self.codec is not None and self.engine is self.session.plain:
-            self.engine = self._codec_engine or self.session.runtime.engine(self.codec)
-            self._codec_engine = None
+            self.engine = self._take_codec_engine()
 
     def _checked(self, options: dict[str, Option]) -> dict[str, Option]:
         missing = [name for name in self.bucket_names if name not in options]
@@ -991,8 +990,13 @@ class _Sync:
             if self.iteration == self._trials_from:
                 self._begin_trials()
         if self.codec is not None:
-            self.engine = self._codec_engine or self.session.runtime.engine(self.codec)
-            self._codec_engine = None
+            self.engine = self._take_codec_engine()
+
+    def _take_codec_engine(self) -> Engine:
+        """The codec's engine: the one started while profiling, else a new one."""
+        engine = self._codec_engine or self.session.runtime.engine(self.codec)
+        self._codec_engine = None
+        return engine
 
 
 def first_step_at(starts: Sequence[float], ready: Sequence[Mapping[str, float]],

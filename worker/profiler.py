@@ -794,15 +794,15 @@ class LaneProbes:
                     out[j, i] = statistics.median(later)
         return out
 
-    def cluster(self, h2d_gbps: float, sizes: Sequence[int], steps_us: np.ndarray,
-                session: Session) -> Any:
+    def cluster(self, sizes: Sequence[int], steps_us: np.ndarray, session: Session) -> Any:
         """``strategy.Cluster`` from the medians of the probes and, where
         :attr:`ps_from_traffic`, of the profiled push/pulls: ``steps_us`` as
         :meth:`step_times` gives it for the buckets of ``sizes`` elements, the same on every
         rank (the minimum over ranks). The PS path is inverted from the latency probe and the
         largest push/pull. Should no push/pull of at least ``_TRAFFIC_MIN`` elements have been
         timed, every rank probes the PS path with training paused. Every rank calls it; the
-        cluster is built on rank 0 (the others return None: :func:`_probes`)."""
+        cluster is built on rank 0 (the others return None: :func:`_probes`), with the copy
+        bandwidth :meth:`time_alone` measured (measured now where it has not run)."""
         medians = {key: statistics.median(us) for key, us in self.links.items()}
         self.steps = ([int(n) for n in sizes], [[float(us) if np.isfinite(us) else None
                                                  for us in row] for row in steps_us])
@@ -820,7 +820,9 @@ class LaneProbes:
         self.medians = medians
         if self.topology.rank != 0:
             return None
-        return _cluster(self.topology, self.servers, self.cpu_threads, medians, h2d_gbps,
+        if self.h2d_gbps is None:
+            self.h2d_gbps = _copy_gbps(self.device)
+        return _cluster(self.topology, self.servers, self.cpu_threads, medians, self.h2d_gbps,
                         lanes=self.lanes)
 
     def time_alone(self, numels: Sequence[int]) -> None:
@@ -991,9 +993,8 @@ class EspressoSpec(CompressionSpec):
                 session, -probes.step_times(list(profiled), len(session.fp32.steps)))
         # Paused probes are collectives too: every rank takes them, or none does. Rank 0,
         # which plans, gets the cluster.
-        cluster = (probes.cluster(probes.h2d_gbps or _copy_gbps(rt.device),
-                                  list(profiled.values()), steps_us, session)
-                   if in_lanes else measure_cluster(session))
+        cluster = (probes.cluster(list(profiled.values()), steps_us, session) if in_lanes
+                   else measure_cluster(session))
         data: bytes | None = None
         if rt.topology.rank == 0:
             # shared_host: the fp32 baseline's path; host_device: cpu steps share the cores
