@@ -182,6 +182,7 @@ def run_setting(gbps: float, args: argparse.Namespace, out: Path) -> list[dict]:
                          target=target, args=args, fp32_runs=runs.get(("fp32", "-"), [])))
         if strategy == "espresso":
             rows[-1]["trials"] = [_trials(p) for p in profiles[cell]]
+            rows[-1]["checks"] = [_check(p) for p in profiles[cell]]
     fp32 = next((r for r in rows if r["strategy"] == "fp32"), None)
     for row in rows:
         row["vs_fp32"] = row["samples_per_s"] / fp32["samples_per_s"] if fp32 else None
@@ -208,6 +209,21 @@ def _trials(profile: Path) -> dict | None:
     return {"kept": data["kept"], "finalists": [
         {k: f[k] for k in ("algorithm", "predicted_ms", "measured_ms")}
         for f in data["finalists"]]}
+
+
+def _check(profile: Path) -> dict | None:
+    """What the check of the kept strategy found (``check.json``, worker/check.py), without
+    the options and the timed runs."""
+    path = profile / "check.json"
+    if not path.exists():  # no check: too few steps after the warm-up, or switched off
+        return None
+    data = json.loads(path.read_text())
+    entry = ("algorithm", "predicted_ms", "measured_ms")
+    return {**{k: data.get(k) for k in ("start", "factors", "kept_refitted_ms",
+                                         "replanned_predicted_ms", "replan_ms", "stayed")},
+            "kept": {k: data["kept"][k] for k in entry},
+            "replanned": None if data["replanned"] is None
+            else {k: data["replanned"][k] for k in entry}}
 
 
 def _fmt(value: float | None, spec: str, width: int, none: str = "-", unit: str = "") -> str:

@@ -310,6 +310,12 @@ VARIABLES: tuple[Variable, ...] = (
              "probes). They begin after the compressor's schedule (dgc's warm-up), which "
              "the planned strategy trains through. Below 2: use the planned strategy at "
              "once."),
+    Variable("ESPRESSO_CHECK_STEPS", "check_steps", _int(0), 6,
+             "Iterations of the kept strategy (after the compressor's schedule) timed step "
+             "by step and checked against the model: the first is a warm-up; the latencies "
+             "are refitted to the steps, the model re-plans once, and a plan predicted 10% "
+             "faster runs as many iterations and stays only if it measures faster "
+             "(`check.json` in `ESPRESSO_PROFILE_OUT`). Below 2: no check."),
     Variable("ESPRESSO_STARTUP_BUDGET", "startup_budget", _budget, 10.0,
              "Start-up budget, in fp32 iterations (the fastest profiled one, over all "
              "ranks): from the first step to the first iteration under the kept strategy. "
@@ -453,6 +459,7 @@ class Config:
     strategy_path: str | None = None
     profile_steps: int = 4
     trial_steps: int = 6
+    check_steps: int = 6
     startup_budget: float | None = 10.0
     bucket_cap_mb: float | None = None
     nonfinite: str = "error"

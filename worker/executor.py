@@ -165,6 +165,9 @@ class Executor:
         # When a list: every step's wall time, appended as (tensor, iteration, step index,
         # seconds); the start-up profile prices the links from them (worker/profiler.py).
         self.timings: list[tuple[str, int, int, float]] | None = None
+        # While ``timings`` is a list: the Option and size each timed name ran (the check of
+        # the kept strategy prices its runs from these, worker/check.py).
+        self.timed_runs: dict[str, tuple[Option, int]] = {}
         # When set: called with (step index, value held) after every step (tests compare
         # the values' forms and extents with the compiled program).
         self.trace: Callable[[int, Any], None] | None = None
@@ -210,6 +213,8 @@ class Executor:
         if value.dtype is not torch.float32 or value.device != self.device:
             value = value.to(self.device, torch.float32)
         record, trace = self.timings, self.trace
+        if record is not None:
+            self.timed_runs[name] = (option, numel)
         logged = log.isEnabledFor(logging.DEBUG)
         timed = logged or record is not None
         times: list[str] = []

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from byteps_espresso.kernels.powersgd import PowerSGD
 from byteps_espresso.worker import checkpoint
+from byteps_espresso.worker.check import Check, check_record, check_text, write_check
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.executor import Engine, Handle
 from byteps_espresso.worker.lowrank import LowRank
@@ -114,6 +115,19 @@ class CompressionSpec(abc.ABC):
         if strategy is None or sums == session.fp32:
             return sums
         return min((sums, session.fp32), key=lambda o: dense_us(strategy.cluster, o, numel))
+
+    def checks(self, session: Session) -> bool:
+        """Whether the kept strategy's first iterations are checked against the model
+        (``worker.check``; the same answer on every rank)."""
+        return False
+
+    def replan(self, session: Session, kept: Any, runs: Sequence[Any],
+               measured_ms: float) -> tuple[Any | None, dict[str, Any]]:
+        """The model refitted to the timed ``runs`` (``worker.check.Run``) of the kept
+        strategy, which measured ``measured_ms`` an iteration, and a strategy to run
+        instead, or None to stay; with what the refit found (every rank calls it and gets
+        the same)."""
+        return None, {}
 
     def probes(self, session: Session, numels: Sequence[int], traffic: Mapping[str, int],
                shapes: Mapping[str, Sequence[int]] | None = None) -> Any | None:
@@ -491,6 +505,10 @@ class _Sync:
     """Hook bookkeeping, buckets, submission order, profiling and planning of one optimizer."""
 
     _zeroed: float | None = None  # the first zero_grad(), before any gradient (zeroed())
+    check: Check | None = None  # the kept strategy's check (worker.check)
+    # The ranks' notes on non-finite gradients, when the last bucket's Option may not carry
+    # its flag (see _check_finite); issued with that bucket.
+    _flags: Handle | None = None
 
     def __init__(self, opt: torch.optim.Optimizer, named: Sequence[tuple[str, torch.Tensor]],
                  compression: CompressionSpec, passes: int,
@@ -643,6 +661,17 @@ class _Sync:
         if bucket.flagged:
             flat[-1] = 1.0 if self.bad else 0.0
         self.handles.append((bucket, self._start(bucket, flat, option)))
+        if bucket.flagged and not self._flag_survives(option):
+            # Every bucket of this rank has been checked: the ranks compare notes now, on
+            # another lane than the bucket's, beside its Option. Issued after it, behind
+            # the lanes, this 1-element all-gather took 1-31 ms (median about 4) of each
+            # iteration of a compressed LSTM plan at 1 Gbit/s, waiting for the slowest rank
+            # after every sum was done (BENCHMARKS.md, "Checking the kept strategy").
+            first = float(min(self.bad)) if self.bad else -1.0
+            self._flags = self.engine.call(
+                self.engine.lane_of(bucket.name) + 1, lambda ex: ex.transport.allgather(
+                    Scope.FLAT, torch.tensor([first], dtype=torch.float64), [1] * self.world),
+                "espresso.nonfinite")
         # The compressor's timings follow the last bucket of a profiled iteration: the same
         # point of every rank's submission order, beside the synchronization they share the
         # host with (the link probes follow it, in synchronize()).
@@ -790,6 +819,8 @@ class _Sync:
                 self._trial_step()
             elif self.iteration == self._trials_from:
                 self._begin_trials()
+        elif self.check is not None:
+            self._check_step()
         self.ended = time.perf_counter()
 
     # ---- non-finite gradients -----------------------------------------------------------------
@@ -810,20 +841,24 @@ class _Sync:
         is uncompressed the sum of these flags reaches every rank with the gradients, and only
         when it is not zero do the ranks all-gather which gradient was bad. When the last
         bucket is compressed the flag may not survive, so the ranks compare notes every
-        iteration (one 1-element all-gather per rank, queued behind the lanes).
+        iteration: one 1-element all-gather per rank, issued with the last bucket
+        (:meth:`_submit`).
         """
         self.skip_step = False
         local, self.bad = self.bad, []
         if not results:  # no parameter to synchronize
             return
         last, total = results[-1]
-        option = self._option(last)
-        if not option.is_compressed and not float(total[-1]):
-            return
-        first = float(min(local)) if local else -1.0
-        every = self.engine.call(0, lambda ex: ex.transport.allgather(
-            Scope.FLAT, torch.tensor([first], dtype=torch.float64), [1] * self.world),
-            "espresso.nonfinite").wait(timeout)
+        flags, self._flags = self._flags, None
+        if self._flag_survives(self._option(last)):
+            if not float(total[-1]):
+                return
+            first = float(min(local)) if local else -1.0
+            flags = self.engine.call(0, lambda ex: ex.transport.allgather(
+                Scope.FLAT, torch.tensor([first], dtype=torch.float64), [1] * self.world),
+                "espresso.nonfinite")
+        assert flags is not None
+        every = flags.wait(timeout)
         bad = [(int(i), r) for r, i in enumerate(every.tolist()) if i >= 0]
         if not bad:
             return
@@ -840,6 +875,12 @@ class _Sync:
             "ESPRESSO_NONFINITE=skip to skip such steps as AMP's GradScaler does")
 
     # ---- compression error ----------------------------------------------------------------
+    def _flag_survives(self, option: Option) -> bool:
+        """Whether the sum of the non-finite flags reaches every rank with the last bucket:
+        an uncompressed Option sums it exactly, and PowerSGD sends what follows its members
+        (the flag) in the dense part of its first sum."""
+        return not option.is_compressed or self.lowrank is not None
+
     def _compression_errors(self, timeout: float) -> None:
         """Log this iteration's relative compression error per compressed bucket and, with
         ``ESPRESSO_COMPRESSION_ERROR_BUDGET``, send the buckets over it uncompressed from now
@@ -920,6 +961,68 @@ class _Sync:
         self.session.strategy = kept
         self._use_strategy(kept)
         self.trials = None
+        self._start_check()
+
+    # ---- the check of the kept strategy (worker/check.py) -----------------------------------
+    def _steady_step(self) -> int:
+        """The first iteration after the compressor's schedule (dgc's sparsity warm-up,
+        PowerSGD's uncompressed first iterations): what the planner priced."""
+        return (self.codec.steady_step if self.codec is not None
+                else self.lowrank.state.start_iter if self.lowrank is not None else 0)
+
+    def _start_check(self) -> None:
+        steps = self.session.runtime.cfg.check_steps
+        strategy = self.session.strategy
+        if steps < 2 or strategy is None or not self.compression.checks(self.session):
+            return
+        self.check = Check(strategy, steps, max(self.iteration, self._steady_step()),
+                           list(self.engine.executors))
+        if self.iteration == self.check.start:
+            self.check.begin()
+
+    def _check_step(self) -> None:
+        """After each iteration while a strategy is checked (every rank alike)."""
+        check = self.check
+        assert check is not None
+        if self.iteration <= check.start:
+            if self.iteration == check.start:
+                check.begin()
+            return
+        if not check.record(time.perf_counter() - self.ended):
+            return
+        runs = check.runs(self.session)
+        measured = check.measure(self.session)
+        kept = check.against
+        if kept is not None:  # the re-planned strategy's check
+            assert kept.measured_ms is not None
+            stayed = "replanned"
+            if measured >= kept.measured_ms:  # the model's pick lost: back to the kept one
+                self._use_strategy(kept.strategy)
+                self.session.strategy = kept.strategy
+                stayed = "kept"
+            self._end_check(kept, check, stayed)
+            return
+        new, check.info = (self.compression.replan(self.session, check.strategy, runs,
+                                                   measured)
+                           if runs else (None, {}))
+        if new is None:
+            self._end_check(check, None, "kept")
+            return
+        self._use_strategy(new)
+        self.session.strategy = new
+        self.check = Check(new, check.steps, self.iteration, list(self.engine.executors),
+                           against=check)
+        self.check.begin()
+
+    def _end_check(self, kept: Check, replanned: Check | None, stayed: str) -> None:
+        """Log the check and, with ``ESPRESSO_PROFILE_OUT``, write ``check.json`` (rank 0)."""
+        rt = self.session.runtime
+        if rt.topology.rank == 0:
+            record = check_record(kept, replanned, stayed)
+            log.info("%s", check_text(record))
+            if rt.cfg.profile_out:
+                write_check(rt.cfg.profile_out, record)
+        self.check = None
 
     def _begin_trials(self) -> None:
         trials = self.trials
@@ -946,7 +1049,7 @@ class _Sync:
             raise ValueError("the strategy was planned for other parameters; load a "
                              "checkpoint of this model")
         self.order = order
-        self.trials = None
+        self.trials = self.check = None
         if self.probes is not None:
             self.probes.close()
             self.probes = None
@@ -976,21 +1079,21 @@ class _Sync:
             self._use_buckets(default_layout(self.session, [(n, self.numel[n])
                                                             for n in self.order]))
         self.options = self._checked(plan.options)
+        if self.codec is not None:
+            self.engine = self._take_codec_engine()
         if plan.finalists:
             # The trials measure the steady state the planner priced: through a compressor's
             # schedule (dgc's sparsity warm-up, whose first stage sends a quarter of each
             # gradient) the planned strategy trains, and the trials follow it.
-            steady = (self.codec.steady_step if self.codec is not None
-                      else self.lowrank.state.start_iter if self.lowrank is not None else 0)
-            self._trials_from = max(self.iteration, steady)
+            self._trials_from = max(self.iteration, self._steady_step())
             cfg = self.session.runtime.cfg
             self.trials = Trials(plan.finalists, cfg.trial_steps, fp32_ms=plan.fp32_ms,
                                  start=self._trials_from, budget=cfg.startup_budget,
                                  budget_unit_ms=plan.fp32_fastest_ms)
             if self.iteration == self._trials_from:
                 self._begin_trials()
-        if self.codec is not None:
-            self.engine = self._take_codec_engine()
+        if self.trials is None and self.check is None and profile is not None:
+            self._start_check()  # no trials: the planned strategy is the kept one
 
     def _take_codec_engine(self) -> Engine:
         """The codec's engine: the one started while profiling, else a new one."""

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from byteps_espresso.worker.check import step_medians
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.lowrank import LowRank, cost_samples
 from byteps_espresso.worker.lowrank import measure_costs as lowrank_costs
@@ -58,11 +59,12 @@ from byteps_espresso.worker.session import Session, slowest_across_ranks
 from byteps_espresso.worker.trials import MODEL_ERROR
 
 from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB
+from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes, Pricer
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope
 from byteps_espresso.strategy.tree import PARTNER
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
-           "in_training_latency", "measure_cluster", "measure_costs", "probe_lanes",
+           "fit_latency", "in_training_latency", "measure_cluster", "measure_costs", "probe_lanes",
            "read_profile", "ready_offsets", "workload_from_offsets", "workload_from_ready_times"]
 
 log = logging.getLogger(__name__)
@@ -399,38 +401,74 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
     Returns:
         (cluster, {"exchange": factor, "ps": factor}) for the kinds of step measured.
     """
-    from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes, Pricer
+    return fit_latency(cluster, [(option, int(n), measured_us[j]) for j, n in enumerate(numels)],
+                       compressor=compressor, params=params, costs=costs)
 
+
+_PUSH_PULLS = frozenset({Kind.PUSH_PULL, Kind.PUSH_PULL_C})
+# Which steps each latency factor is fitted over, and the Cluster field it scales.
+_LATENCY_KINDS = {
+    "exchange": ("exchange_latency", EXCHANGES),
+    "ps": ("server_latency_us", _PUSH_PULLS),
+    "rooted": ("rooted_latency", frozenset(
+        k for k in Kind if not k.is_compute and k not in EXCHANGES | _PUSH_PULLS)),
+}
+
+def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
+                compressor: str, params: Mapping[str, Any], costs: Any,
+                kinds: Sequence[str] = ("exchange", "ps"),
+                unmeasured: bool = False) -> tuple[Any, dict[str, float]]:
+    """The cluster with the latencies of ``kinds`` scaled to what ``runs`` took.
+
+    Each run is (Option, elements, each step's measured us; NaN where none was measured).
+    Per kind, one factor by least squares over every run's steps of that kind, of
+    ``measured = rest + factor x latency part`` on each step's error relative to its price
+    (see :func:`in_training_latency`), at least 1. ``exchange`` scales
+    ``Cluster.exchange_latency``, ``ps`` the PS path's latency (``server_latency_us``, made
+    explicit), ``rooted`` ``Cluster.rooted_latency``. With ``unmeasured`` the kinds no step
+    measured take the largest factor fitted (the host's message latency: a plan priced on
+    this cluster must not favour a kind no step checked). Returns (cluster, {kind: factor})
+    for the kinds fitted.
+    """
     sizes = CompressedSizes(compressor, dict(params))
+    by_option: dict[Option, list[tuple[int, np.ndarray]]] = {}
+    for option, numel, measured in runs:
+        by_option.setdefault(option, []).append((numel, np.asarray(measured, dtype=float)))
 
-    def per_step(c: Any) -> np.ndarray:
+    def per_step(c: Any, option: Option, numels: list[int]) -> np.ndarray:
         return Pricer(c, compressor, sizes, costs, numels).tasks(option).per_step(
             len(option.steps))
 
     # The PS path's latency explicit, so it stays apart from the collectives'.
     cluster = replace(cluster, server_latency_us=cluster.ps_latency_us if cluster.servers
                       else None)
-    base = per_step(cluster)
-    kinds = {"exchange": (EXCHANGES, {"exchange_latency": 0.0}),
-             "ps": ({Kind.PUSH_PULL, Kind.PUSH_PULL_C}, {"server_latency_us": 0.0})}
-    factors: dict[str, float] = {}
-    for what, (members, zero) in kinds.items():
-        cols = [i for i, st in enumerate(option.steps) if st.kind in members]
-        if not cols or (what == "ps" and not cluster.servers):
+    sums = {what: [0.0, 0.0] for what in kinds}
+    for option, got in by_option.items():
+        numels = [n for n, _ in got]
+        measured = np.stack([m for _, m in got])
+        base = per_step(cluster, option, numels)
+        for what in kinds:
+            name, members = _LATENCY_KINDS[what]
+            cols = [i for i, st in enumerate(option.steps) if st.kind in members]
+            if not cols or (what == "ps" and not cluster.servers):
+                continue
+            latency = (base - per_step(replace(cluster, **{name: 0.0}), option, numels))[:, cols]
+            rest = base[:, cols] - latency
+            ok = (latency > 0) & np.isfinite(measured[:, cols])
+            if ok.any():
+                lat, price = latency[ok], base[:, cols][ok]
+                residual = measured[:, cols][ok] - rest[ok]
+                sums[what][0] += float(np.sum(lat * residual / price ** 2))
+                sums[what][1] += float(np.sum((lat / price) ** 2))
+    factors = {what: max(1.0, num / den) for what, (num, den) in sums.items() if den > 0}
+    top = max(factors.values(), default=1.0)
+    scaled = cluster
+    for what, factor in ({what: factors.get(what, top) for what in kinds} if unmeasured
+                         else factors).items():
+        if what == "ps" and not cluster.servers:
             continue
-        latency = (base - per_step(replace(cluster, **zero)))[:, cols]
-        rest = base[:, cols] - latency
-        ok = (latency > 0) & np.isfinite(measured_us[:, cols])
-        if ok.any():
-            lat, price = latency[ok], base[:, cols][ok]
-            residual = measured_us[:, cols][ok] - rest[ok]
-            fit = float(np.sum(lat * residual / price ** 2) / np.sum((lat / price) ** 2))
-            factors[what] = max(1.0, fit)
-    scaled = replace(cluster, exchange_latency=cluster.exchange_latency
-                     * factors.get("exchange", 1.0))
-    if cluster.servers:
-        scaled = replace(scaled, server_latency_us=cluster.server_latency_us
-                         * factors.get("ps", 1.0))
+        name = _LATENCY_KINDS[what][0]
+        scaled = replace(scaled, **{name: getattr(scaled, name) * factor})
     return scaled, factors
 
 
@@ -779,19 +817,14 @@ class LaneProbes:
         """Median wall time (us) of each step of each tensor's Option over the profiled
         iterations after its first (tensors x steps; NaN where none was recorded). Stops the
         recording."""
-        samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
+        medians: dict[tuple[str, int], float] = {}
         for ex in self._executors:
-            for name, it, i, sec in ex.timings or ():
-                samples.setdefault((name, i), []).append((it, sec * 1e6))
+            medians |= step_medians(ex.timings or ())
             ex.timings = None
         out = np.full((len(names), steps), np.nan)
         for j, name in enumerate(names):
             for i in range(steps):
-                got = samples.get((name, i), [])
-                first = min((it for it, _ in got), default=0)
-                later = [us for it, us in got if it > first]  # the first is a warm-up
-                if later:
-                    out[j, i] = statistics.median(later)
+                out[j, i] = medians.get((name, i), np.nan)
         return out
 
     def cluster(self, sizes: Sequence[int], steps_us: np.ndarray, session: Session) -> Any:
@@ -892,6 +925,10 @@ class EspressoSpec(CompressionSpec):
     # into the codec and the optimizer's momentum before communication; None: not used.
     recipe: Mapping[str, Any] | None = None
     takes_checkpoint_strategy = True
+    # What rank 0 planned from, for the check's re-plan (:meth:`replan`), per model (the
+    # frozenset of its gradients' names): (workload, costs, apart, caps).
+    _planned: dict[frozenset[str], tuple[Any, Any, frozenset[str], tuple[int, ...]]] = field(
+        default_factory=dict, init=False, compare=False, repr=False)
 
     def profile_steps(self, session: Session) -> int:
         return max(1, session.runtime.cfg.profile_steps)
@@ -1022,13 +1059,14 @@ class EspressoSpec(CompressionSpec):
             if apart:
                 log.info("kept uncompressed (exclude=, ESPRESSO_EXCLUDE or at most one "
                          "dimension): %d parameter(s), e.g. %s", len(apart), sorted(apart)[:4])
-            cap_mb = rt.cfg.bucket_cap_mb
+            self._planned[frozenset(names)] = planned = (
+                workload, costs, apart, _bucket_caps(rt.cfg.bucket_cap_mb))
             # Trials only when the planner chose freely: a baseline asked for by name runs.
             buckets, tried, finalists = plan_bucketed(
                 workload, cluster, self.compressor, dict(self.params),
                 within=_TRIAL_WITHIN if self._trials(session) else None,
                 algorithm=self.algorithm, constraints=self.constraints, costs=costs,
-                caps=CANDIDATE_CAPS if cap_mb is None else (int(cap_mb * MiB),), apart=apart)
+                caps=planned[3], apart=apart)
             kept = buckets if any(b.fused for b in buckets) else ()
             finalists = [replace(s, buckets=kept) for s in finalists]
             if len(finalists) > 1 and profile is not None and profile.layout:
@@ -1057,6 +1095,69 @@ class EspressoSpec(CompressionSpec):
             plan = replace(plan, fp32_ms=slowest, fp32_fastest_ms=fastest)
         return plan
 
+    def checks(self, session: Session) -> bool:
+        # The planner's own pick only (a baseline asked for by name runs as asked), from a
+        # profile measured in the lanes (whose cluster the check refits).
+        return (self.algorithm == "espresso" and session.runtime.cfg.check_steps >= 2
+                and self.profile_steps(session) >= 2)
+
+    def replan(self, session: Session, kept: Any, runs: Sequence[Any],
+               measured_ms: float) -> tuple[Any | None, dict[str, Any]]:
+        from byteps_espresso.strategy import Strategy
+
+        rt = session.runtime
+        data: bytes | None = None
+        if rt.topology.rank == 0:
+            new, info = self._replanned(kept, runs)
+            data = json.dumps({"info": info, "strategy": None if new is None
+                               else new.to_dict()}).encode()
+        got = json.loads(rt.broadcast_bytes(data, 0))
+        new = None if got["strategy"] is None else Strategy.from_dict(got["strategy"],
+                                                                      "re-planned strategy")
+        return new, got["info"]
+
+    def _replanned(self, kept: Any, runs: Sequence[Any]) -> tuple[Any | None, dict[str, Any]]:
+        """Rank 0's part of :meth:`replan`: the refit, the kept strategy priced again, the
+        re-plan, and whether it switches (``worker.check``)."""
+        from byteps_espresso.worker.check import REPLAN_GAIN
+
+        from byteps_espresso.strategy.context import PlanContext
+        from byteps_espresso.strategy.planner import plan_bucketed
+
+        t0 = time.perf_counter()
+        workload, costs, apart, caps = self._planned[frozenset(
+            n for b in kept.layout for n in b.tensors)]
+        kinds = ("exchange", "rooted", "ps") if kept.cluster.servers else ("exchange", "rooted")
+        refit, factors = fit_latency(
+            kept.cluster, [(r.option, r.numel, r.steps_us) for r in runs],
+            compressor=self.compressor, params=self.params, costs=costs, kinds=kinds,
+            unmeasured=True)
+        ctx = PlanContext(kept.workload, refit, self.compressor, dict(self.params), costs,
+                          kept.constraints)
+        kept_ms = ctx.iteration_us(ctx.index([kept.options[n]
+                                              for n in kept.workload.names])) / 1e3
+        buckets, _, (new,) = plan_bucketed(
+            workload, refit, self.compressor, dict(self.params), within=None,
+            algorithm=self.algorithm, constraints=self.constraints, costs=costs, caps=caps,
+            apart=apart)
+        new = replace(new, buckets=buckets if any(b.fused for b in buckets) else ())
+        sizes = CompressedSizes(self.compressor, dict(self.params))
+        timed = [{"name": r.name, "option": str(r.option), "numel": r.numel,
+                  "measured_us": [None if np.isnan(us) else float(us) for us in r.steps_us],
+                  "priced_us": [float(us) for us in Pricer(
+                      c, self.compressor, sizes, costs, [r.numel]).tasks(r.option).per_step(
+                      len(r.option.steps))[0]]}
+                 for r in runs for c in (refit,)]
+        info = {"factors": factors, "others_factor": max(factors.values(), default=1.0),
+                "timed_runs": timed, "kept_refitted_ms": kept_ms,
+                "replanned_predicted_ms": new.predicted_ms,
+                "replan_ms": (time.perf_counter() - t0) * 1e3}
+        same = new.options == kept.options and new.layout == kept.layout
+        if same or new.predicted_ms > kept_ms * (1 - REPLAN_GAIN):
+            return None, info
+        log.info("re-planned on the refitted latencies:\n%s", new.summary())
+        return new, info
+
     def _on_layout(self, strategy: Any, workload: Any, cluster: Any, costs: Any,
                    layout: Sequence[Any]) -> Any:
         """``strategy`` (a baseline) planned again on the buckets of ``layout``."""
@@ -1070,6 +1171,12 @@ class EspressoSpec(CompressionSpec):
 
     def _trials(self, session: Session) -> bool:
         return self.algorithm == "espresso" and session.runtime.cfg.trial_steps >= 2
+
+
+def _bucket_caps(cap_mb: float | None) -> tuple[int, ...]:
+    """The bucket caps the plan tries, bytes: ``ESPRESSO_BUCKET_CAP_MB``'s, or the
+    candidates."""
+    return tuple(CANDIDATE_CAPS) if cap_mb is None else (int(cap_mb * MiB),)
 
 
 def _fp32_ms(session: Session, starts: Sequence[float],

@@ -109,6 +109,9 @@ class Cluster:
             1 for the presets. A profile measured by the runtime sets it from the profiled
             iterations' own steps: on a host whose cores the workers share, exchanges issued
             during backward cost more per hop than the probes read.
+        rooted_latency: the same multiplier for the rooted collectives (Reduce, Broadcast(C),
+            GatherC). 1 for the presets and for a start-up profile; the runtime's check of
+            the kept strategy (``worker.check``) fits it where that strategy runs them.
         shared_host: every worker machine runs on one host (``espresso-launch --local``):
             there is no inter-machine link for a hierarchy to spare, and the uncompressed
             path is flat (:func:`~byteps_espresso.strategy.baselines.fp32_option`).
@@ -135,6 +138,7 @@ class Cluster:
     server_latency_us: float | None = None
     lanes: int | None = None
     exchange_latency: float = 1.0
+    rooted_latency: float = 1.0
     shared_host: bool = False
     host_device: bool = False
 
@@ -144,7 +148,8 @@ class Cluster:
         _check("servers", self.servers, integer=True, low=0)
         for name in ("intra_gbps", "inter_gbps", "h2d_gbps"):
             _check(name, getattr(self, name), low=0, strict=True)
-        for name in ("intra_latency_us", "inter_latency_us", "server_gbps", "exchange_latency"):
+        for name in ("intra_latency_us", "inter_latency_us", "server_gbps", "exchange_latency",
+                     "rooted_latency"):
             _check(name, getattr(self, name), low=0)
         _check("server_latency_us", self.server_latency_us, low=0, optional=True)
         _check("lanes", self.lanes, integer=True, low=1, optional=True)

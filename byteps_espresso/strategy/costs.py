@@ -98,7 +98,8 @@ __all__ = [
 GPU, CPU, INTRA, INTER, SERVER = range(5)
 RESOURCES = ("gpu", "cpu", "intra", "inter", "server")
 FLOAT32_BYTES = 4
-# Collectives in which every member sends and receives: Cluster.exchange_latency applies.
+# Collectives in which every member sends and receives: Cluster.exchange_latency applies
+# (Cluster.rooted_latency to the other collectives).
 EXCHANGES = frozenset({Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.ALLGATHER, Kind.ALLGATHER_C,
                        Kind.ALLTOALL_C})
 _ONE_HOT = np.eye(len(RESOURCES))
@@ -520,8 +521,9 @@ class Pricer:
         p = self._group(scope)
         active = self._active(prog, op)
         bw, lat, resource = self._link(scope, active)
-        if op.kind in EXCHANGES:
-            lat *= self.cluster.exchange_latency
+        # (the PS kinds price their own path's latency, Cluster.ps_latency_us)
+        lat *= (self.cluster.exchange_latency if op.kind in EXCHANGES
+                else self.cluster.rooted_latency)
         prev = self._before(prog, op)
         e = self.extent(prev.shards if prev is not None else ())
         comm = _Comm(p, bw, lat, resource, scope, e, e * FLOAT32_BYTES, active,

@@ -1,0 +1,196 @@
+"""The check of the kept strategy: its own steps timed, the model refitted, one re-plan.
+
+The start-up plans with latencies fitted to the profiled fp32 iterations (worker/profiler.py,
+:func:`~byteps_espresso.worker.profiler.in_training_latency`), whose buckets are large: their
+steps are mostly bandwidth, so the fit cannot see what a small step costs in training. A
+compressed strategy runs many small steps (a PowerSGD bucket's P and Q sums, a compressed
+bucket's gathers), and on a host whose cores the workers share each of them waits until
+every member is scheduled: on the LSTM at 1 Gbit/s a 16,000-float P took 17-18 ms over
+three steps priced at about 1 ms each, and the kept plans ran 30-37% slower than predicted
+(BENCHMARKS.md, "End-to-end").
+
+So once a strategy is kept (after the trials, or at once), its first ``ESPRESSO_CHECK_STEPS``
+iterations after the compressor's schedule are timed step by step, as the profiled ones
+were (``Executor.timings``; the first iteration is a warm-up). The ranks take each step's
+minimum (the member that arrived last measured the step itself) and the slowest rank's
+median iteration. Rank 0 refits the latencies to those steps (one factor per kind of step:
+exchanges, push/pulls, rooted collectives; a kind the strategy does not run takes the
+largest factor measured, the host's message latency, so that a re-plan cannot flee to a
+kind no step checked), prices the kept strategy again and re-plans on the refitted cluster
+(:meth:`CompressionSpec.replan`). A plan predicted at least ``REPLAN_GAIN`` faster than the
+kept one runs the same number of checked iterations and stays only if its measured median
+beats the kept one's; otherwise the kept strategy comes back. One re-plan per job: a second
+would chase the noise of a shared host. With ``ESPRESSO_PROFILE_OUT`` rank 0 writes
+``check.json``: the factors, each strategy's prediction (as planned, refitted) against its
+measured median, and which one stayed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from byteps_espresso.worker.session import Session, slowest_across_ranks
+
+from byteps_espresso.strategy.options import Option
+from byteps_espresso.strategy.workload import atomic_write_text
+
+__all__ = ["REPLAN_GAIN", "Check", "Run", "check_record", "check_text", "step_medians",
+           "write_check"]
+
+log = logging.getLogger(__name__)
+
+# The least predicted gain (fraction of the kept strategy's refitted time) worth a switch:
+# the refitted model still erred by up to 10% on the plans it was fitted to (BENCHMARKS.md,
+# "Checking the kept strategy"), and a switch costs a warm-up iteration on new PS keys.
+REPLAN_GAIN = 0.10
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed run of an Option in the checked iterations: a bucket's, or a PowerSGD
+    bucket's P or Q sum. ``steps_us``: each step's median over the iterations after the first,
+    the minimum over ranks (NaN where none was timed)."""
+
+    name: str
+    option: Option
+    numel: int
+    steps_us: np.ndarray
+
+
+def step_medians(timings: Sequence[tuple[str, int, int, float]]) -> dict[tuple[str, int], float]:
+    """Per (run name, step index), the median wall time (us) over the iterations after the
+    run's first (the first is a warm-up: new PS keys, first collectives of a size)."""
+    samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for name, it, i, sec in timings:
+        samples.setdefault((name, i), []).append((it, sec * 1e6))
+    out = {}
+    for key, got in samples.items():
+        first = min(it for it, _ in got)
+        later = [us for it, us in got if it > first]
+        if later:
+            out[key] = statistics.median(later)
+    return out
+
+
+@dataclass
+class Check:
+    """The checked iterations of one strategy (see the module docstring).
+
+    Args:
+        strategy: the strategy under check.
+        steps: iterations to time (the first a warm-up; at least 2).
+        start: the training iteration the first checked one runs.
+        executors: the lanes' executors that run it (their steps are timed).
+        against: the kept strategy's check, when this strategy is the re-planned one.
+    """
+
+    strategy: Any
+    steps: int
+    start: int
+    executors: list[Any]
+    against: Check | None = None
+    times_ms: list[float] = field(default_factory=list)
+    measured_ms: float | None = None
+    # What the refit found (CompressionSpec.replan), for check.json.
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def begin(self) -> None:
+        """Time every step of the lanes from the next iteration on."""
+        for ex in self.executors:
+            ex.timings = []
+            ex.timed_runs = {}
+
+    def record(self, seconds: float) -> bool:
+        """One checked iteration took ``seconds``; True once the last has run."""
+        self.times_ms.append(seconds * 1e3)
+        return len(self.times_ms) >= self.steps
+
+    def measure(self, session: Session) -> float:
+        """The slowest rank's median iteration after the warm-up, kept as
+        :attr:`measured_ms` (all ranks call it)."""
+        mine = statistics.median(self.times_ms[1:])
+        self.measured_ms = float(slowest_across_ranks(session, np.array([mine]))[0])
+        return self.measured_ms
+
+    def runs(self, session: Session) -> list[Run] | None:
+        """The timed runs, each step the minimum over ranks, and stops the timing (all ranks
+        call it). None where the ranks timed different runs (they run one strategy, so they
+        should not; the check is then skipped on every rank alike)."""
+        medians: dict[tuple[str, int], float] = {}
+        ran: dict[str, tuple[Option, int]] = {}
+        for ex in self.executors:
+            medians |= step_medians(ex.timings or ())
+            ran |= ex.timed_runs
+            ex.timings = None
+            ex.timed_runs = {}
+        keys = sorted(medians)
+        crc = float(zlib.crc32(repr(keys).encode()))
+        both = slowest_across_ranks(session, np.array([crc, -crc]))
+        if both[0] != -both[1]:
+            return None
+        if not keys:
+            return []
+        fastest = -slowest_across_ranks(session, -np.array([medians[k] for k in keys]))
+        by_name: dict[str, np.ndarray] = {}
+        for (name, i), us in zip(keys, fastest, strict=True):
+            option, _ = ran[name]
+            by_name.setdefault(name, np.full(len(option.steps), np.nan))[i] = us
+        return [Run(name, ran[name][0], ran[name][1], steps) for name, steps in
+                sorted(by_name.items())]
+
+
+def _entry(check: Check) -> dict[str, Any]:
+    return {"algorithm": check.strategy.algorithm, "predicted_ms": check.strategy.predicted_ms,
+            "measured_ms": check.measured_ms, "iteration_ms": check.times_ms,
+            "options": {name: str(o) for name, o in check.strategy.options.items()}}
+
+
+def check_record(kept: Check, replanned: Check | None, stayed: str) -> dict[str, Any]:
+    """What the check found (``check.json``): the kept check's ``info`` (the factors, the
+    kept strategy's refitted prediction, the re-plan's prediction and time); iteration
+    times are this rank's, medians the slowest rank's; ``stayed``: ``kept`` or
+    ``replanned``, the strategy that trains on."""
+    return {"steps": kept.steps, "start": kept.start, **kept.info, "kept": _entry(kept),
+            "replanned": None if replanned is None else _entry(replanned), "stayed": stayed}
+
+
+def _off(predicted: float | None, measured: float | None) -> str:
+    if predicted is None or not measured:
+        return "-"
+    return f"{predicted:.1f} ms ({(predicted - measured) / measured:+.0%})"
+
+
+def check_text(record: Mapping[str, Any]) -> str:
+    """Rank 0's log line of the check."""
+    kept = record["kept"]
+    text = (f"check of the kept strategy ({kept['algorithm']}) over {record['steps'] - 1} "
+            f"iterations: measured {kept['measured_ms']:.1f} ms, predicted "
+            f"{_off(kept['predicted_ms'], kept['measured_ms'])}")
+    factors = record.get("factors")
+    if not factors:
+        return text + "; no step timed alike on every rank, nothing refitted"
+    text += ("; latency refitted to its steps: " + ", ".join(
+        f"{kind} x{f:.2f}" for kind, f in factors.items())
+        + f" (kinds it does not run x{record['others_factor']:.2f})"
+        + f" -> predicted {_off(record['kept_refitted_ms'], kept['measured_ms'])}; "
+        f"re-planned in {record['replan_ms']:.0f} ms: {record['replanned_predicted_ms']:.1f} ms")
+    again = record["replanned"]
+    if again is None:
+        return text + f" (a switch needs {REPLAN_GAIN:.0%} less), the kept strategy stays"
+    return text + (f", measured {again['measured_ms']:.1f} ms: the "
+                   f"{record['stayed']} strategy stays")
+
+
+def write_check(out: str | Path, record: Mapping[str, Any]) -> None:
+    """``check.json`` in ``ESPRESSO_PROFILE_OUT``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "check.json", json.dumps(record, indent=1) + "\n")
