@@ -27,7 +27,8 @@ def _run(tmp_path, cluster, compression: str, mode: str, env: dict | None = None
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("compression", ["none", "fp16"])
+# fp16: the ranks compare notes beside the last bucket; powersgd: the flag rides its first sum
+@pytest.mark.parametrize("compression", ["none", "fp16", "powersgd"])
 def test_every_rank_stops_naming_tensor_rank_and_iteration(tmp_path, cluster, compression):
     _run(tmp_path, cluster, compression, "error")
     errors = [(tmp_path / f"error_{r}.txt").read_text() for r in range(WORLD)]

@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from byteps_espresso.worker.check import REPLAN_GAIN
 from byteps_espresso.worker.profiler import _LANE_REPS, _PROBE_ROUNDS
 from byteps_espresso.worker.runtime import DEFAULT_LANES
 
+from byteps_espresso.strategy import Strategy
 from byteps_espresso.strategy.options import Option
 
 WORLD = 4
@@ -186,6 +188,53 @@ def test_trials_switch_strategies_in_step_and_every_rank_keeps_the_same(tmp_path
     assert trials["kept"] == finalists[measured.index(min(measured))]["algorithm"]
     assert {(tmp_path / f"kept_{r}.txt").read_text() for r in range(WORLD)} == {trials["kept"]}
     assert json.loads((out / "strategy.json").read_text())["algorithm"] == trials["kept"]
+
+
+@pytest.mark.timeout(200)
+def test_the_kept_strategy_is_checked_and_every_rank_trains_on_the_one_that_stayed(
+        tmp_path, cluster):
+    """2 profiled steps, no trials, then the check's 3 iterations (one a warm-up) of the plan:
+    every rank times its steps, rank 0 refits the latencies and re-plans once; a re-planned
+    strategy runs 3 checked iterations too and stays only if it measured faster. The ranks'
+    parameters stay bit-identical through any switch, and every rank ends on the strategy
+    check.json says stayed."""
+    out = tmp_path / "profile"
+    env = {"ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "0",
+           "ESPRESSO_CHECK_STEPS": "3", "ESPRESSO_PROFILE_OUT": str(out)}
+    steps = 2 + 3 + 3 + 2
+    with cluster.ps_job(servers=1) as root:
+        cluster.run_workers("optimizer_worker.py", [str(tmp_path), "espresso", "1", str(steps)],
+                            root_port=root, servers=1, timeout=150, extra_env=env)
+    for step in range(steps):
+        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
+        for r in range(1, WORLD):
+            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+    check = json.loads((out / "check.json").read_text())
+    kept = check["kept"]
+    assert (check["start"], check["steps"], len(kept["iteration_ms"])) == (2, 3, 3)
+    planned = Strategy.load(out / "strategy.json")  # the plan, the one the check began with
+    assert kept["options"] == {name: str(o) for name, o in planned.options.items()}
+    # every bucket's Option was timed, each communication step on some rank
+    assert {r["name"] for r in check["timed_runs"]} == set(kept["options"])
+    for run in check["timed_runs"]:
+        option = Option.parse(run["option"])
+        assert option == Option.parse(kept["options"][run["name"]])
+        assert len(run["measured_us"]) == len(run["priced_us"]) == len(option.steps)
+        assert all(us is not None and us > 0 for us, st in zip(run["measured_us"],
+                                                                option.steps, strict=True)
+                   if not st.kind.is_compute)
+    assert check["factors"] and all(f >= 1.0 for f in check["factors"].values())
+    again = check["replanned"]
+    if again is None:
+        assert check["stayed"] == "kept"
+        assert check["replanned_predicted_ms"] > check["kept_refitted_ms"] * (1 - REPLAN_GAIN)
+    else:
+        assert len(again["iteration_ms"]) == 3
+        assert check["stayed"] == ("replanned" if again["measured_ms"] < kept["measured_ms"]
+                                   else "kept")
+    stayed = kept if check["stayed"] == "kept" else again
+    for r in range(WORLD):
+        assert json.loads((tmp_path / f"options_{r}.json").read_text()) == stayed["options"]
 
 
 @pytest.mark.timeout(200)

@@ -316,3 +316,51 @@ def test_push_pulls_too_small_or_absent_leave_the_ps_path_to_the_probes():
     assert traffic_times(hierarchical, [1 << 20], None, size) == {}
     unseen = np.full((1, 3), np.nan)  # no push/pull was timed
     assert traffic_times(hierarchical, [1 << 20], unseen, size) == {}
+
+
+def test_fit_latency_fits_each_kind_over_every_run():
+    """Runs of two Options (the kept strategy's buckets): every step took its price on a
+    cluster with 2x the exchanges' latency, 5x the rooted collectives' and 3x the PS path's;
+    one factor per kind is fitted over all of them, and the steps' prices on the fitted
+    cluster are what they took."""
+    from dataclasses import replace
+
+    from byteps_espresso.worker.profiler import fit_latency
+
+    from byteps_espresso.strategy import CompressorCosts, Option
+
+    probed = _probed()
+    truth = replace(probed, exchange_latency=2.0, rooted_latency=5.0,
+                    server_latency_us=3 * probed.server_latency_us)
+    options = [Option.parse("Reduce(intra) -> PushPull(inter) -> Broadcast(intra)"),
+               Option.parse("ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)")]
+    runs = [(o, n, row) for o in options for n, row in zip(_NUMELS, _step_prices(truth, o),
+                                                           strict=True)]
+    fitted, factors = fit_latency(probed, runs, compressor="randomk", params={"ratio": 0.01},
+                                  costs=CompressorCosts.default(),
+                                  kinds=("exchange", "rooted", "ps"))
+    assert factors == pytest.approx({"exchange": 2.0, "rooted": 5.0, "ps": 3.0})
+    for o in options:
+        np.testing.assert_allclose(_step_prices(fitted, o), _step_prices(truth, o), rtol=1e-9)
+
+
+def test_fit_latency_gives_the_kinds_no_step_ran_the_largest_factor():
+    """With ``unmeasured`` a plan priced on the refitted cluster cannot favour a kind no
+    step checked: the exchanges, which the BytePS path does not run, take the larger of the
+    rooted (4x) and PS (1.5x) factors."""
+    from dataclasses import replace
+
+    from byteps_espresso.worker.profiler import fit_latency
+
+    from byteps_espresso.strategy import CompressorCosts, Option
+
+    probed = _probed()
+    truth = replace(probed, rooted_latency=4.0, server_latency_us=1.5 * probed.server_latency_us)
+    option = Option.parse("Reduce(intra) -> PushPull(inter) -> Broadcast(intra)")
+    runs = [(option, n, row) for n, row in zip(_NUMELS, _step_prices(truth, option), strict=True)]
+    kwargs = {"compressor": "randomk", "params": {"ratio": 0.01},
+              "costs": CompressorCosts.default(), "kinds": ("exchange", "rooted", "ps")}
+    fitted, factors = fit_latency(probed, runs, unmeasured=True, **kwargs)
+    assert factors == pytest.approx({"rooted": 4.0, "ps": 1.5})
+    assert fitted.exchange_latency == pytest.approx(4.0)
+    assert fit_latency(probed, runs, **kwargs)[0].exchange_latency == 1.0

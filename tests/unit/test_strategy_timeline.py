@@ -247,7 +247,7 @@ def test_rooted_collectives_are_priced_as_the_transport_runs_them():
     np.testing.assert_allclose(priced(8, 1.0, 10**6), [7014.0, 12003.0])
 
 
-def test_exchange_latency_scales_the_exchanges_and_leaves_rooted_collectives_alone():
+def test_exchange_and_rooted_latency_each_scale_their_own_collectives():
     from dataclasses import replace
 
     from byteps_espresso.strategy import ClusterError
@@ -269,6 +269,14 @@ def test_exchange_latency_scales_the_exchanges_and_leaves_rooted_collectives_alo
     with pytest.raises(ClusterError, match="exchange_latency"):
         replace(base, exchange_latency=-1.0)
     assert Cluster.from_dict(slow.to_dict()) == slow
+    # rooted_latency, the other way round: Reduce and Broadcast (1 hop each at 500 us, the
+    # binomial tree of 2 members) pay it, the exchanges do not
+    rooted_slow = replace(base, rooted_latency=4.0)
+    assert total(rooted_slow, rooted) - total(base, rooted) == pytest.approx(3 * (500 + 500))
+    assert total(rooted_slow, exchange) == total(base, exchange)
+    with pytest.raises(ClusterError, match="rooted_latency"):
+        replace(base, rooted_latency=-1.0)
+    assert Cluster.from_dict(rooted_slow.to_dict()) == rooted_slow
 
 
 def test_per_step_sums_each_step_s_tasks():

@@ -10,7 +10,8 @@ finalist: the trials wait for the warm-up to end) or ``dgc`` (DGC's recipe: the 
 momentum moves before communication). Each rank's
 batches are drawn from a generator seeded by (rank, step, pass), so the test recomputes
 them. After every step the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy
-(no pickle); at the end the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt.
+(no pickle); at the end the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt
+and its Options to OUT_DIR/options_RANK.json.
 """
 
 import json
@@ -88,6 +89,8 @@ def main() -> None:
         (out / f"momentum_{bps.rank()}.txt").write_text(str(opt.param_groups[0]["momentum"]))
         strategy = bps.planned_strategy()
         (out / f"kept_{bps.rank()}.txt").write_text(strategy.algorithm if strategy else "-")
+        (out / f"options_{bps.rank()}.json").write_text(json.dumps(
+            {name: str(o) for name, o in strategy.options.items()} if strategy else {}))
         sync = opt._bps  # each bucket's iteration counter against the training's
         counters = {b.name: sync.session.runtime.counters.get(b.name) for b in sync.buckets}
         (out / f"counters_{bps.rank()}.json").write_text(json.dumps(

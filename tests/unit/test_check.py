@@ -1,0 +1,214 @@
+"""The check of the kept strategy (worker/check.py): step timings reduced over ranks, the
+iteration's median, the record, and the refit and re-plan of ``EspressoSpec``.
+
+The reductions run over the in-memory transport with ranks as threads, as the trials' do, so
+the exchange is the real collective code path.
+"""
+
+import json
+import threading
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from byteps_espresso.worker.check import (
+    REPLAN_GAIN,
+    Check,
+    check_record,
+    check_text,
+    step_medians,
+    write_check,
+)
+from byteps_espresso.worker.local_transport import LocalHub
+from byteps_espresso.worker.profiler import EspressoSpec
+
+from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
+from byteps_espresso.strategy.context import PlanContext
+from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes, Pricer
+from byteps_espresso.strategy.options import Kind
+from byteps_espresso.strategy.planner import plan_bucketed
+
+WORLD = 4
+PUSH_PULL = Option.parse("PushPull(flat)")
+PUSH_PULLS = {Kind.PUSH_PULL, Kind.PUSH_PULL_C}
+ROOTED = {Kind.REDUCE, Kind.BROADCAST, Kind.BROADCAST_C, Kind.GATHER_C}
+HIER = Option.parse("Reduce(intra) -> PushPull(inter) -> Broadcast(intra)")
+
+
+def _session(hub: LocalHub, rank: int):
+    runtime = SimpleNamespace(transports=[hub.transport(rank)],
+                              topology=SimpleNamespace(rank=rank, world_size=WORLD))
+    return SimpleNamespace(runtime=runtime)
+
+
+def _on_every_rank(fn):
+    hub = LocalHub(2, 2, timeout_s=20.0)
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(_session(hub, rank), rank)
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    assert len(results) == WORLD
+    return results
+
+
+def test_step_medians_leave_out_each_run_s_first_iteration():
+    timings = [("a", 4, 0, 9.0), ("a", 5, 0, 0.001), ("a", 6, 0, 0.003), ("a", 7, 0, 0.002),
+               ("a", 4, 1, 1.0), ("b", 6, 0, 5.0)]  # b: its warm-up only
+    assert step_medians(timings) == pytest.approx({("a", 0): 2000.0})
+
+
+def _executor(timings, runs):
+    return SimpleNamespace(timings=list(timings), timed_runs=dict(runs))
+
+
+def test_runs_take_each_step_s_fastest_rank_and_stop_the_timing():
+    """On a collective the member that arrived last measured the step itself: the minimum
+    over ranks. Rank r's step i of bucket ``a`` took (10 + r + i) ms after a 1 s warm-up;
+    step 2 of the hierarchical run was never timed (NaN)."""
+    def run(session, rank):
+        a = [("a", it, i, (1.0 if it == 0 else (10 + rank + i) / 1e3))
+             for it in range(3) for i in range(2)]
+        b = [("b", it, 0, (1.0 if it == 0 else (20 - rank) / 1e3)) for it in range(3)]
+        ex = [_executor(a, {"a": (HIER, 100)}), _executor(b, {"b": (PUSH_PULL, 7)})]
+        check = Check(None, 3, 0, ex)
+        runs = check.runs(session)
+        assert all(e.timings is None and e.timed_runs == {} for e in ex)
+        return runs
+
+    for runs in _on_every_rank(run).values():
+        assert [(r.name, r.option, r.numel) for r in runs] == [("a", HIER, 100),
+                                                               ("b", PUSH_PULL, 7)]
+        np.testing.assert_allclose(runs[0].steps_us, [10_000.0, 11_000.0, np.nan])
+        np.testing.assert_allclose(runs[1].steps_us, [17_000.0])
+
+
+def test_ranks_that_timed_different_runs_all_skip_the_refit():
+    def run(session, rank):
+        name = "b" if rank == 2 else "a"
+        timings = [(name, it, 0, 0.01) for it in range(3)]
+        return Check(None, 3, 0, [_executor(timings, {name: (PUSH_PULL, 5)})]).runs(session)
+
+    assert set(_on_every_rank(run).values()) == {None}
+
+
+def test_the_measured_iteration_is_the_slowest_rank_s_median_after_the_warm_up():
+    def run(session, rank):
+        check = Check(None, 4, 0, [])
+        times = [1.0, 0.010, 0.030, 0.020 + rank / 1e3]  # medians after it: 20 + rank ms
+        done = [check.record(t) for t in times]
+        assert done == [False, False, False, True]
+        return check.measure(session)
+
+    assert list(_on_every_rank(run).values()) == [pytest.approx(23.0)] * WORLD
+
+
+def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
+    kept_strategy = SimpleNamespace(algorithm="espresso", predicted_ms=40.0,
+                                    options={"a": PUSH_PULL})
+    kept = Check(kept_strategy, 3, 12, [], times_ms=[90.0, 60.0, 62.0], measured_ms=61.0,
+                 info={"factors": {"ps": 3.0}, "others_factor": 3.0, "kept_refitted_ms": 58.0,
+                       "replanned_predicted_ms": 45.0, "replan_ms": 20.0})
+    again = Check(_with_option(kept_strategy, HIER), 3, 15, [], against=kept,
+                  times_ms=[80.0, 50.0, 52.0], measured_ms=51.0)
+    record = check_record(kept, again, "replanned")
+    write_check(tmp_path, record)
+    written = json.loads((tmp_path / "check.json").read_text())
+    assert written == json.loads(json.dumps(record))
+    assert written["kept"]["options"] == {"a": str(PUSH_PULL)}
+    assert written["replanned"]["options"] == {"a": str(HIER)}
+    assert (written["start"], written["stayed"], written["factors"]) == (12, "replanned",
+                                                                          {"ps": 3.0})
+    text = check_text(record)
+    assert "measured 61.0 ms, predicted 40.0 ms (-34%)" in text
+    assert "ps x3.00" in text and "-> predicted 58.0 ms (-5%)" in text
+    assert "measured 51.0 ms: the replanned strategy stays" in text
+    alone = check_text(check_record(kept, None, "kept"))
+    assert alone.endswith(f"(a switch needs {REPLAN_GAIN:.0%} less), the kept strategy stays")
+
+
+def _with_option(strategy, option):
+    return SimpleNamespace(**{**vars(strategy), "options": {"a": option}})
+
+
+# ---- the refit and the re-plan (rank 0's part of EspressoSpec.replan) ----------------------
+@pytest.fixture(scope="module", params=["fp32", "espresso"])
+def planned(request):
+    """The LSTM's profile on 2 x 2 workers and a server, randomk 1%, planned as the start-up
+    plans it (lanes 2): BytePS' path (rooted collectives and push/pulls) or the planner's
+    (exchanges and rooted collectives)."""
+    workload = Workload.builtin("lstm")
+    cluster = Cluster.preset(2, 2, "pcie", 10.0, servers=1, lanes=2)
+    costs = CompressorCosts.default()
+    buckets, _, (kept,) = plan_bucketed(workload, cluster, "randomk", {"ratio": 0.01},
+                                        within=None, algorithm=request.param, costs=costs)
+    return workload, costs, replace(kept, buckets=buckets if any(b.fused for b in buckets)
+                                    else ())
+
+
+def _steps(cluster, option, numel, costs):
+    sizes = CompressedSizes("randomk", {"ratio": 0.01})
+    return Pricer(cluster, "randomk", sizes, costs, [numel]).tasks(option).per_step(
+        len(option.steps))[0]
+
+
+@pytest.mark.parametrize("truth", [
+    {"server_latency_us": 5.0, "exchange_latency": 4.0},
+    {"server_latency_us": 3.0, "rooted_latency": 6.0, "exchange_latency": 2.0}])
+def test_the_refit_finds_what_the_steps_took_and_a_switch_needs_the_gain(planned, truth):
+    """Every timed step took its price on a cluster whose latencies of one or two kinds are
+    a few times the planned ones: the refit finds those factors for the kinds the kept
+    strategy runs, prices the kept strategy on the refitted cluster, and proposes the
+    re-plan only where it is predicted REPLAN_GAIN faster."""
+    workload, costs, kept = planned
+    base = replace(kept.cluster, server_latency_us=kept.cluster.ps_latency_us)
+    scaled = replace(base, **{k: getattr(base, k) * f for k, f in truth.items()})
+    fused = {t.name: t.numel for t in kept.workload.tensors}
+    runs = [SimpleNamespace(name=n, option=o, numel=fused[n],
+                            steps_us=_steps(scaled, o, fused[n], costs))
+            for n, o in kept.options.items()]
+    spec = EspressoSpec("randomk", {"ratio": 0.01})  # the trials may keep a baseline
+    spec._planned[frozenset(workload.names)] = (workload, costs, frozenset(), (0, 1 << 20))
+    new, info = spec._replanned(kept, runs)
+    names = {"server_latency_us": "ps", "exchange_latency": "exchange",
+             "rooted_latency": "rooted"}
+    assert set(info["factors"]) == {kind for kind, members in (
+        ("ps", PUSH_PULLS), ("exchange", EXCHANGES), ("rooted", ROOTED))
+        if any(s.kind in members for o in kept.options.values() for s in o.steps)}
+    assert len(info["factors"]) >= 2
+    for field, factor in truth.items():
+        if names[field] in info["factors"]:
+            assert info["factors"][names[field]] == pytest.approx(factor, rel=1e-6)
+    assert all(f == pytest.approx(1.0) for kind, f in info["factors"].items()
+               if kind not in {names[field] for field in truth})
+    assert info["others_factor"] == pytest.approx(max(info["factors"].values()))
+    # kinds the kept strategy does not run take the largest factor
+    refit = replace(base, **{k: getattr(base, k) * info["factors"].get(kind,
+                                                                       info["others_factor"])
+                             for k, kind in names.items()})
+    ctx = PlanContext(kept.workload, refit, "randomk", {"ratio": 0.01}, costs, kept.constraints)
+    assert info["kept_refitted_ms"] == pytest.approx(
+        ctx.iteration_us(ctx.index([kept.options[n] for n in kept.workload.names])) / 1e3)
+    assert len(info["timed_runs"]) == len(runs)
+    for r in info["timed_runs"]:  # the steps' prices on the refitted cluster beside them
+        assert r["priced_us"] == pytest.approx(list(_steps(refit, Option.parse(r["option"]),
+                                                           r["numel"], costs)))
+    gain = info["replanned_predicted_ms"] <= info["kept_refitted_ms"] * (1 - REPLAN_GAIN)
+    assert (new is not None) == gain
+    # BytePS' path on 10 Gbit/s with 3-6x its latencies: the planner's is far faster
+    assert gain == (kept.algorithm == "fp32")
+    if new is not None:
+        assert new.predicted_ms == pytest.approx(info["replanned_predicted_ms"])
+        assert new.options != kept.options or new.layout != kept.layout
