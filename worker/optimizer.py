@@ -121,12 +121,11 @@ class CompressionSpec(abc.ABC):
         (``worker.check``; the same answer on every rank)."""
         return False
 
-    def replan(self, session: Session, kept: Any, runs: Sequence[Any],
-               measured_ms: float) -> tuple[Any | None, dict[str, Any]]:
-        """The model refitted to the timed ``runs`` (``worker.check.Run``) of the kept
-        strategy, which measured ``measured_ms`` an iteration, and a strategy to run
-        instead, or None to stay; with what the refit found (every rank calls it and gets
-        the same)."""
+    def replan(self, session: Session, kept: Any,
+               runs: Sequence[Any]) -> tuple[Any | None, dict[str, Any]]:
+        """The model refitted to the timed ``runs`` (``worker.check.Run``) of the ``kept``
+        strategy, and a strategy to run instead, or None to stay; with what the refit found
+        (every rank calls it and gets the same)."""
         return None, {}
 
     def probes(self, session: Session, numels: Sequence[int], traffic: Mapping[str, int],
@@ -874,13 +873,13 @@ class _Sync:
             f"{message}; every rank stops. Lower the learning rate, clip gradients, or set "
             "ESPRESSO_NONFINITE=skip to skip such steps as AMP's GradScaler does")
 
-    # ---- compression error ----------------------------------------------------------------
     def _flag_survives(self, option: Option) -> bool:
         """Whether the sum of the non-finite flags reaches every rank with the last bucket:
         an uncompressed Option sums it exactly, and PowerSGD sends what follows its members
         (the flag) in the dense part of its first sum."""
         return not option.is_compressed or self.lowrank is not None
 
+    # ---- compression error ----------------------------------------------------------------
     def _compression_errors(self, timeout: float) -> None:
         """Log this iteration's relative compression error per compressed bucket and, with
         ``ESPRESSO_COMPRESSION_ERROR_BUDGET``, send the buckets over it uncompressed from now
@@ -1002,8 +1001,7 @@ class _Sync:
                 stayed = "kept"
             self._end_check(kept, check, stayed)
             return
-        new, check.info = (self.compression.replan(self.session, check.strategy, runs,
-                                                   measured)
+        new, check.info = (self.compression.replan(self.session, check.strategy, runs)
                            if runs else (None, {}))
         if new is None:
             self._end_check(check, None, "kept")

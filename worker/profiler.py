@@ -1101,8 +1101,8 @@ class EspressoSpec(CompressionSpec):
         return (self.algorithm == "espresso" and session.runtime.cfg.check_steps >= 2
                 and self.profile_steps(session) >= 2)
 
-    def replan(self, session: Session, kept: Any, runs: Sequence[Any],
-               measured_ms: float) -> tuple[Any | None, dict[str, Any]]:
+    def replan(self, session: Session, kept: Any,
+               runs: Sequence[Any]) -> tuple[Any | None, dict[str, Any]]:
         from byteps_espresso.strategy import Strategy
 
         rt = session.runtime
