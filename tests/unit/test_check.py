@@ -6,7 +6,6 @@ the exchange is the real collective code path.
 """
 
 import json
-import threading
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -42,28 +41,6 @@ def _session(hub: LocalHub, rank: int):
     return SimpleNamespace(runtime=runtime)
 
 
-def _on_every_rank(fn):
-    hub = LocalHub(2, 2, timeout_s=20.0)
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(_session(hub, rank), rank)
-        except BaseException as exc:  # re-raised in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    if errors:
-        raise errors[0]
-    assert len(results) == WORLD
-    return results
-
-
 def test_step_medians_leave_out_each_run_s_first_iteration():
     timings = [("a", 4, 0, 9.0), ("a", 5, 0, 0.001), ("a", 6, 0, 0.003), ("a", 7, 0, 0.002),
                ("a", 4, 1, 1.0), ("b", 6, 0, 5.0)]  # b: its warm-up only
@@ -74,11 +51,12 @@ def _executor(timings, runs):
     return SimpleNamespace(timings=list(timings), timed_runs=dict(runs))
 
 
-def test_runs_take_each_step_s_fastest_rank_and_stop_the_timing():
+def test_runs_take_each_step_s_fastest_rank_and_stop_the_timing(on_every_rank):
     """On a collective the member that arrived last measured the step itself: the minimum
     over ranks. Rank r's step i of bucket ``a`` took (10 + r + i) ms after a 1 s warm-up;
     step 2 of the hierarchical run was never timed (NaN)."""
-    def run(session, rank):
+    def run(hub, rank):
+        session = _session(hub, rank)
         a = [("a", it, i, (1.0 if it == 0 else (10 + rank + i) / 1e3))
              for it in range(3) for i in range(2)]
         b = [("b", it, 0, (1.0 if it == 0 else (20 - rank) / 1e3)) for it in range(3)]
@@ -88,31 +66,33 @@ def test_runs_take_each_step_s_fastest_rank_and_stop_the_timing():
         assert all(e.timings is None and e.timed_runs == {} for e in ex)
         return runs
 
-    for runs in _on_every_rank(run).values():
+    for runs in on_every_rank(run).values():
         assert [(r.name, r.option, r.numel) for r in runs] == [("a", HIER, 100),
                                                                ("b", PUSH_PULL, 7)]
         np.testing.assert_allclose(runs[0].steps_us, [10_000.0, 11_000.0, np.nan])
         np.testing.assert_allclose(runs[1].steps_us, [17_000.0])
 
 
-def test_ranks_that_timed_different_runs_all_skip_the_refit():
-    def run(session, rank):
+def test_ranks_that_timed_different_runs_all_skip_the_refit(on_every_rank):
+    def run(hub, rank):
+        session = _session(hub, rank)
         name = "b" if rank == 2 else "a"
         timings = [(name, it, 0, 0.01) for it in range(3)]
         return Check(None, 3, 0, [_executor(timings, {name: (PUSH_PULL, 5)})]).runs(session)
 
-    assert set(_on_every_rank(run).values()) == {None}
+    assert set(on_every_rank(run).values()) == {None}
 
 
-def test_the_measured_iteration_is_the_slowest_rank_s_median_after_the_warm_up():
-    def run(session, rank):
+def test_the_measured_iteration_is_the_slowest_rank_s_median_after_the_warm_up(on_every_rank):
+    def run(hub, rank):
+        session = _session(hub, rank)
         check = Check(None, 4, 0, [])
         times = [1.0, 0.010, 0.030, 0.020 + rank / 1e3]  # medians after it: 20 + rank ms
         done = [check.record(t) for t in times]
         assert done == [False, False, False, True]
         return check.measure(session)
 
-    assert list(_on_every_rank(run).values()) == [pytest.approx(23.0)] * WORLD
+    assert list(on_every_rank(run).values()) == [pytest.approx(23.0)] * WORLD
 
 
 def test_the_record_and_the_log_line_say_what_stayed(tmp_path):

@@ -5,7 +5,6 @@ medians (the slowest rank's count) is the real collective code path.
 """
 
 import json
-import threading
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -110,29 +109,7 @@ def _session(hub: LocalHub, rank: int, out):
     return SimpleNamespace(runtime=runtime)
 
 
-def _on_every_rank(fn):
-    hub = LocalHub(2, 2, timeout_s=20.0)
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(hub, rank)
-        except BaseException as exc:  # re-raised in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    if errors:
-        raise errors[0]
-    assert len(results) == WORLD
-    return results
-
-
-def test_every_rank_keeps_the_finalist_fastest_on_its_slowest_rank(tmp_path, every):
+def test_every_rank_keeps_the_finalist_fastest_on_its_slowest_rank(tmp_path, every, on_every_rank):
     finalists = every[:3]
     # Per rank, per finalist, ms after the warm-up. Rank 0 alone would keep finalist 0; the
     # slowest rank per finalist reads 40, 25 and 30 ms, so finalist 1 is kept everywhere.
@@ -146,7 +123,7 @@ def test_every_rank_keeps_the_finalist_fastest_on_its_slowest_rank(tmp_path, eve
         session = _session(hub, rank, str(tmp_path) if rank == 0 else None)
         return trials.choose(session).algorithm
 
-    kept = _on_every_rank(run)
+    kept = on_every_rank(run)
     assert set(kept.values()) == {finalists[1].algorithm}
     written = json.loads((tmp_path / "trials.json").read_text())
     assert written["kept"] == finalists[1].algorithm
@@ -170,7 +147,8 @@ def _race(hub, rank, tmp_path, trials, ms):
     return seen, trials.choose(session).algorithm
 
 
-def test_a_finalist_trailing_on_any_rank_stops_early_on_every_rank(tmp_path, every):
+def test_a_finalist_trailing_on_any_rank_stops_early_on_every_rank(tmp_path, every,
+                                                                  on_every_rank):
     finalists = every[:3]
     # ms after a 1 s warm-up, per finalist: the plan 10 ms on every rank; finalist 1 at
     # 10 ms except on rank 2 (20 ms: over 1.3 x 10 on the slowest rank, so it stops after
@@ -178,7 +156,7 @@ def test_a_finalist_trailing_on_any_rank_stops_early_on_every_rank(tmp_path, eve
     def ms(rank, finalist):
         return {0: 10.0, 1: 20.0 if rank == 2 else 10.0, 2: 12.0}[finalist]
 
-    runs = _on_every_rank(lambda hub, rank: _race(hub, rank, tmp_path, Trials(finalists, 6),
+    runs = on_every_rank(lambda hub, rank: _race(hub, rank, tmp_path, Trials(finalists, 6),
                                                   ms))
     assert {tuple(seen) for seen, _ in runs.values()} == {(0,) * 6 + (1,) * 3 + (2,) * 6}
     assert {kept for _, kept in runs.values()} == {finalists[0].algorithm}
@@ -187,7 +165,8 @@ def test_a_finalist_trailing_on_any_rank_stops_early_on_every_rank(tmp_path, eve
     assert [len(f["iteration_ms"]) for f in written["finalists"]] == [6, 3, 6]
 
 
-def test_the_first_finalist_races_against_the_profiled_fp32_iterations(tmp_path, every):
+def test_the_first_finalist_races_against_the_profiled_fp32_iterations(tmp_path, every,
+                                                                       on_every_rank):
     finalists = every[:2]
     # The profiled fp32 iterations took 10 ms (slowest rank). The plan runs 20 ms on rank 1
     # (over 1.3 x 10): it stops after 2 timed iterations on every rank; finalist 1 at 12 ms
@@ -198,15 +177,15 @@ def test_the_first_finalist_races_against_the_profiled_fp32_iterations(tmp_path,
     def run(hub, rank, fp32_ms):
         return _race(hub, rank, tmp_path, Trials(finalists, 6, fp32_ms=fp32_ms), ms)
 
-    runs = _on_every_rank(lambda hub, rank: run(hub, rank, 10.0))
+    runs = on_every_rank(lambda hub, rank: run(hub, rank, 10.0))
     assert {tuple(seen) for seen, _ in runs.values()} == {(0,) * 3 + (1,) * 6}
     assert {kept for _, kept in runs.values()} == {finalists[1].algorithm}
     assert json.loads((tmp_path / "trials.json").read_text())["finalists"][0]["stopped_early"]
-    runs = _on_every_rank(lambda hub, rank: run(hub, rank, None))
+    runs = on_every_rank(lambda hub, rank: run(hub, rank, None))
     assert {tuple(seen) for seen, _ in runs.values()} == {(0,) * 6 + (1,) * 6}
 
 
-def test_the_profiled_iterations_measure_the_fp32_finalist(tmp_path, every):
+def test_the_profiled_iterations_measure_the_fp32_finalist(tmp_path, every, on_every_rank):
     finalists = [s for s in every if s.algorithm in ("espresso", "fp32", "all-gpu")]
     assert [s.algorithm for s in finalists[:1]] == ["espresso"] and len(finalists) == 3
     fp32 = next(i for i, s in enumerate(finalists) if s.algorithm == "fp32")
@@ -216,7 +195,7 @@ def test_the_profiled_iterations_measure_the_fp32_finalist(tmp_path, every):
         return _race(hub, rank, tmp_path, Trials(finalists, 4, fp32_ms=11.0),
                      lambda rank, finalist: ms[finalist])
 
-    runs = _on_every_rank(run)
+    runs = on_every_rank(run)
     # fp32 trains no trial iterations and, at 11 ms, is the fastest: kept everywhere
     others = [i for i in range(3) if i != fp32]
     assert {tuple(seen) for seen, _ in runs.values()} == {(others[0],) * 4 + (others[1],) * 4}
@@ -228,17 +207,17 @@ def test_the_profiled_iterations_measure_the_fp32_finalist(tmp_path, every):
         Trials([finalists[fp32]] * 2, 4, fp32_ms=11.0)
 
 
-def test_trials_of_two_timed_iterations_are_never_cut_short(every):
+def test_trials_of_two_timed_iterations_are_never_cut_short(every, on_every_rank):
     def run(hub, rank):
         trials = Trials(every[:2], steps=3)  # 2 timed iterations: nothing left to save
         for s in (1.0, 0.01, 0.01, 1.0, 0.5, 0.5):  # finalist 1 trails 50x
             trials.record(s, _session(hub, rank, None))
         return trials.done, trials.stopped
 
-    assert set(map(repr, _on_every_rank(run).values())) == {repr((True, set()))}
+    assert set(map(repr, on_every_rank(run).values())) == {repr((True, set()))}
 
 
-def test_a_tie_keeps_the_planned_strategy(every):
+def test_a_tie_keeps_the_planned_strategy(every, on_every_rank):
     def run(hub, rank):
         trials = Trials(every[:2], steps=2)
         for _ in range(2):
@@ -246,7 +225,7 @@ def test_a_tie_keeps_the_planned_strategy(every):
             trials.record(0.02)
         return trials.choose(_session(hub, rank, None)).algorithm
 
-    assert set(_on_every_rank(run).values()) == {"espresso"}
+    assert set(on_every_rank(run).values()) == {"espresso"}
 
 
 def test_choosing_before_every_finalist_ran_is_an_error(every):
@@ -256,12 +235,12 @@ def test_choosing_before_every_finalist_ran_is_an_error(every):
         trials.choose(None)
 
 
-def test_slowest_across_ranks_is_the_elementwise_maximum():
+def test_slowest_across_ranks_is_the_elementwise_maximum(on_every_rank):
     def run(hub, rank):
         values = np.array([[rank, -rank], [np.nan if rank == 2 else 1.0, 0.5]])
         return slowest_across_ranks(_session(hub, rank, None), values)
 
-    for got in _on_every_rank(run).values():
+    for got in on_every_rank(run).values():
         assert got.shape == (2, 2)
         np.testing.assert_array_equal(got[0], [3.0, 0.0])
         assert np.isnan(got[1, 0]) and got[1, 1] == 0.5
@@ -271,7 +250,7 @@ def _priced(finalists, *predicted_ms):
     return [replace(s, predicted_ms=ms) for s, ms in zip(finalists, predicted_ms, strict=True)]
 
 
-def test_the_start_up_budget_leaves_out_finalists_that_do_not_fit(tmp_path, every):
+def test_the_start_up_budget_leaves_out_finalists_that_do_not_fit(tmp_path, every, on_every_rank):
     finalists = _priced(every[:3], 10.0, 10.0, 10.0)
     # Budget 10 fp32 iterations of 20 ms: 200 ms from the first step. The slowest rank began
     # the trials 130 ms after it, so 70 ms are left. The plan's 3 iterations, unmeasured and
@@ -288,14 +267,14 @@ def test_the_start_up_budget_leaves_out_finalists_that_do_not_fit(tmp_path, ever
             trials.record(0.015, session)
         return seen, trials.left_ms, trials.choose(session).algorithm
 
-    runs = _on_every_rank(run)
+    runs = on_every_rank(run)
     assert {repr(r) for r in runs.values()} == {repr(([0, 0, 0], 70.0, "espresso"))}
     written = json.loads((tmp_path / "trials.json").read_text())
     assert [f["measured_ms"] for f in written["finalists"]] == [15.0, None, None]
     assert written["budget"] == 10.0 and written["budget_left_ms"] == 70.0
 
 
-def test_a_budget_spent_before_the_trials_keeps_the_plan_untried(tmp_path, every):
+def test_a_budget_spent_before_the_trials_keeps_the_plan_untried(tmp_path, every, on_every_rank):
     fp32 = next(s for s in every if s.algorithm == "fp32")
     finalists = _priced([every[0], every[1], fp32], 10.0, 12.0, 10.0)
     # Nothing measured yet: the plan's 3 iterations are priced at its 10 ms prediction x
@@ -307,16 +286,16 @@ def test_a_budget_spent_before_the_trials_keeps_the_plan_untried(tmp_path, every
         done = trials.done
         return done, trials.choose(session).algorithm if done else None
 
-    runs = _on_every_rank(lambda hub, rank: run(hub, rank, 0.150))
+    runs = on_every_rank(lambda hub, rank: run(hub, rank, 0.150))
     assert set(runs.values()) == {(True, "espresso")}
     written = json.loads((tmp_path / "trials.json").read_text())["finalists"]
     assert [f["measured_ms"] for f in written] == [None, None, 20.0]
     # 60 ms fit in 70: the plan runs
-    assert set(_on_every_rank(lambda hub, rank: run(hub, rank, 0.130)).values()) == {
+    assert set(on_every_rank(lambda hub, rank: run(hub, rank, 0.130)).values()) == {
         (False, None)}
 
 
-def test_the_budget_counts_in_the_fastest_rank_s_fp32_iteration(tmp_path, every):
+def test_the_budget_counts_in_the_fastest_rank_s_fp32_iteration(tmp_path, every, on_every_rank):
     fp32 = next(s for s in every if s.algorithm == "fp32")
     finalists = _priced([every[0], every[1], fp32], 10.0, 12.0, 10.0)
     # The slowest rank's fastest fp32 iteration is 20 ms, the fastest rank's 18: the budget
@@ -328,7 +307,7 @@ def test_the_budget_counts_in_the_fastest_rank_s_fp32_iteration(tmp_path, every)
         trials.begin(session, 0.100 + 0.010 * rank)
         return trials.done, trials.left_ms
 
-    runs = list(_on_every_rank(run).values())
+    runs = list(on_every_rank(run).values())
     assert [done for done, _ in runs] == [True] * WORLD
     assert [left for _, left in runs] == pytest.approx([50.0] * WORLD)
 
