@@ -405,6 +405,7 @@ def _cluster_mode(args: argparse.Namespace) -> str:
 
 def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compressor: str,
             params: dict, target: float, startup: Startup) -> None:
+    from byteps_espresso.worker.check import check_text
     from byteps_espresso.worker.trials import table
 
     from byteps_espresso.strategy import Strategy
@@ -421,6 +422,10 @@ def _report(fp32: RunResult, esp: RunResult, profile: Path, out: Path, *, compre
                      for f in data["finalists"]], data["kept"],
                     {f["algorithm"] for f in data["finalists"] if f.get("stopped_early")},
                     {f["algorithm"] for f in data["finalists"] if f.get("profiled")}))
+    check = profile / "check.json"
+    if check.exists():
+        print("\n== the strategy in use checked against the model ==")
+        print(check_text(json.loads(check.read_text())))
     picture = draw_predicted_timeline(profile, out.resolve() / "timeline.png", compressor,
                                       params)
     compressed, tensors = compressed_tensors(profile)

@@ -22,7 +22,8 @@ kept one runs the same number of checked iterations and stays only if its measur
 beats the kept one's; otherwise the kept strategy comes back. One re-plan per job: a second
 would chase the noise of a shared host. With ``ESPRESSO_PROFILE_OUT`` rank 0 writes
 ``check.json``: the factors, each strategy's prediction (as planned, refitted) against its
-measured median, and which one stayed.
+measured median, and which one stayed (and ``strategy.json`` again where the re-planned one
+stayed).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import statistics
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -1020,6 +1021,8 @@ class _Sync:
             log.info("%s", check_text(record))
             if rt.cfg.profile_out:
                 write_check(rt.cfg.profile_out, record)
+                if replanned is not None and stayed == "replanned":  # what ESPRESSO_STRATEGY
+                    replanned.strategy.save(Path(rt.cfg.profile_out) / "strategy.json")
         self.check = None
 
     def _begin_trials(self) -> None:
