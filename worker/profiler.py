@@ -65,7 +65,8 @@ from byteps_espresso.strategy.tree import PARTNER
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
            "fit_latency", "in_training_latency", "measure_cluster", "measure_costs", "probe_lanes",
-           "read_profile", "ready_offsets", "workload_from_offsets", "workload_from_ready_times"]
+           "read_profile", "ready_offsets", "step_prices", "workload_from_offsets",
+           "workload_from_ready_times"]
 
 log = logging.getLogger(__name__)
 
@@ -414,6 +415,14 @@ _LATENCY_KINDS = {
         k for k in Kind if not k.is_compute and k not in EXCHANGES | _PUSH_PULLS)),
 }
 
+def step_prices(cluster: Any, option: Option, numels: Sequence[int], *, compressor: str,
+                sizes: Any, costs: Any) -> np.ndarray:
+    """Each step's price (us) of ``option`` on tensors of ``numels`` elements on ``cluster``
+    (tensors x steps)."""
+    return Pricer(cluster, compressor, sizes, costs, list(numels)).tasks(option).per_step(
+        len(option.steps))
+
+
 def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
                 compressor: str, params: Mapping[str, Any], costs: Any,
                 kinds: Sequence[str] = ("exchange", "ps"),
@@ -434,10 +443,10 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
     by_option: dict[Option, list[tuple[int, np.ndarray]]] = {}
     for option, numel, measured in runs:
         by_option.setdefault(option, []).append((numel, np.asarray(measured, dtype=float)))
+    kinds = [what for what in kinds if what != "ps" or cluster.servers]
 
     def per_step(c: Any, option: Option, numels: list[int]) -> np.ndarray:
-        return Pricer(c, compressor, sizes, costs, numels).tasks(option).per_step(
-            len(option.steps))
+        return step_prices(c, option, numels, compressor=compressor, sizes=sizes, costs=costs)
 
     # The PS path's latency explicit, so it stays apart from the collectives'.
     cluster = replace(cluster, server_latency_us=cluster.ps_latency_us if cluster.servers
@@ -450,7 +459,7 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
         for what in kinds:
             name, members = _LATENCY_KINDS[what]
             cols = [i for i, st in enumerate(option.steps) if st.kind in members]
-            if not cols or (what == "ps" and not cluster.servers):
+            if not cols:
                 continue
             latency = (base - per_step(replace(cluster, **{name: 0.0}), option, numels))[:, cols]
             rest = base[:, cols] - latency
@@ -465,8 +474,6 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
     scaled = cluster
     for what, factor in ({what: factors.get(what, top) for what in kinds} if unmeasured
                          else factors).items():
-        if what == "ps" and not cluster.servers:
-            continue
         name = _LATENCY_KINDS[what][0]
         scaled = replace(scaled, **{name: getattr(scaled, name) * factor})
     return scaled, factors
@@ -1127,11 +1134,10 @@ class EspressoSpec(CompressionSpec):
         t0 = time.perf_counter()
         workload, costs, apart, caps = self._planned[frozenset(
             n for b in kept.layout for n in b.tensors)]
-        kinds = ("exchange", "rooted", "ps") if kept.cluster.servers else ("exchange", "rooted")
         refit, factors = fit_latency(
             kept.cluster, [(r.option, r.numel, r.steps_us) for r in runs],
-            compressor=self.compressor, params=self.params, costs=costs, kinds=kinds,
-            unmeasured=True)
+            compressor=self.compressor, params=self.params, costs=costs,
+            kinds=("exchange", "rooted", "ps"), unmeasured=True)
         ctx = PlanContext(kept.workload, refit, self.compressor, dict(self.params), costs,
                           kept.constraints)
         kept_ms = ctx.iteration_us(ctx.index([kept.options[n]
@@ -1141,17 +1147,17 @@ class EspressoSpec(CompressionSpec):
             algorithm=self.algorithm, constraints=self.constraints, costs=costs, caps=caps,
             apart=apart)
         new = replace(new, buckets=buckets if any(b.fused for b in buckets) else ())
+        replan_ms = (time.perf_counter() - t0) * 1e3
         sizes = CompressedSizes(self.compressor, dict(self.params))
         timed = [{"name": r.name, "option": str(r.option), "numel": r.numel,
                   "measured_us": [None if np.isnan(us) else float(us) for us in r.steps_us],
-                  "priced_us": [float(us) for us in Pricer(
-                      c, self.compressor, sizes, costs, [r.numel]).tasks(r.option).per_step(
-                      len(r.option.steps))[0]]}
-                 for r in runs for c in (refit,)]
+                  "priced_us": step_prices(refit, r.option, [r.numel],
+                                           compressor=self.compressor, sizes=sizes,
+                                           costs=costs)[0].tolist()}
+                 for r in runs]
         info = {"factors": factors, "others_factor": max(factors.values(), default=1.0),
                 "timed_runs": timed, "kept_refitted_ms": kept_ms,
-                "replanned_predicted_ms": new.predicted_ms,
-                "replan_ms": (time.perf_counter() - t0) * 1e3}
+                "replanned_predicted_ms": new.predicted_ms, "replan_ms": replan_ms}
         same = new.options == kept.options and new.layout == kept.layout
         if same or new.predicted_ms > kept_ms * (1 - REPLAN_GAIN):
             return None, info

@@ -20,11 +20,11 @@ from byteps_espresso.worker.check import (
     write_check,
 )
 from byteps_espresso.worker.local_transport import LocalHub
-from byteps_espresso.worker.profiler import EspressoSpec
+from byteps_espresso.worker.profiler import EspressoSpec, step_prices
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
 from byteps_espresso.strategy.context import PlanContext
-from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes, Pricer
+from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes
 from byteps_espresso.strategy.options import Kind
 from byteps_espresso.strategy.planner import plan_bucketed
 
@@ -139,9 +139,8 @@ def planned(request):
 
 
 def _steps(cluster, option, numel, costs):
-    sizes = CompressedSizes("randomk", {"ratio": 0.01})
-    return Pricer(cluster, "randomk", sizes, costs, [numel]).tasks(option).per_step(
-        len(option.steps))[0]
+    return step_prices(cluster, option, [numel], compressor="randomk",
+                       sizes=CompressedSizes("randomk", {"ratio": 0.01}), costs=costs)[0]
 
 
 @pytest.mark.parametrize("truth", [
