@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from byteps_espresso.worker.session import Session, slowest_across_ranks
+from byteps_espresso.worker.session import Session, slowest_across_ranks, span_across_ranks
 
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.workload import atomic_write_text
@@ -61,12 +61,16 @@ REPLAN_GAIN = 0.10
 class Run:
     """One timed run of an Option in the checked iterations: a bucket's, or a PowerSGD
     bucket's P or Q sum. ``steps_us``: each step's median over the iterations after the first,
-    the minimum over ranks (NaN where none was timed)."""
+    the minimum over ranks (NaN where none was timed). ``slowest_us``: the same medians'
+    maximum over ranks, the step as the first member to arrive saw it: the gap between the
+    two is how long it waited for the last (the ranks' skew, which the model does not price;
+    ``check.json`` records both)."""
 
     name: str
     option: Option
     numel: int
     steps_us: np.ndarray
+    slowest_us: np.ndarray
 
 
 def step_medians(timings: Sequence[tuple[str, int, int, float]]) -> dict[tuple[str, int], float]:
@@ -125,9 +129,9 @@ class Check:
         return self.measured_ms
 
     def runs(self, session: Session) -> list[Run] | None:
-        """The timed runs, each step the minimum over ranks, and stops the timing (all ranks
-        call it). None where the ranks timed different runs (they run one strategy, so they
-        should not; the check is then skipped on every rank alike)."""
+        """The timed runs, each step's minimum and maximum over ranks, and stops the timing
+        (all ranks call it). None where the ranks timed different runs (they run one strategy,
+        so they should not; the check is then skipped on every rank alike)."""
         medians: dict[tuple[str, int], float] = {}
         ran: dict[str, tuple[Option, int]] = {}
         for ex in self.executors:
@@ -142,12 +146,15 @@ class Check:
             return None
         if not keys:
             return []
-        fastest = -slowest_across_ranks(session, -np.array([medians[k] for k in keys]))
+        # A member that sleeps through a step (the non-roots of a rooted one) timed nothing
+        # there (NaN): the step is what its members took.
+        span = span_across_ranks(session, np.array([medians[k] for k in keys]))
         by_name: dict[str, np.ndarray] = {}
-        for (name, i), us in zip(keys, fastest, strict=True):
+        for (name, i), fastest, slowest in zip(keys, *span, strict=True):
             option, _ = ran[name]
-            by_name.setdefault(name, np.full(len(option.steps), np.nan))[i] = us
-        return [Run(name, ran[name][0], ran[name][1], steps) for name, steps in
+            by_name.setdefault(name, np.full((2, len(option.steps)), np.nan))[:, i] = \
+                fastest, slowest
+        return [Run(name, ran[name][0], ran[name][1], *steps) for name, steps in
                 sorted(by_name.items())]
 
 

@@ -46,6 +46,7 @@ meanwhile.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -229,7 +230,8 @@ class Executor:
             if trace is not None:
                 trace(b.op.index, value)
             if timed:
-                sec = time.perf_counter() - t0
+                # a step this rank sleeps through took none of its time: NaN, not ~0 s
+                sec = time.perf_counter() - t0 if not b.asleep else math.nan
                 if record is not None:
                     record.append((name, step, b.op.index, sec))
                 if logged:

@@ -55,7 +55,7 @@ from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.lowrank import LowRank, cost_samples
 from byteps_espresso.worker.lowrank import measure_costs as lowrank_costs
 from byteps_espresso.worker.optimizer import CompressionSpec, Plan
-from byteps_espresso.worker.session import Session, slowest_across_ranks
+from byteps_espresso.worker.session import Session, slowest_across_ranks, span_across_ranks
 from byteps_espresso.worker.trials import MODEL_ERROR
 
 from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB
@@ -414,6 +414,11 @@ _LATENCY_KINDS = {
     "rooted": ("rooted_latency", frozenset(
         k for k in Kind if not k.is_compute and k not in EXCHANGES | _PUSH_PULLS)),
 }
+
+def _floats(values: np.ndarray) -> list[float | None]:
+    """JSON numbers of a float array, None for NaN (a step that was not timed)."""
+    return [None if np.isnan(v) else float(v) for v in values]
+
 
 def step_prices(cluster: Any, option: Option, numels: Sequence[int], *, compressor: str,
                 sizes: Any, costs: Any) -> np.ndarray:
@@ -1033,8 +1038,8 @@ class EspressoSpec(CompressionSpec):
         # profile names none).
         profiled = dict(profile.buckets) if profile is not None and profile.buckets else numel
         if in_lanes:  # the last member to reach a step measured it: the minimum over ranks
-            steps_us = -slowest_across_ranks(
-                session, -probes.step_times(list(profiled), len(session.fp32.steps)))
+            steps_us, _ = span_across_ranks(
+                session, probes.step_times(list(profiled), len(session.fp32.steps)))
         # Paused probes are collectives too: every rank takes them, or none does. Rank 0,
         # which plans, gets the cluster.
         cluster = (probes.cluster(list(profiled.values()), steps_us, session) if in_lanes
@@ -1150,7 +1155,7 @@ class EspressoSpec(CompressionSpec):
         replan_ms = (time.perf_counter() - t0) * 1e3
         sizes = CompressedSizes(self.compressor, dict(self.params))
         timed = [{"name": r.name, "option": str(r.option), "numel": r.numel,
-                  "measured_us": [None if np.isnan(us) else float(us) for us in r.steps_us],
+                  "measured_us": _floats(r.steps_us), "slowest_us": _floats(r.slowest_us),
                   "priced_us": step_prices(refit, r.option, [r.numel],
                                            compressor=self.compressor, sizes=sizes,
                                            costs=costs)[0].tolist()}

@@ -19,7 +19,7 @@ from byteps_espresso.strategy import baselines
 from byteps_espresso.strategy.options import Option, Scope
 
 __all__ = ["NotInitializedError", "Session", "current", "fp32_option", "install", "installed",
-           "slowest_across_ranks", "uninstall"]
+           "slowest_across_ranks", "span_across_ranks", "uninstall"]
 
 
 class NotInitializedError(RuntimeError):
@@ -82,11 +82,25 @@ def current() -> Session:
     return _session
 
 
-def slowest_across_ranks(session: Session, values: np.ndarray) -> np.ndarray:
-    """The element-wise maximum of every rank's ``values`` (same shape on every rank; all
-    ranks call it while the engine's lanes are idle). NaN anywhere stays NaN."""
+def _every_rank(session: Session, values: np.ndarray) -> np.ndarray:
+    """Every rank's ``values`` stacked (ranks x shape; all ranks call it while the engine's
+    lanes are idle)."""
     transport = session.runtime.transports[0]
     world = session.runtime.topology.world_size
     mine = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64).reshape(-1))
     every = transport.allgather(Scope.FLAT, mine, [mine.numel()] * world)
-    return every.reshape(world, *np.shape(values)).numpy().max(axis=0)
+    return every.reshape(world, *np.shape(values)).numpy()
+
+
+def slowest_across_ranks(session: Session, values: np.ndarray) -> np.ndarray:
+    """The element-wise maximum of every rank's ``values`` (same shape on every rank; all
+    ranks call it while the engine's lanes are idle). NaN anywhere stays NaN."""
+    return _every_rank(session, values).max(axis=0)
+
+
+def span_across_ranks(session: Session, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The element-wise minimum and maximum over the ranks that hold a value, NaN where none
+    does (a rank's NaN: it has none, e.g. a step it sleeps through). Called as
+    :func:`slowest_across_ranks`."""
+    every = _every_rank(session, values)
+    return np.fmin.reduce(every, axis=0), np.fmax.reduce(every, axis=0)

@@ -6,6 +6,7 @@ the exchange is the real collective code path.
 """
 
 import json
+import math
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ import pytest
 from byteps_espresso.worker.check import (
     REPLAN_GAIN,
     Check,
+    Run,
     check_record,
     check_text,
     step_medians,
@@ -51,13 +53,16 @@ def _executor(timings, runs):
     return SimpleNamespace(timings=list(timings), timed_runs=dict(runs))
 
 
-def test_runs_take_each_step_s_fastest_rank_and_stop_the_timing(on_every_rank):
+def test_runs_take_each_step_s_fastest_and_slowest_rank_and_stop_the_timing(on_every_rank):
     """On a collective the member that arrived last measured the step itself: the minimum
-    over ranks. Rank r's step i of bucket ``a`` took (10 + r + i) ms after a 1 s warm-up;
-    step 2 of the hierarchical run was never timed (NaN)."""
+    over ranks; the maximum is the step as the first member to arrive saw it. Rank r's step
+    i of bucket ``a`` took (10 + r + i) ms after a 1 s warm-up, where the odd ranks sleep
+    through step 1 (NaN: a non-root's step of a rooted Option), so it is what ranks 0 and 2
+    took; step 2 of the hierarchical run was never timed (NaN)."""
     def run(hub, rank):
         session = _session(hub, rank)
-        a = [("a", it, i, (1.0 if it == 0 else (10 + rank + i) / 1e3))
+        a = [("a", it, i, (1.0 if it == 0 else math.nan if i == 1 and rank % 2
+                           else (10 + rank + i) / 1e3))
              for it in range(3) for i in range(2)]
         b = [("b", it, 0, (1.0 if it == 0 else (20 - rank) / 1e3)) for it in range(3)]
         ex = [_executor(a, {"a": (HIER, 100)}), _executor(b, {"b": (PUSH_PULL, 7)})]
@@ -71,6 +76,9 @@ def test_runs_take_each_step_s_fastest_rank_and_stop_the_timing(on_every_rank):
                                                                ("b", PUSH_PULL, 7)]
         np.testing.assert_allclose(runs[0].steps_us, [10_000.0, 11_000.0, np.nan])
         np.testing.assert_allclose(runs[1].steps_us, [17_000.0])
+        # the first member to arrive waited for the last: each step's slowest rank
+        np.testing.assert_allclose(runs[0].slowest_us, [13_000.0, 13_000.0, np.nan])
+        np.testing.assert_allclose(runs[1].slowest_us, [20_000.0])
 
 
 def test_ranks_that_timed_different_runs_all_skip_the_refit(on_every_rank):
@@ -155,8 +163,7 @@ def test_the_refit_finds_what_the_steps_took_and_a_switch_needs_the_gain(planned
     base = replace(kept.cluster, server_latency_us=kept.cluster.ps_latency_us)
     scaled = replace(base, **{k: getattr(base, k) * f for k, f in truth.items()})
     fused = {t.name: t.numel for t in kept.workload.tensors}
-    runs = [SimpleNamespace(name=n, option=o, numel=fused[n],
-                            steps_us=_steps(scaled, o, fused[n], costs))
+    runs = [Run(n, o, fused[n], *[_steps(scaled, o, fused[n], costs)] * 2)
             for n, o in kept.options.items()]
     spec = EspressoSpec("randomk", {"ratio": 0.01})  # the trials may keep a baseline
     spec._planned[frozenset(workload.names)] = (workload, costs, frozenset(), (0, 1 << 20))

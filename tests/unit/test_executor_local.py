@@ -4,6 +4,7 @@ This runs the real executor code for many Options in one process; the multi-proc
 (tests/multiproc/test_executor.py) run it over gloo.
 """
 
+import math
 import os
 import threading
 import time
@@ -99,6 +100,29 @@ def test_a_compressor_schedule_runs_each_stage_with_its_own_layout(option):
     dense = sum(inputs[0][1:], inputs[0][0])
     assert int((got[0][0] != 0).sum()) > int((got[7][0] != 0).sum())
     assert int((got[0][0] != 0).sum()) <= int((dense != 0).sum())
+
+
+def test_timings_leave_the_steps_a_rank_sleeps_through_untimed():
+    """The non-roots of a rooted Option skip its steps between the Reduce and the Broadcast:
+    they record NaN there (the check takes a step's time over the ranks that ran it), and a
+    time for every step they run."""
+    option = Option.parse("Reduce(intra) -> Comp(cpu) -> AllgatherC(inter) -> Decomp(cpu) "
+                          "-> Broadcast(intra)")
+    hub = LocalHub(2, 2, timeout_s=10)
+    executors = [Executor(hub.transport(r), CodecPair("fp16")) for r in range(4)]
+    for ex in executors:
+        ex.timings = []
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(ex.run, option, torch.ones(7), name="w", step=0)
+                for ex in executors]
+        assert all(torch.equal(f.result(timeout=30), torch.full((7,), 4.0)) for f in futs)
+    for rank, ex in enumerate(executors):
+        root = rank % 2 == 0  # local rank 0 of each machine
+        seconds = {i: sec for _, _, i, sec in ex.timings}
+        assert sorted(seconds) == list(range(len(option.steps)))
+        for i, sec in seconds.items():
+            sleeps = not root and 0 < i < len(option.steps) - 1
+            assert math.isnan(sec) if sleeps else sec >= 0.0, (rank, i, sec)
 
 
 def test_engine_runs_lanes_concurrently_in_submission_order():
