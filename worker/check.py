@@ -12,8 +12,9 @@ three steps priced at about 1 ms each, and the kept plans ran 30-37% slower than
 So once a strategy is kept (after the trials, or at once), its first ``ESPRESSO_CHECK_STEPS``
 iterations after the compressor's schedule are timed step by step, as the profiled ones
 were (``Executor.timings``; the first iteration is a warm-up). The ranks take each step's
-minimum (the member that arrived last measured the step itself) and the slowest rank's
-median iteration. Rank 0 refits the latencies to those steps (one factor per kind of step:
+minimum over the ranks that run it (the member that arrived last measured the step itself;
+a non-root sleeps through a rooted Option's middle steps) and the slowest rank's median
+iteration. Rank 0 refits the latencies to those steps (one factor per kind of step:
 exchanges, push/pulls, rooted collectives; a kind the strategy does not run takes the
 largest factor measured, the host's message latency, so that a re-plan cannot flee to a
 kind no step checked), prices the kept strategy again and re-plans on the refitted cluster
