@@ -415,6 +415,7 @@ _LATENCY_KINDS = {
         k for k in Kind if not k.is_compute and k not in EXCHANGES | _PUSH_PULLS)),
 }
 
+
 def _floats(values: np.ndarray) -> list[float | None]:
     """JSON numbers of a float array, None for NaN (a step that was not timed)."""
     return [None if np.isnan(v) else float(v) for v in values]
