@@ -23,6 +23,7 @@ from byteps_espresso.worker.check import (
 )
 from byteps_espresso.worker.local_transport import LocalHub
 from byteps_espresso.worker.profiler import EspressoSpec, step_prices
+from byteps_espresso.worker.session import span_across_ranks
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
 from byteps_espresso.strategy.context import PlanContext
@@ -79,6 +80,17 @@ def test_runs_take_each_step_s_fastest_and_slowest_rank_and_stop_the_timing(on_e
         # the first member to arrive waited for the last: each step's slowest rank
         np.testing.assert_allclose(runs[0].slowest_us, [13_000.0, 13_000.0, np.nan])
         np.testing.assert_allclose(runs[1].slowest_us, [20_000.0])
+
+
+def test_the_span_across_ranks_leaves_out_the_ranks_without_a_value(on_every_rank):
+    """Minimum and maximum over the ranks that hold a value; NaN where none does."""
+    def run(hub, rank):
+        values = np.array([rank, math.nan if rank % 2 else 10.0 * rank, math.nan])
+        return span_across_ranks(_session(hub, rank), values)
+
+    for fastest, slowest in on_every_rank(run).values():
+        np.testing.assert_array_equal(fastest, [0.0, 0.0, np.nan])
+        np.testing.assert_array_equal(slowest, [WORLD - 1.0, 10.0 * (WORLD - 2), np.nan])
 
 
 def test_ranks_that_timed_different_runs_all_skip_the_refit(on_every_rank):
