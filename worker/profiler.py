@@ -1207,8 +1207,8 @@ def _fp32_ms(session: Session, starts: Sequence[float],
              if not (probed and probe_lanes(i, lanes))]
     if not clean:
         return None, None
-    slowest, fastest = slowest_across_ranks(session, np.array([min(clean), -min(clean)]))
-    return float(slowest) * 1e3, -float(fastest) * 1e3
+    fastest, slowest = span_across_ranks(session, np.array([min(clean)]))
+    return float(slowest[0]) * 1e3, float(fastest[0]) * 1e3
 
 
 def _plan_of(strategy: Any, finalists: tuple[Any, ...] = ()) -> Plan:
