@@ -202,7 +202,8 @@ def _cpu_only(ctx: PlanContext) -> Solution:
 def _upper_bound(ctx: PlanContext) -> Solution:
     free = ctx.free()
     start = search.uniform_best(free, free.uncompressed())
-    choice = search.gpu_greedy(free, start, free.primary_device(), use_bubbles=False, passes=2)
+    choice = search.gpu_greedy(free, start, free.primary_device(), use_bubbles=False, passes=2,
+                               gap=0.0)
     return Solution(choice, free.iteration_us(choice), free)
 
 

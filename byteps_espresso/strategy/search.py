@@ -28,6 +28,12 @@ Algorithm 2 (``cpu_offload``)
        tensors in backward order (:meth:`Evaluator.best_offload`): the same optimum, with the
        prefix schedule shared among siblings and branches cut by lower bounds.
 
+Every phase stops once the iteration time is within :data:`OPTIMALITY_GAP` of the floor that
+no strategy beats (forward + backward, :attr:`Evaluator.floor_us`): Algorithm 1 before its
+next group move or decision, and Algorithm 2 and the refinements are then skipped. Where the
+first start's group moves end within twice the gap, Algorithm 1 first continues from that
+start alone, and tries the second start only if that does not reach the gap.
+
 Refinement (ours, after Algorithm 2): each tensor with the others fixed tries every device
 placement of its option's Comp/Decomp steps, one step at a time or together (so every Option
 of the tree, mixed devices included, can be chosen), and the non-dominated compressed all-CPU
@@ -51,8 +57,9 @@ import numpy as np
 from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.options import Device
 
-__all__ = ["GREEDY_PASSES", "OFFLOAD_NODE_LIMIT", "OffloadUnits", "cpu_offload", "espresso",
-           "gc_paused", "gpu_greedy", "offload_exhaustive", "offload_units", "uniform_best"]
+__all__ = ["GREEDY_PASSES", "OFFLOAD_NODE_LIMIT", "OPTIMALITY_GAP", "OffloadUnits", "cpu_offload",
+           "espresso", "gc_paused", "gpu_greedy", "offload_exhaustive", "offload_units",
+           "stop_us", "uniform_best"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,13 @@ OFFLOAD_NODE_LIMIT = 2_000_000
 # strategies than two on the 24 workload settings and 100 random instances of
 # benchmarks/plan.py (measured 2026-11-30), in less time.
 GREEDY_PASSES = 1
+# The search stops once the iteration is at most (1 + OPTIMALITY_GAP) x the floor no strategy
+# beats (Evaluator.floor_us): what it could still gain is then below 0.1% of an iteration, far
+# inside the cost model's own error (its predictions of trained iterations are 15-45% off,
+# BENCHMARKS.md "End-to-end"). Without it, on workloads that already end near the floor
+# (ResNet50/101 and VGG16 on NVLink + 100 Gbit/s: 0.02-0.07% above it) most of a plan traded
+# tie-breaks of the sum of synchronized times for a gain of at most 0.01% of the iteration.
+OPTIMALITY_GAP = 1e-3
 # Rounds of offload_descent at most (each round: every pair of units).
 OFFLOAD_ROUNDS = 4
 
@@ -79,51 +93,79 @@ def uniform_best(ctx: PlanContext, candidates: list) -> np.ndarray:  # type: ign
     return np.full(ctx.n_tensors, k, dtype=np.int64)
 
 
+def stop_us(ctx: PlanContext, gap: float = OPTIMALITY_GAP) -> float:
+    """The iteration time at which the search stops: within ``gap`` of the floor no strategy
+    beats (``gap`` 0: never, the search runs to its end)."""
+    return ctx.evaluator.floor_us * (1.0 + gap) if gap > 0 else -math.inf
+
+
 def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU,
-               use_bubbles: bool = True, passes: int = 1) -> np.ndarray:
-    """Algorithm 1 on ``choice`` (modified copy returned)."""
+               use_bubbles: bool = True, passes: int = 1, *, gap: float = OPTIMALITY_GAP) \
+        -> np.ndarray:
+    """Algorithm 1 on ``choice`` (modified copy returned), stopping within ``gap`` of the
+    floor (:func:`stop_us`)."""
     choice = choice.copy()
+    stop = stop_us(ctx, gap)
     fronts = ctx.fronts(device)
     evaluator = ctx.evaluator
     size_idx = evaluator.size_idx
     n = ctx.n_tensors
     # Sizes whose non-dominated options are all uncompressed were decided by the group moves.
     order = [i for i in ctx.visit_order if size_idx[i] in fronts.compressible]
-    t_choice = _group_moves(ctx, choice, fronts.index)
-    # Second start (ours): every tensor on its fastest option in isolation; keep the better.
-    alone = fronts.fastest_alone[size_idx]
-    t_alone = _group_moves(ctx, alone, fronts.index)
-    if t_alone < t_choice - 1e-6:
-        choice = alone
     plain = np.zeros(len(evaluator.options), dtype=np.bool_)
     plain[ctx.uncompressed_index()] = True
-    for _ in range(passes):
-        # steps 4 and 5 over ``order``, in one kernel call (Evaluator.greedy_pass); ties keep
-        # the current option, whose time the schedule already holds
-        changed = evaluator.greedy_pass(choice, np.array(order, dtype=np.int64),
-                                        front=fronts.table, front_len=fronts.count,
-                                        plain=plain, bubbles=use_bubbles,
-                                        current=evaluator.schedule(choice))
-        if not changed:
-            break
-        # Later passes revisit only sizes down to the smallest compressed tensor: below it,
-        # compression lost everywhere in this pass.
-        sizes = [ctx.workload.tensors[i].numel for i in range(n)
-                 if evaluator.options[choice[i]].is_compressed]
-        floor = min(sizes, default=0)
-        order = [i for i in order if ctx.workload.tensors[i].numel >= floor]
-    return choice
+
+    def greedy(choice: np.ndarray) -> np.ndarray:
+        visit = order
+        for _ in range(passes):
+            # steps 4 and 5 over ``visit``, in one kernel call (Evaluator.greedy_pass); ties
+            # keep the current option, whose time the schedule already holds
+            changed = evaluator.greedy_pass(choice, np.array(visit, dtype=np.int64),
+                                            front=fronts.table, front_len=fronts.count,
+                                            plain=plain, bubbles=use_bubbles,
+                                            current=evaluator.schedule(choice), stop_us=stop)
+            if not changed:
+                break
+            # Later passes revisit only sizes down to the smallest compressed tensor: below
+            # it, compression lost everywhere in this pass.
+            sizes = [ctx.workload.tensors[i].numel for i in range(n)
+                     if evaluator.options[choice[i]].is_compressed]
+            smallest = min(sizes, default=0)
+            visit = [i for i in visit if ctx.workload.tensors[i].numel >= smallest]
+        return choice
+
+    t_choice = _group_moves(ctx, choice, fronts.index, stop)
+    if t_choice <= stop:
+        return choice
+    ahead = None
+    if t_choice <= stop_us(ctx, 2 * gap):
+        # Within twice the gap the passes from this start alone usually reach the gap, and
+        # then spare the second start's group moves (ResNet101 on 8 x 8 PCIe + 25 Gbit/s with
+        # randomk: about 7 of a 15 ms plan). Where they do not, the plan is the one without
+        # this shortcut: the same passes run from the better start.
+        ahead = greedy(choice.copy())
+        if ctx.iteration_us(ahead) <= stop:
+            return ahead
+    # Second start (ours): every tensor on its fastest option in isolation; keep the better.
+    alone = fronts.fastest_alone[size_idx]
+    if _group_moves(ctx, alone, fronts.index, stop) < t_choice - 1e-6:
+        return greedy(alone)
+    return ahead if ahead is not None else greedy(choice)
 
 
-def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarray]) -> float:
-    """For each size group (largest first), try giving all its tensors one option (in place);
-    returns the iteration time of the resulting ``choice``.
+def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarray],
+                 stop: float) -> float:
+    """For each size group (largest first), try giving all its tensors one option (in place),
+    until the iteration time is at most ``stop``; returns the iteration time of the resulting
+    ``choice``.
 
     Tensors of one size are interchangeable for the cost model; moving them together escapes
     the plateau where compressing any single one does not shorten the iteration because the
     others still hold the link."""
     now = ctx.evaluator.schedule(choice)
     for u, group in ctx.size_groups.items():
+        if now.iteration_us <= stop:
+            break
         best_k, _ = ctx.evaluator.best_group(choice, group, front_idx[u], now)
         if best_k >= 0:
             choice[group] = best_k
@@ -266,7 +308,7 @@ def offload_descent(ctx: PlanContext, choice: np.ndarray, units: OffloadUnits) \
     return _strategies(units, counts[None, :])[0], best_t
 
 
-def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
+def _refine_devices(ctx: PlanContext, choice: np.ndarray, stop: float) -> np.ndarray:
     """Each tensor, in visit order, with the others fixed: a compressed one tries every device
     placement of its option's Comp/Decomp steps (:meth:`PlanContext.placements`) and the
     non-dominated all-CPU options of its size (host compression may pay more on another
@@ -285,6 +327,8 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     n = ctx.n_tensors
     now = ctx.evaluator.schedule(choice)  # (time, sum of synchronized times, ready, done)
     for i in ctx.visit_order:
+        if now[0] <= stop:
+            break
         keep = int(choice[i])
         if options[keep].is_compressed:
             table = ctx.placements(keep)
@@ -305,16 +349,19 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
     return choice
 
 
-def _refine_twins(ctx: PlanContext, choice: np.ndarray) -> np.ndarray:
+def _refine_twins(ctx: PlanContext, choice: np.ndarray, stop: float) -> np.ndarray:
     """Each compressed tensor, in visit order, with the others fixed: its option or one of
     its twins, which forward the gathered payloads where it decodes and re-compresses, or
     compress inside the machine with the partner (:meth:`PlanContext.twins`; Algorithms 1
     and 2 leave those out where the option they are twins of is allowed, see
-    :meth:`PlanContext.searched`). Only a faster strategy is kept."""
+    :meth:`PlanContext.searched`). Only a faster strategy is kept. Stops once the iteration
+    time is at most ``stop``."""
     choice = choice.copy()
     options = ctx.evaluator.options
     now = ctx.evaluator.schedule(choice)  # (time, sum of synchronized times, ...)
     for i in ctx.visit_order:
+        if now[0] <= stop:
+            break
         keep = int(choice[i])
         if not options[keep].is_compressed:
             continue
@@ -366,9 +413,11 @@ def espresso(ctx: PlanContext) -> np.ndarray:
 def _espresso(ctx: PlanContext) -> np.ndarray:
     start = uniform_best(ctx, ctx.uncompressed())
     device = ctx.primary_device()
+    stop = stop_us(ctx)
     choice = gpu_greedy(ctx, start, device, passes=GREEDY_PASSES)
-    choice = cpu_offload(ctx, choice)
-    choice = _refine_devices(ctx, choice)
-    choice = _refine_twins(ctx, choice)
+    if ctx.iteration_us(choice) > stop:
+        choice = cpu_offload(ctx, choice)
+        choice = _refine_devices(ctx, choice, stop)
+        choice = _refine_twins(ctx, choice, stop)
     log.debug("espresso: %d evaluations", ctx.evaluator.calls)
     return choice

@@ -473,19 +473,22 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
 @numba.njit(cache=True)
 def _greedy_pass(gaps, size_idx, lane, choice, order, plain, front, front_len, bubbles,  # noqa: PLR0917
                  cat_len, cat_res, cat_dur, n_res, forward, tol, t0, s0, trace, spare,
-                 task_start, task_end):  # pragma: no cover - compiled
+                 task_start, task_end, stop):  # pragma: no cover - compiled
     """Algorithm 1's pass over the tensors of ``order`` (search.gpu_greedy), each with the
     others fixed: skipped where ``bubbles`` and it is uncompressed (``plain`` per option) and
     synchronized before the next gradient is ready; else _best_of over its size's front
     (front[u, :front_len[u]]) but its own option, against its own option's schedule (t0,
     s0, ``trace``); a different winner is taken and the schedule retraced (_resimulate, into
-    ``spare``: the two traces swap). ``choice`` is changed in place. Returns (whether
-    anything changed, the candidate runs and reschedules)."""
+    ``spare``: the two traces swap). The pass ends once the iteration time is at most
+    ``stop``. ``choice`` is changed in place. Returns (whether anything changed, the
+    candidate runs and reschedules)."""
     n = gaps.shape[0]
     cands = np.empty(max(front.shape[1], 1), dtype=np.int64)
     runs = 0
     changed = False
     for q in range(order.shape[0]):
+        if t0 <= stop:
+            break
         i = order[q]
         keep = choice[i]
         if bubbles and i + 1 < n and plain[keep] and trace[1][i] <= trace[0][i + 1]:
@@ -1085,11 +1088,13 @@ class Evaluator:
 
     def greedy_pass(self, choice: np.ndarray, order: np.ndarray, *, front: np.ndarray,
                     front_len: np.ndarray, plain: np.ndarray, bubbles: bool,
-                    current: Schedule, tol: float = 1e-6) -> bool:
+                    current: Schedule, tol: float = 1e-6, stop_us: float = -np.inf) -> bool:
         """One pass of Algorithm 1 over the tensors of ``order`` in one kernel call, the same
         as this loop, bit for bit (``choice`` is changed in place; returns whether it was)::
 
             for i in order:
+                if current.iteration_us <= stop_us:
+                    break
                 keep = choice[i]
                 if bubbles and i + 1 < n and plain[keep] \\
                         and current.done_us[i] <= current.ready_us[i + 1]:
@@ -1109,7 +1114,7 @@ class Evaluator:
             plain, front, front_len, bool(bubbles), self._len, self._res, self._dur,
             len(RESOURCES), self.forward_us, tol, float(current.iteration_us),
             float(current.sum_done_us), current.trace, _new_trace(n, self._lanes),
-            np.empty((n, width)), np.empty((n, width)))
+            np.empty((n, width)), np.empty((n, width)), float(stop_us))
         self.calls += int(runs)
         return bool(changed)
 
@@ -1130,7 +1135,7 @@ class Evaluator:
         _greedy_pass(np.ones(1), one, lane, one.copy(), one, np.ones(1, dtype=np.bool_),
                      np.zeros((1, 1), dtype=np.int64), one, True, lens, res, dur, len(RESOURCES),
                      0.0, 1e-6, np.inf, np.inf, _new_trace(1, 0), _new_trace(1, 0),
-                     np.zeros((1, 1)), np.zeros((1, 1)))
+                     np.zeros((1, 1)), np.zeros((1, 1)), -np.inf)
         _resimulate(np.ones(1), one, lane, one, 0, lens, res, dur, len(RESOURCES),
                     np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0), _new_trace(1, 0))
         _best_group(np.ones(1), one, lane, one, one, one, lens, res, dur, len(RESOURCES), 0.0,
@@ -1196,6 +1201,12 @@ class Evaluator:
                          len(RESOURCES), self.forward_us, current, tol)
         self.calls += len(rows)
         return int(r), float(t)
+
+    @property
+    def floor_us(self) -> float:
+        """No strategy's iteration is shorter: forward + the whole backward pass (tasks on the
+        GPU only delay the backward segments; communication only adds after them)."""
+        return self.forward_us + float(np.sum(self.gaps))
 
     def iteration_us(self, choice: np.ndarray) -> float:
         """Iteration time of ``choice`` (option index per tensor), microseconds."""

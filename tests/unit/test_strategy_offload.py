@@ -145,7 +145,7 @@ def test_device_refinement_tries_host_compression_of_other_schemes():
     table = ctx.placements(ps)
     placed = table[table >= 0].tolist()
     own = min(ctx.iteration_us(np.array([p, q])) for p in placed for q in placed)
-    got = search._refine_devices(ctx, np.array([ps, ps]))
+    got = search._refine_devices(ctx, np.array([ps, ps]), search.stop_us(ctx))
     assert ctx.iteration_us(got) < own - 100.0
     assert any(int(k) not in placed and options[k].uses_cpu for k in got)
 

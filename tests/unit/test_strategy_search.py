@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from byteps_espresso.strategy import Cluster, Constraints, TensorProfile, Workload, baselines
+from byteps_espresso.strategy import (
+    Cluster,
+    Constraints,
+    TensorProfile,
+    Workload,
+    baselines,
+    search,
+)
 from byteps_espresso.strategy.context import PlanContext, pareto_front
 from byteps_espresso.strategy.instances import random_instance
 from byteps_espresso.strategy.options import Device
@@ -333,27 +340,79 @@ def test_greedy_pass_equals_best_of_and_reschedule_per_tensor(model, intra, gbps
     plain = np.zeros(len(ev.options), dtype=np.bool_)
     plain[ctx.uncompressed_index()] = True
 
-    want = start.copy()
-    now = ev.schedule(want)
-    moved = False
-    for i in order.tolist():
-        keep = int(want[i])
-        if bubbles and i + 1 < ctx.n_tensors and plain[keep] and \
-                now.done_us[i] <= now.ready_us[i + 1]:
-            continue
-        k, _ = ev.best_of(want, i, fronts.index[ev.size_idx[i]], current=now)
-        if k != keep:
-            want[i] = k
-            moved = True
-            now = ev.reschedule(want, i, now)
+    def loop(stop: float) -> tuple[np.ndarray, tuple, int]:
+        want = start.copy()
+        now = ev.schedule(want)
+        moves = 0
+        for i in order.tolist():
+            if now.iteration_us <= stop:
+                break
+            keep = int(want[i])
+            if bubbles and i + 1 < ctx.n_tensors and plain[keep] and \
+                    now.done_us[i] <= now.ready_us[i + 1]:
+                continue
+            k, _ = ev.best_of(want, i, fronts.index[ev.size_idx[i]], current=now)
+            if k != keep:
+                want[i] = k
+                moves += 1
+                now = ev.reschedule(want, i, now)
+        return want, now[:2], moves
 
-    got = start.copy()
-    changed = ev.greedy_pass(got, order, front=fronts.table, front_len=fronts.count,
-                             plain=plain, bubbles=bubbles, current=ev.schedule(got))
-    assert moved  # the check means something
-    assert changed == moved
-    assert np.array_equal(got, want)
-    assert ev.schedule(got)[:2] == now[:2]
+    full, end, moves = loop(-np.inf)
+    # a stop halfway between the start and the pass's end cuts the pass short
+    stop = (ev.schedule(start).iteration_us + end[0]) / 2
+    cut, cut_end, cut_moves = loop(stop)
+    assert 0 < cut_moves < moves  # the checks mean something
+    for want, now, stop_us in ((full, end, -np.inf), (cut, cut_end, stop)):
+        got = start.copy()
+        changed = ev.greedy_pass(got, order, front=fronts.table, front_len=fronts.count,
+                                 plain=plain, bubbles=bubbles, current=ev.schedule(got),
+                                 stop_us=stop_us)
+        assert changed
+        assert np.array_equal(got, want)
+        assert ev.schedule(got)[:2] == now
+
+
+@pytest.mark.parametrize(("model", "intra", "gbps", "compressor"), [
+    ("resnet50", "pcie", 25, "randomk"),
+    ("vgg16", "nvlink", 100, "efsignsgd"),
+    ("resnet101", "pcie", 25, "randomk"),  # the first start's passes reach the gap
+])
+def test_the_search_stops_within_the_gap_of_the_floor(model, intra, gbps, compressor,
+                                                       monkeypatch):
+    """Near the floor no strategy beats, the search stops within the optimality gap of it,
+    so within the gap of what the search finds without stopping."""
+    ctx = _prepared(model, intra, gbps, compressor, None)
+    floor = ctx.evaluator.floor_us
+    gapped = ctx.iteration_us(search.espresso(ctx))
+    monkeypatch.setattr(search, "OPTIMALITY_GAP", 0.0)
+    exact = ctx.iteration_us(search.espresso(ctx))
+    assert floor <= exact <= gapped <= floor * (1 + 1e-3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_gap_changes_nothing_away_from_the_floor(seed, monkeypatch):
+    inst = random_instance(seed)
+    ctx = PlanContext(inst.workload, inst.cluster, COMPRESSOR, PARAMS,
+                      constraints=inst.constraints)
+    ctx.prepare()
+    gapped = search.espresso(ctx)
+    assert ctx.iteration_us(gapped) > search.stop_us(ctx)
+    monkeypatch.setattr(search, "OPTIMALITY_GAP", 0.0)
+    assert np.array_equal(gapped, search.espresso(ctx))
+
+
+def test_a_plan_at_the_floor_stops_at_once():
+    """ResNet101 on NVLink + 100 Gbit/s synchronizes every gradient inside the backward pass
+    uncompressed: the uniform start is within the gap of the floor, and the search stops
+    there instead of trading tie-breaks of the synchronized times."""
+    ctx = _prepared("resnet101", "nvlink", 100, "dgc", None)
+    start = search.uniform_best(ctx, ctx.uncompressed())
+    assert ctx.iteration_us(start) <= search.stop_us(ctx)
+    before = ctx.evaluator.calls
+    got = search.espresso(ctx)
+    assert np.array_equal(got, start)
+    assert ctx.evaluator.calls - before <= len(ctx.options)  # the uniform start's candidates
 
 
 def test_group_and_row_searches_with_nothing_to_run():
