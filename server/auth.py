@@ -148,7 +148,7 @@ def warn_if_unauthenticated(secret: bytes | None, role: str, log: Any) -> None:
         log.warning("%s: no ESPRESSO_JOB_SECRET: parameter-server messages are not "
                     "authenticated, so any process that reaches this job's ports can join "
                     "it or alter its gradients; set a per-job secret (espresso-launch "
-                    "--local/--emulate generate one)", role)
+                    "--local/--emulate --auth generates one)", role)
 
 
 class AuthError(ValueError):
