@@ -23,12 +23,18 @@
     the compiled planner kernels in numba's cache (warm) and with an empty cache (cold: the
     first job of a fresh clone compiles them).
 
+(f) with --bound only: each cell's plan against a lower bound of every strategy's iteration
+    (``baselines.lower_bound_us``: each tensor ready no earlier than the backward pass up to
+    it, then at least the time alone of the tree's fastest Option at its size); a plan equal
+    to it is optimal under the model.
+
 Prints the tables and writes benchmarks/results/plan.json (--startup: plan_startup.json).
 
     .venv/bin/python benchmarks/plan.py [--instances 200] [--runs 5]
     .venv/bin/python benchmarks/plan.py --offload-only   # (d) alone: plan_offload.json
     .venv/bin/python benchmarks/plan.py --time-only [--runs 5]   # (c) alone: plan_time.json
     .venv/bin/python benchmarks/plan.py --startup [--runs 5] [--cold-runs 1]
+    .venv/bin/python benchmarks/plan.py --bound   # (f) alone: plan_bound.json
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "plan.json"
 OFFLOAD_RESULTS = RESULTS.with_name("plan_offload.json")
 TIME_RESULTS = RESULTS.with_name("plan_time.json")
 STARTUP_RESULTS = RESULTS.with_name("plan_startup.json")
+BOUND_RESULTS = RESULTS.with_name("plan_bound.json")
 # The main job's measured profile (workload, cluster, costs) and what its trials keep
 # (worker/profiler.py's _TRIAL_WITHIN: finalists predicted within 2.5x of the plan).
 PROFILE = RESULTS.with_name("calibrate.json")
@@ -191,6 +198,33 @@ def offload_only() -> list[dict]:
                      "offload_lanes": offload_check(_with_lanes(ctx))})
         print(f"  {model:9} {setting:12} {compressor:10} done", file=sys.stderr)
     return rows
+
+
+def bound_only() -> list[dict]:
+    """(f) every cell's plan against the lower bound of every strategy (lower_bound_us)."""
+    rows = []
+    for model, workload, setting, cluster, compressor, params in _cells():
+        _, solution = plan_alone(workload, cluster, compressor, params)
+        ctx = solution.ctx
+        bound = baselines.lower_bound_us(ctx)
+        rows.append({"workload": model, "setting": setting, "compressor": compressor,
+                     "espresso_ms": solution.iteration_us / 1e3, "bound_ms": bound / 1e3,
+                     "floor_ms": ctx.evaluator.floor_us / 1e3,
+                     "above_bound": solution.iteration_us / bound - 1})
+    return rows
+
+
+def print_bound(rows: list[dict]) -> None:
+    print("\n(f) espresso's predicted iteration against a lower bound of every strategy's "
+          "(ms)")
+    print(f"{'workload':9} {'setting':12} {'compressor':10} {'espresso':>9} {'bound':>9} "
+          f"{'above':>7}")
+    for r in rows:
+        above = r["above_bound"] if abs(r["above_bound"]) > 1e-9 else 0.0  # float rounding
+        print(f"{r['workload']:9} {r['setting']:12} {r['compressor']:10} "
+              f"{r['espresso_ms']:9.3f} {r['bound_ms']:9.3f} {100 * above:6.3f}%")
+    exact = sum(r["above_bound"] <= 1e-9 for r in rows)
+    print(f"equal to the bound (optimal under the model) in {exact}/{len(rows)} cells")
 
 
 def time_only(runs: int) -> list[dict]:
@@ -383,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only (d): Algorithm 2 against the exhaustive traversal")
     parser.add_argument("--time-only", action="store_true",
                         help="only (c): cold and warm planning time per cell")
+    parser.add_argument("--bound", action="store_true",
+                        help="only (f): each cell's plan against a lower bound of every "
+                             "strategy")
     parser.add_argument("--startup-child", metavar="COMPRESSOR", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -396,6 +433,14 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.out or str(STARTUP_RESULTS), {
             "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
             **_machine(), "startup": rows, "seconds": time.time() - t0})
+        return 0
+    if args.bound:
+        t0 = time.time()
+        rows = bound_only()
+        print_bound(rows)
+        _write(args.out or str(BOUND_RESULTS), {
+            "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
+            **_machine(), "workloads": rows, "seconds": time.time() - t0})
         return 0
     if args.offload_only:
         t0 = time.time()

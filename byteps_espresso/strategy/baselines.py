@@ -33,7 +33,7 @@ from byteps_espresso.strategy.options import Device, Option
 
 __all__ = ["ALGORITHMS", "BRUTEFORCE_LIMIT", "Algorithm", "BaselineUnavailable",
            "BruteforceTooLarge", "Solution", "fp32_baseline_option", "fp32_option", "get",
-           "register"]
+           "lower_bound_us", "register"]
 
 # Bruteforce simulates at most this many strategies (about 1 s on one core for 4 tensors).
 BRUTEFORCE_LIMIT = 300_000
@@ -205,6 +205,24 @@ def _upper_bound(ctx: PlanContext) -> Solution:
     choice = search.gpu_greedy(free, start, free.primary_device(), use_bubbles=False, passes=2,
                                gap=0.0)
     return Solution(choice, free.iteration_us(choice), free)
+
+
+def lower_bound_us(ctx: PlanContext) -> float:
+    """A lower bound of every strategy's iteration time on ``ctx``, for judging a plan.
+
+    Each tensor is ready no earlier than the backward pass up to it (GPU tasks only delay
+    the backward segments), and then needs at least the time alone (the sum of its tasks)
+    of the fastest Option of the whole tree at its size, placements, twins and mixed
+    compressors included; the iteration ends no earlier than forward + the latest of those,
+    nor than forward + backward (:attr:`Evaluator.floor_us`). A strategy that reaches it is
+    optimal under the model. Prices every Option of the tree: several times a plan's model
+    build, so the search does not use it."""
+    ev = ctx.evaluator
+    alone = np.full(int(ev.size_idx.max()) + 1, np.inf)
+    for batch in ctx.pricer.batch(ctx.options):
+        alone = np.minimum(alone, batch.total.min(axis=0))
+    per_tensor = ev.forward_us + np.cumsum(ev.gaps) + alone[ev.size_idx]
+    return max(ev.floor_us, float(per_tensor.max()))
 
 
 @register("bruteforce", "every combination of options (small inputs only)")

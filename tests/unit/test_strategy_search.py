@@ -402,6 +402,29 @@ def test_the_gap_changes_nothing_away_from_the_floor(seed, monkeypatch):
     assert np.array_equal(gapped, search.espresso(ctx))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_lower_bound_is_below_the_optimum(seed):
+    """baselines.lower_bound_us never exceeds the best strategy (bruteforce, over the whole
+    tree, mixed-device options included)."""
+    inst = random_instance(seed)
+    ctx = PlanContext(inst.workload, inst.cluster, COMPRESSOR, PARAMS,
+                      constraints=inst.constraints)
+    best = baselines.get("bruteforce").run(ctx).iteration_us
+    bound = baselines.lower_bound_us(ctx)
+    assert ctx.evaluator.floor_us <= bound <= best + 1e-6
+
+
+def test_a_plan_can_reach_the_lower_bound():
+    """GPT-2 on NVLink + 100 Gbit/s: the plan's iteration is the lower bound (its embedding,
+    ready last, synchronized by the fastest Option at its size): optimal under the model.
+    The bound is above the floor there, so this checks its per-tensor term."""
+    ctx = _prepared("gpt2", "nvlink", 100, "randomk", None)
+    bound = baselines.lower_bound_us(ctx)
+    found = ctx.iteration_us(search.espresso(ctx))
+    assert bound > ctx.evaluator.floor_us * 1.001
+    assert found == pytest.approx(bound, rel=1e-9)
+
+
 def test_a_plan_at_the_floor_stops_at_once():
     """ResNet101 on NVLink + 100 Gbit/s synchronizes every gradient inside the backward pass
     uncompressed: the uniform start is within the gap of the floor, and the search stops
