@@ -93,18 +93,21 @@ def uniform_best(ctx: PlanContext, candidates: list) -> np.ndarray:  # type: ign
     return np.full(ctx.n_tensors, k, dtype=np.int64)
 
 
-def stop_us(ctx: PlanContext, gap: float = OPTIMALITY_GAP) -> float:
-    """The iteration time at which the search stops: within ``gap`` of the floor no strategy
-    beats (``gap`` 0: never, the search runs to its end)."""
+def stop_us(ctx: PlanContext, gap: float | None = None) -> float:
+    """The iteration time at which the search stops: within ``gap`` (default
+    :data:`OPTIMALITY_GAP`) of the floor no strategy beats (``gap`` 0: never, the search runs
+    to its end)."""
+    gap = OPTIMALITY_GAP if gap is None else gap
     return ctx.evaluator.floor_us * (1.0 + gap) if gap > 0 else -math.inf
 
 
 def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU,
-               use_bubbles: bool = True, passes: int = 1, *, gap: float = OPTIMALITY_GAP) \
+               use_bubbles: bool = True, passes: int = 1, *, gap: float | None = None) \
         -> np.ndarray:
-    """Algorithm 1 on ``choice`` (modified copy returned), stopping within ``gap`` of the
-    floor (:func:`stop_us`)."""
+    """Algorithm 1 on ``choice`` (modified copy returned), stopping within ``gap`` (default
+    :data:`OPTIMALITY_GAP`) of the floor (:func:`stop_us`)."""
     choice = choice.copy()
+    gap = OPTIMALITY_GAP if gap is None else gap
     stop = stop_us(ctx, gap)
     fronts = ctx.fronts(device)
     evaluator = ctx.evaluator
