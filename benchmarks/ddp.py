@@ -1,9 +1,9 @@
 """This runtime side by side with torch DDP: iteration time, final loss, time to a target loss.
 
 Every run is ``benchmarks/ddp_worker.py`` under ``espresso-launch`` on 2 machines x 2 workers
-and 1 server, so both runtimes get the same processes, cores (one intra-op thread each),
-links and gloo: on loopback (``loopback``) or on the emulated cluster with shaped links
-(``1`` and ``0.25`` Gbit/s; needs root). Variants:
+and 1 server (``--servers``), so both runtimes get the same processes, cores (one intra-op
+thread each), links and gloo: on loopback (``loopback``) or on the emulated cluster with
+shaped links (``1`` and ``0.25`` Gbit/s; needs root). Variants:
 
     ddp          DDP (gloo all-reduce, 25 MiB buckets), uncompressed
     ddp-fp16     DDP with its fp16_compress_hook
@@ -65,9 +65,9 @@ def _worker_args(variant: str, model: str, args: argparse.Namespace) -> list[str
             compressor, "--ratio", str(args.ratio)]
 
 
-def _cluster(setting: str) -> list[str]:
+def _cluster(setting: str, servers: int) -> list[str]:
     shape = ["--local"] if setting == "loopback" else ["--emulate", "--inter-gbps", setting]
-    return [*shape, "--machines", "2", "--workers-per-machine", "2", "--servers", "1"]
+    return [*shape, "--machines", "2", "--workers-per-machine", "2", "--servers", str(servers)]
 
 
 def _median_of(values: list) -> float | None:
@@ -86,7 +86,8 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
             name = f"{model}-{setting}-{variant}-{rep}"
             print(f"-- {name}", flush=True)
             env = dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING")
-            result = run_training(name, _cluster(setting), _worker_args(variant, model, args),
+            result = run_training(name, _cluster(setting, args.servers),
+                                  _worker_args(variant, model, args),
                                   out, env=env, live=False, timeout_s=args.timeout_s)
             runs[variant].append(result.metrics)
     rows = []
@@ -147,6 +148,9 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--ratio", type=float, default=0.01, help="sparsifiers' kept fraction")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--servers", type=int, default=1,
+                   help="PS server processes, each on its own node when emulated (BytePS "
+                        "runs as many as machines); DDP's runs start them too, idle")
     p.add_argument("--target-factor", type=float, default=1.05)
     p.add_argument("--timeout-s", type=float, default=900, help="per run")
     p.add_argument("--out", default=str(ROOT / "out" / "ddp"))
