@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Workload, baselines, search
@@ -426,47 +427,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.startup_child:
         print(json.dumps(startup_child(args.startup_child)))
         return 0
+    command = "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:])
     if args.startup:
-        t0 = time.time()
-        rows = startup(args.runs, args.cold_runs)
-        print_startup(rows)
-        _write(args.out or str(STARTUP_RESULTS), {
-            "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
-            **_machine(), "startup": rows, "seconds": time.time() - t0})
-        return 0
+        return _only(lambda: startup(args.runs, args.cold_runs), print_startup,
+                     args.out or str(STARTUP_RESULTS), command, key="startup")
     if args.bound:
-        t0 = time.time()
-        rows = bound_only()
-        print_bound(rows)
-        _write(args.out or str(BOUND_RESULTS), {
-            "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
-            **_machine(), "workloads": rows, "seconds": time.time() - t0})
-        return 0
+        return _only(bound_only, print_bound, args.out or str(BOUND_RESULTS), command)
     if args.offload_only:
-        t0 = time.time()
-        rows = offload_only()
-        print_offload(rows)
-        _write(args.out or str(OFFLOAD_RESULTS), {
-            "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
-            **_machine(), "workloads": rows, "seconds": time.time() - t0})
-        return 0
+        return _only(offload_only, print_offload, args.out or str(OFFLOAD_RESULTS), command)
     t0 = time.time()
     warm = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2), "randomk",
                        {"ratio": 0.01})
     warm.prepare()  # numba kernels loaded before anything is timed
     if args.time_only:
-        rows = time_only(args.runs)
-        print_time(rows)
-        _write(args.out or str(TIME_RESULTS), {
-            "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
-            **_machine(), "workloads": rows, "seconds": time.time() - t0})
-        return 0
+        return _only(lambda: time_only(args.runs), print_time, args.out or str(TIME_RESULTS),
+                     command, t0=t0)
     opt = near_optimality(args.instances, "randomk", {"ratio": 0.01})
     rows = quality_and_time(args.runs)
     print_tables(opt, rows)
     _write(args.out or str(RESULTS), {
-        "command": "python benchmarks/plan.py " + " ".join(argv or sys.argv[1:]),
-        **_machine(), "near_optimality": opt, "workloads": rows, "seconds": time.time() - t0})
+        "command": command, **_machine(), "near_optimality": opt, "workloads": rows,
+        "seconds": time.time() - t0})
+    return 0
+
+
+def _only(rows_of: Callable[[], list[dict]], printer: Callable[[list[dict]], None],
+          out: str, command: str, *, key: str = "workloads", t0: float | None = None) -> int:
+    """One table alone (--startup, --bound, --offload-only, --time-only): compute its rows,
+    print them and write them with the command and the machine."""
+    t0 = time.time() if t0 is None else t0
+    rows = rows_of()
+    printer(rows)
+    _write(out, {"command": command, **_machine(), key: rows, "seconds": time.time() - t0})
     return 0
 
 
