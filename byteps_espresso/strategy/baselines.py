@@ -208,21 +208,9 @@ def _upper_bound(ctx: PlanContext) -> Solution:
 
 
 def lower_bound_us(ctx: PlanContext) -> float:
-    """A lower bound of every strategy's iteration time on ``ctx``, for judging a plan.
-
-    Each tensor is ready no earlier than the backward pass up to it (GPU tasks only delay
-    the backward segments), and then needs at least the time alone (the sum of its tasks)
-    of the fastest Option of the whole tree at its size, placements, twins and mixed
-    compressors included; the iteration ends no earlier than forward + the latest of those,
-    nor than forward + backward (:attr:`Evaluator.floor_us`). A strategy that reaches it is
-    optimal under the model. Prices every Option of the tree: several times a plan's model
-    build, so the search does not use it."""
-    ev = ctx.evaluator
-    alone = np.full(int(ev.size_idx.max()) + 1, np.inf)
-    for batch in ctx.pricer.batch(ctx.options):
-        alone = np.minimum(alone, batch.total.min(axis=0))
-    per_tensor = ev.forward_us + np.cumsum(ev.gaps) + alone[ev.size_idx]
-    return max(ev.floor_us, float(per_tensor.max()))
+    """A lower bound of every strategy's iteration time on ``ctx``
+    (:attr:`PlanContext.bound_us`, where the search stops)."""
+    return ctx.bound_us
 
 
 @register("bruteforce", "every combination of options (small inputs only)")

@@ -38,7 +38,13 @@ import numpy as np
 from byteps_espresso.strategy import lowrank
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
-from byteps_espresso.strategy.costs import RESOURCES, CompressedSizes, PricedBatch, Pricer
+from byteps_espresso.strategy.costs import (
+    RESOURCES,
+    CompressedSizes,
+    PricedBatch,
+    Pricer,
+    least_sum_warm_up,
+)
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope, Step
 from byteps_espresso.strategy.program import Form, compile_option
 from byteps_espresso.strategy.timeline import Catalogue, Evaluator
@@ -97,6 +103,7 @@ class _Model:
         self.searched: dict = {}
         self.twins: dict = {}
         self.uncompressed: list[np.ndarray] = []
+        self.alone: list[np.ndarray] = []  # per size, the tree's least time alone
 
 
 _MODELS: OrderedDict[tuple, _Model] = OrderedDict()
@@ -254,6 +261,7 @@ def load_kernels() -> None:
     if not _KERNELS:
         Evaluator.warm_up()
         pareto_front(np.zeros((1, 1, 1)))
+        least_sum_warm_up()
         _KERNELS.append(True)
 
 
@@ -447,6 +455,25 @@ class PlanContext:
 
     def tensor_size_index(self, i: int) -> int:
         return int(self._tensor_sizes[i])
+
+    @functools.cached_property
+    def bound_us(self) -> float:
+        """A lower bound of every strategy's iteration time.
+
+        Each tensor is ready no earlier than the backward pass up to it (GPU tasks only delay
+        the backward segments), and then needs at least the time alone (the sum of its tasks)
+        of the fastest Option of the whole tree at its size, placements, twins and mixed
+        compressors included; the iteration ends no earlier than forward + the latest of
+        those, nor than forward + backward (:attr:`Evaluator.floor_us`). A strategy that
+        reaches it is optimal under the model. The fastest Options are found over the tree's
+        prefix tree of step settings (:meth:`Pricer.fastest_alone`), once per priced model."""
+        held = self._model.alone
+        if not held:
+            held.append(self.pricer.fastest_alone(
+                canonical_options(self.cluster, self.constraints, self._tree)))
+        ev = self.evaluator
+        per_tensor = ev.forward_us + np.cumsum(ev.gaps) + held[0][ev.size_idx]
+        return max(ev.floor_us, float(per_tensor.max()))
 
     def uncompressed(self) -> list[Option]:
         return [o for o in self.single_device(Device.GPU) if not o.is_compressed]
