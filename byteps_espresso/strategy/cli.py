@@ -162,6 +162,8 @@ def _json_report(strategy: Strategy, n_options: int) -> dict[str, Any]:
         "algorithm": strategy.algorithm,
         "iteration_time_ms": round(strategy.predicted_ms, 4),
         "baselines": {k: round(v, 4) for k, v in strategy.baselines.items()},
+        "lower_bound_ms": None if strategy.lower_bound_ms is None
+        else round(strategy.lower_bound_ms, 4),
         "search_time_ms": round(strategy.search_time_ms, 3),
         "plan_time_ms": round(strategy.plan_time_ms, 3),
         "options_per_tensor": n_options,
@@ -232,7 +234,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Strategy, dict[str, Timeli
             params[name] = value  # a string
     strategy, timelines = plan_with_timelines(
         workload, cluster, args.compressor, params, algorithm=args.algorithm,
-        constraints=constraints, costs=costs, baseline_names=REPORTED_BASELINES)
+        constraints=constraints, costs=costs, baseline_names=REPORTED_BASELINES, bound=True)
     return strategy, timelines, cluster, constraints
 
 

@@ -52,6 +52,7 @@ from byteps_espresso.strategy.tree import (
     Constraints,
     canonical_options,
     enumerate_options,
+    option_forms,
     option_set,
 )
 from byteps_espresso.strategy.workload import Workload
@@ -469,8 +470,10 @@ class PlanContext:
         prefix tree of step settings (:meth:`Pricer.fastest_alone`), once per priced model."""
         held = self._model.alone
         if not held:
-            held.append(self.pricer.fastest_alone(
-                canonical_options(self.cluster, self.constraints, self._tree)))
+            forms = option_forms(self.cluster, self.constraints, self._tree)
+            held.append(np.min([b.total.min(axis=0) for b in self.pricer.batch(self.options)],
+                               axis=0) if forms is None  # a low-rank tree: 24 Options
+                        else self.pricer.fastest_alone(forms))
         ev = self.evaluator
         per_tensor = ev.forward_us + np.cumsum(ev.gaps) + held[0][ev.size_idx]
         return max(ev.floor_us, float(per_tensor.max()))

@@ -55,10 +55,11 @@ multiply-adds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -78,6 +79,7 @@ from byteps_espresso.strategy.program import (
     reduce_splits,
     shard_numel,
 )
+from byteps_espresso.strategy.tree import Placements
 
 __all__ = [
     "CPU",
@@ -280,15 +282,13 @@ class Pricer:
                                    np.ascontiguousarray(self._dur[rows].transpose(0, 2, 1))))
         return out
 
-    def fastest_alone(self, options: Collection[Option]) -> np.ndarray:
-        """Per size (U,), the least time alone (the sum of its tasks' durations) of any of
-        ``options``: what :meth:`batch` would give as the minimum of every option's
-        ``total``, without gathering every option's tasks. Each step setting is summed once,
-        then each prefix of the options' prefix tree of settings (:func:`_step_trie`, cached
-        per collection object: pass the tree's own, ``canonical_options``) in one kernel."""
-        if self.factors is not None and any(map(self._low_rank, options)):
-            return np.min([b.total.min(axis=0) for b in self.batch(tuple(options))], axis=0)
-        trie = _step_trie(options)
+    def fastest_alone(self, forms: Sequence[Placements]) -> np.ndarray:
+        """Per size (U,), the least time alone (the sum of its tasks' durations) of any Option
+        of ``forms`` (``tree.option_forms``: not a low-rank tree): what :meth:`batch` would
+        give as the minimum of every option's ``total``, without gathering every option's
+        tasks. Each step setting is summed once, then each prefix of the options' prefix
+        tree of settings (:func:`_step_trie`, cached per ``forms`` object) in one kernel."""
+        trie = _step_trie(forms)
         self._price_settings(trie.settings)
         first = self._first[trie.settings]
         alone = self._dur[first]
@@ -647,37 +647,63 @@ class _StepTrie(NamedTuple):
     ends: np.ndarray  # each option's last node
 
 
-# Prefix trees kept, per option collection (held here, so its id stays its own).
-_TRIES: OrderedDict[int, tuple[Collection[Option], _StepTrie]] = OrderedDict()
+# Prefix trees kept, per tree (its forms held here, so their id stays their own).
+_TRIES: OrderedDict[int, tuple[Sequence[Placements], _StepTrie]] = OrderedDict()
 TRIE_CACHE_SIZE = 16
+# Above any number of step settings (a few hundred in the largest tree), so that one integer
+# names a (node, setting) edge of the prefix tree.
+_TRIE_STRIDE = 1 << 20
 
 
-def _step_trie(options: Collection[Option]) -> _StepTrie:
-    """The prefix tree of ``options`` (cached by identity: hashing thousands of options
-    costs a millisecond). The whole tree at 8 x 8 with servers, 7,576 Options of 74,768
-    tasks, is 16,149 step prefixes."""
-    hit = _TRIES.get(id(options))
-    if hit is not None and hit[0] is options:
+def _step_trie(forms: Sequence[Placements]) -> _StepTrie:
+    """The prefix tree of the Options of ``forms`` (``tree.option_forms``; cached by
+    identity). The whole tree at 8 x 8 with servers, 7,576 Options of 74,768 tasks, is
+    16,149 step prefixes.
+
+    Only one Option per form (235 in that tree) is compiled: a program does not depend on
+    where its Comp/Decomp steps run, so another placement's steps have the same settings but
+    for their own ``step`` (:func:`_setting`). Compiling every Option instead costs about
+    0.9 s in a fresh process."""
+    hit = _TRIES.get(id(forms))
+    if hit is not None and hit[0] is forms:
         return hit[1]
-    children: dict[tuple[int, int], int] = {}
-    parent, setting, ends = [0], [0], []
-    for option in options:
-        node = 0
-        settings, parts, _ = _task_layout(option)
-        for step_setting in (s for s, p in zip(settings, parts, strict=True) if p == 0):
-            child = children.get((node, step_setting))
-            if child is None:
-                child = children[(node, step_setting)] = len(parent)
-                parent.append(node)
-                setting.append(step_setting)
-            node = child
-        ends.append(node)
-    used = np.unique(setting[1:]).astype(np.int64)
+    rows = []
+    for group in forms:
+        first = group.options[0]
+        prog = compile_option(first)
+        row = np.array([_SETTINGS.of(prog, op) for op in prog.ops], dtype=np.int64)
+        placed = np.tile(row, (len(group.options), 1))
+        for j, i in enumerate(group.markers):
+            op = prog.ops[i]
+            devices = [combo[j] for combo in group.devices]
+            for device in set(devices):
+                if device is not op.device:
+                    at = [r for r, d in enumerate(devices) if d is device]
+                    placed[at, i] = _SETTINGS.of(prog, dataclasses.replace(
+                        op, step=op.step.on(device)))
+        rows.append(placed)
+    width = max(r.shape[1] for r in rows)
+    settings = np.full((sum(len(r) for r in rows), width), -1, dtype=np.int64)
+    top = 0
+    for r in rows:
+        settings[top: top + len(r), : r.shape[1]] = r
+        top += len(r)
+    # Level by level: each option's node at depth d is its (node at d - 1, setting) pair's.
+    node = np.zeros(len(settings), dtype=np.int64)
+    parent, setting, nodes = [np.zeros(1, dtype=np.int64)], [np.zeros(1, dtype=np.int64)], 1
+    for depth in range(width):
+        live = settings[:, depth] >= 0
+        edges, index = np.unique(node[live] * _TRIE_STRIDE + settings[live, depth],
+                                 return_inverse=True)
+        node[live] = nodes + index
+        parent.append(edges // _TRIE_STRIDE)
+        setting.append(edges % _TRIE_STRIDE)
+        nodes += len(edges)
+    used = np.unique(settings[settings >= 0])
     trie = _StepTrie(used, np.array([_tasks_of(_SETTINGS.example[s][1].kind) for s in used],
                                     dtype=np.int64),
-                     np.array(parent, dtype=np.int64), np.array(setting, dtype=np.int64),
-                     np.array(ends, dtype=np.int64))
-    _TRIES[id(options)] = (options, trie)
+                     np.concatenate(parent), np.concatenate(setting), node)
+    _TRIES[id(forms)] = (forms, trie)
     if len(_TRIES) > TRIE_CACHE_SIZE:
         _TRIES.popitem(last=False)
     return trie

@@ -122,13 +122,17 @@ def plan_with_timelines(workload: Workload, cluster: Cluster, compressor: str = 
                         constraints: Constraints | None = None,
                         costs: CompressorCosts | None = None,
                         baseline_names: tuple[str, ...] = REPORTED_BASELINES,
-                        pinned: frozenset[str] = frozenset()) \
+                        pinned: frozenset[str] = frozenset(), bound: bool = False) \
         -> tuple[Strategy, dict[str, Timeline]]:
     """Like :func:`plan`, also returning the timelines of the chosen strategy ("chosen") and
-    of the fp32 baseline ("fp32", when available)."""
+    of the fp32 baseline ("fp32", when available); ``bound``: report the lower bound of every
+    strategy (``Strategy.lower_bound_ms``)."""
     strategy, solution, others = _run(workload, cluster, compressor, params,
                                       algorithm=algorithm, constraints=constraints, costs=costs,
                                       baseline_names=baseline_names, pinned=pinned)
+    if bound:  # outside the plan's clock: the search prices it only where it does not stop
+        # at the floor first (pinned tensors only raise the optimum above it)
+        strategy = replace(strategy, lower_bound_ms=solution.ctx.bound_us / 1e3)
     timelines = {"chosen": solution.ctx.evaluator.timeline(solution.choice)}
     if "fp32" in others:
         fp32 = others["fp32"]

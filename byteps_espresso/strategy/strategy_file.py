@@ -4,7 +4,7 @@ File format (JSON, DESIGN.md "Strategy file")::
 
     {"format": "byteps-espresso-strategy", "version": 1,
      "algorithm": "espresso", "predicted_iteration_ms": 81.2, "search_time_ms": 6.1,
-     "baselines_ms": {"fp32": 120.3, ...},
+     "baselines_ms": {"fp32": 120.3, ...}, "lower_bound_ms": 80.9,
      "compressor": {"name": "randomk", "params": {"ratio": 0.01}},
      "constraints": ["no-cpu"],
      "cluster": {...Cluster fields...}, "workload": {...Workload JSON...},
@@ -33,6 +33,7 @@ from typing import Any
 from byteps_espresso.strategy.buckets import Bucket, BucketError, check_layout, singletons
 from byteps_espresso.strategy.cluster import Cluster, ClusterError
 from byteps_espresso.strategy.options import Option, OptionError
+from byteps_espresso.strategy.search import BOUND_ROUNDING
 from byteps_espresso.strategy.tree import ConstraintError, Constraints, validate
 from byteps_espresso.strategy.workload import Workload, WorkloadError, atomic_write_text, read_json
 
@@ -61,6 +62,9 @@ class Strategy:
         buckets: the member gradients of each option's bucket (empty: one gradient each).
         plan_time_ms: from the loaded profile to the strategy: model build + search (not
             stored in the file; 0.0 for a loaded strategy).
+        lower_bound_ms: no strategy of the tree is predicted faster under the same model
+            (``PlanContext.bound_us``); a plan at it is optimal under the model. None: not
+            computed (a strategy file written without it).
     """
 
     options: dict[str, Option]
@@ -75,6 +79,7 @@ class Strategy:
     constraints: Constraints = field(default_factory=Constraints)
     buckets: tuple[Bucket, ...] = ()
     plan_time_ms: float = 0.0
+    lower_bound_ms: float | None = None
 
     @property
     def layout(self) -> tuple[Bucket, ...]:
@@ -105,6 +110,7 @@ class Strategy:
             f"{self.algorithm}: predicted iteration {self.predicted_ms:.2f} ms "
             f"(search {self.search_time_ms:.1f} ms); {len(self.compressed_tensors)} compressed, "
             f"{len(self.cpu_offloaded_tensors)} on CPU",
+            *self._bound_lines(),
             *self._fusion_lines(),
             "",
             f"{'baseline':<12} {'ms':>9} {'speedup':>8}",
@@ -124,6 +130,14 @@ class Strategy:
             rng = f"{hi:,}" if lo == hi else f"{lo:,}-{hi:,}"
             lines.append(f"{count:>7} {rng:>12}  {text}")
         return "\n".join(lines)
+
+    def _bound_lines(self) -> list[str]:
+        if self.lower_bound_ms is None or not self.lower_bound_ms:
+            return []
+        above = self.predicted_ms / self.lower_bound_ms - 1
+        verdict = "optimal under the model" if above <= BOUND_ROUNDING else \
+            f"{100 * above:.2f}% above it"
+        return [f"lower bound of every strategy: {self.lower_bound_ms:.2f} ms ({verdict})"]
 
     def _fusion_lines(self) -> list[str]:
         fused = [b for b in self.layout if b.fused]
@@ -150,6 +164,8 @@ class Strategy:
         }
         if self.buckets:
             out["buckets"] = [list(b.tensors) for b in self.buckets]
+        if self.lower_bound_ms is not None:
+            out["lower_bound_ms"] = self.lower_bound_ms
         return out
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -186,14 +202,16 @@ class Strategy:
         if not isinstance(baselines, dict) or not all(
                 isinstance(v, int | float) for v in baselines.values()):
             raise StrategyError(f"{where}: field 'baselines_ms' must map names to numbers")
-        for key in ("predicted_iteration_ms", "search_time_ms"):
+        for key in ("predicted_iteration_ms", "search_time_ms", "lower_bound_ms"):
             if not isinstance(data.get(key, 0.0), int | float):
                 raise StrategyError(f"{where}: field {key!r} must be a number")
+        bound = data.get("lower_bound_ms")
         return cls(options, float(data.get("predicted_iteration_ms", 0.0)),
                    {str(k): float(v) for k, v in baselines.items()},
                    str(data.get("algorithm", "")), float(data.get("search_time_ms", 0.0)),
                    workload, cluster, comp["name"], dict(comp.get("params", {})), constraints,
-                   _parse_buckets(data.get("buckets"), workload, where))
+                   _parse_buckets(data.get("buckets"), workload, where),
+                   lower_bound_ms=None if bound is None else float(bound))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Strategy:

@@ -55,15 +55,16 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from byteps_espresso.strategy import lowrank
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
 from byteps_espresso.strategy.program import RULES, Form, Pairing, closes, compile_option, leaves
 
-__all__ = ["FAMILIES", "ConstraintError", "Constraints", "canonical_options", "count_decomposition",
-           "enumerate_options", "option_set", "path_of", "validate"]
+__all__ = ["FAMILIES", "ConstraintError", "Constraints", "Placements", "canonical_options",
+           "count_decomposition", "enumerate_options", "option_forms", "option_set", "path_of",
+           "validate"]
 
 
 class ConstraintError(ValueError):
@@ -494,15 +495,28 @@ def _pairs_job_compressor(markers: Iterable) -> bool:
     return not codecs or None in codecs
 
 
+class Placements(NamedTuple):
+    """The Options of one form (a path with its compression steps, devices left open): the
+    same steps but the devices of the Comp/Decomp steps at ``markers``; ``devices[r, j]``
+    is option r's device at marker j."""
+
+    options: tuple[Option, ...]
+    markers: tuple[int, ...]
+    devices: tuple[tuple[Device, ...], ...]
+
+
 @functools.lru_cache(maxsize=64)
-def _enumerate(hierarchical: bool, servers: bool, constraints: Constraints) -> tuple[Option, ...]:
-    out: list[Option] = []
+def _enumerate_forms(hierarchical: bool, servers: bool, constraints: Constraints) \
+        -> tuple[Placements, ...]:
+    out: list[Placements] = []
     devices = constraints.devices
     for skeleton in _skeletons(hierarchical, servers):
         for form in _forms(skeleton, constraints.partner):
             markers = [i for i, s in enumerate(form) if isinstance(s, tuple)]
             if (markers and not devices) or not _pairs_job_compressor(form[i] for i in markers):
                 continue
+            options: list[Option] = []
+            placed: list[tuple[Device, ...]] = []
             for combo in itertools.product(devices, repeat=len(markers)):
                 steps = list(form)
                 for i, dev in zip(markers, combo, strict=True):
@@ -510,8 +524,17 @@ def _enumerate(hierarchical: bool, servers: bool, constraints: Constraints) -> t
                     steps[i] = _step(kind, device=dev, codec=codec)
                 option = Option(tuple(steps))  # type: ignore[arg-type]
                 if constraints.allows(option):
-                    out.append(option)
+                    options.append(option)
+                    placed.append(combo)
+            if options:
+                out.append(Placements(tuple(options), tuple(markers), tuple(placed)))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _enumerate(hierarchical: bool, servers: bool, constraints: Constraints) -> tuple[Option, ...]:
+    return tuple(o for group in _enumerate_forms(hierarchical, servers, constraints)
+                 for o in group.options)
 
 
 @functools.lru_cache(maxsize=64)
@@ -555,6 +578,15 @@ def enumerate_options(cluster: Cluster, constraints: Constraints | None = None,
 @functools.lru_cache(maxsize=64)
 def _option_set(*key: Any) -> frozenset[Option]:
     return frozenset(_options(*key))
+
+
+def option_forms(cluster: Cluster, constraints: Constraints | None = None,
+                 compressor: str | None = None) -> tuple[Placements, ...] | None:
+    """The options of :func:`enumerate_options`, in that order, grouped by form with their
+    placements (cached: the same object for the same tree); None for a low-rank
+    compressor's tree (its Options are wrapped, not placed)."""
+    hierarchical, servers, constraints, low_rank = _key(cluster, constraints, compressor)
+    return None if low_rank else _enumerate_forms(hierarchical, servers, constraints)
 
 
 def option_set(cluster: Cluster, constraints: Constraints | None = None,

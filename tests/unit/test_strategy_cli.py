@@ -28,15 +28,20 @@ def test_plan_writes_strategy_and_timeline(tmp_path, capsys):
                  "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"algorithm", "iteration_time_ms", "baselines", "search_time_ms",
-                           "plan_time_ms", "options_per_tensor", "compressed_tensors",
-                           "cpu_offloaded_tensors"}
+    assert set(report) == {"algorithm", "iteration_time_ms", "baselines", "lower_bound_ms",
+                           "search_time_ms", "plan_time_ms", "options_per_tensor",
+                           "compressed_tensors", "cpu_offloaded_tensors"}
     assert "bruteforce" not in report["baselines"] and "fp32" in report["baselines"]
     assert report["iteration_time_ms"] <= min(report["baselines"].values()) + 1e-6 or \
         report["iteration_time_ms"] >= report["baselines"]["upper-bound"]
+    # no strategy is predicted below the bound (upper-bound's model compresses for free)
+    runnable = [ms for name, ms in report["baselines"].items() if name != "upper-bound"]
+    assert 0 < report["lower_bound_ms"] <= min(report["iteration_time_ms"], *runnable) + 1e-3
     assert report["plan_time_ms"] >= report["search_time_ms"] > 0
     strategy = Strategy.load(out)
     assert strategy.predicted_ms == pytest.approx(report["iteration_time_ms"], rel=1e-4)
+    assert strategy.lower_bound_ms == pytest.approx(report["lower_bound_ms"], rel=1e-4)
+    assert "lower bound of every strategy" in strategy.summary()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,5 +1,6 @@
 """Strategy files: round trip, validation errors that name the file and field."""
 
+import dataclasses
 import json
 
 import pytest
@@ -33,6 +34,15 @@ def test_round_trip_reproduces_options(strategy, tmp_path):
     assert loaded.predicted_ms == pytest.approx(strategy.predicted_ms)
     assert loaded.baselines == pytest.approx(strategy.baselines)
     assert "fp32" in loaded.summary()
+    assert loaded.lower_bound_ms is None  # plan() does not price it
+    bounded = dataclasses.replace(strategy, lower_bound_ms=strategy.predicted_ms * 0.9)
+    bounded.save(path)
+    again = Strategy.load(path)
+    assert again.lower_bound_ms == pytest.approx(strategy.predicted_ms * 0.9)
+    assert "lower bound of every strategy" in again.summary()
+    assert "11.11% above it" in again.summary()
+    at_bound = dataclasses.replace(strategy, lower_bound_ms=strategy.predicted_ms)
+    assert "(optimal under the model)" in at_bound.summary()
 
 
 def _first(data):
@@ -55,6 +65,7 @@ def _broken(strategy, tmp_path, mutate):
     (lambda d: d["workload"]["tensors"][0].__setitem__("numel", -3), "tensors[0]"),
     (lambda d: d.__setitem__("constraints", ["bogus"]), "constraints"),
     (lambda d: d.__setitem__("format", "x"), "format"),
+    (lambda d: d.__setitem__("lower_bound_ms", "fast"), "lower_bound_ms"),
 ])
 def test_malformed_fields_are_named(strategy, tmp_path, mutate, field):
     path = _broken(strategy, tmp_path, mutate)

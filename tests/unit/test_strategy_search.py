@@ -14,7 +14,7 @@ from byteps_espresso.strategy import (
 from byteps_espresso.strategy.context import PlanContext, pareto_front
 from byteps_espresso.strategy.instances import random_instance
 from byteps_espresso.strategy.options import Device
-from byteps_espresso.strategy.tree import canonical_options
+from byteps_espresso.strategy.tree import option_forms
 
 COMPRESSOR = "randomk"
 PARAMS = {"ratio": 0.01}
@@ -432,20 +432,24 @@ def test_the_lower_bound_is_below_the_optimum(seed):
     assert ctx.evaluator.floor_us <= bound <= best + 1e-6
 
 
-@pytest.mark.parametrize(("model", "compressor", "servers"), [
-    ("lstm", "randomk", 0), ("bert", "efsignsgd", 8), ("ugatit", "dgc", 8),
+@pytest.mark.parametrize(("model", "compressor", "servers", "constraints"), [
+    ("lstm", "randomk", 0, []), ("bert", "efsignsgd", 8, []), ("ugatit", "dgc", 8, []),
+    ("gpt2", "randomk", 8, ["no-cpu"]), ("vgg16", "dgc", 8, ["max-compressions=1"]),
 ])
-def test_the_fastest_option_alone_is_the_least_total_of_the_tree(model, compressor, servers):
-    """Pricer.fastest_alone (the prefix tree of step settings, one kernel) equals the least
-    time alone of every Option of the tree, priced one batch at a time, at every size."""
+def test_the_fastest_option_alone_is_the_least_total_of_the_tree(model, compressor, servers,
+                                                                constraints):
+    """Pricer.fastest_alone (the prefix tree of step settings built from one compiled Option
+    per form, one kernel) equals the least time alone of every Option of the tree, each
+    compiled and priced, at every size."""
     cluster = Cluster.preset(8, 8, "pcie", 25, servers=servers)
     params = {} if compressor == "efsignsgd" else {"ratio": 0.01}
-    ctx = PlanContext(Workload.builtin(model), cluster, compressor, params)
-    tree = canonical_options(ctx.cluster, ctx.constraints, ctx._tree)
-    want = np.min([b.total.min(axis=0) for b in ctx.pricer.batch(list(tree))], axis=0)
-    got = ctx.pricer.fastest_alone(tree)
+    ctx = PlanContext(Workload.builtin(model), cluster, compressor, params,
+                      constraints=Constraints.parse(constraints))
+    forms = option_forms(ctx.cluster, ctx.constraints, ctx._tree)
+    want = np.min([b.total.min(axis=0) for b in ctx.pricer.batch(ctx.options)], axis=0)
+    got = ctx.pricer.fastest_alone(forms)
     np.testing.assert_allclose(got, want, rtol=1e-12)
-    assert np.array_equal(ctx.pricer.fastest_alone(tree), got)  # the cached prefix tree
+    assert np.array_equal(ctx.pricer.fastest_alone(forms), got)  # the cached prefix tree
 
 
 def test_a_plan_can_reach_the_lower_bound():

@@ -16,6 +16,7 @@ from byteps_espresso.strategy import (
     enumerate_options,
     validate,
 )
+from byteps_espresso.strategy.tree import option_forms
 
 BIG = Cluster.preset(8, 8, "nvlink", 100)  # hierarchical, with servers
 
@@ -93,6 +94,26 @@ def test_count_and_decomposition():
             parts["hierarchical reduce/broadcast(inter)"]) == (314, 130, 1018)
     assert len(enumerate_options(BIG, Constraints.parse(["no-ps", "no-mixed"]))) == 2641
     assert len(enumerate_options(BIG, Constraints.parse(["no-cpu", "no-mixed"]))) == 139
+
+
+@pytest.mark.parametrize("items", [[], ["no-cpu"], ["no-ps", "max-compressions=1"]])
+def test_the_forms_hold_the_tree_in_order_with_their_placements(items):
+    """tree.option_forms: the tree's Options in enumerate_options' order, grouped by form;
+    in a group every Option has the first's steps but the devices at the markers, which
+    ``devices`` records per Option (what the planner's lower bound compiles once per form)."""
+    constraints = Constraints.parse(items)
+    forms = option_forms(BIG, constraints)
+    assert [o for g in forms for o in g.options] == enumerate_options(BIG, constraints)
+    for group in forms:
+        first = group.options[0]
+        assert len(group.devices) == len(group.options)
+        for option, devices in zip(group.options, group.devices, strict=True):
+            assert [option.steps[i].device for i in group.markers] == list(devices)
+            assert option.steps == tuple(
+                first.steps[i].on(devices[group.markers.index(i)]) if i in group.markers
+                else step for i, step in enumerate(first.steps))
+    assert option_forms(BIG, constraints) is forms  # cached: one object per tree
+    assert option_forms(BIG, constraints, "powersgd") is None
 
 
 def test_mixed_options_add_hierarchical_ones_only():
