@@ -32,9 +32,9 @@ Every phase stops once the iteration time is within :data:`OPTIMALITY_GAP` of th
 no strategy beats (forward + backward, :attr:`Evaluator.floor_us`), or at the lower bound no
 strategy beats (:attr:`PlanContext.bound_us`: the plan is then optimal under the model):
 Algorithm 1 before its next group move or decision, and Algorithm 2 and the refinements are
-then skipped. Where the
-first start's group moves end within twice the gap, Algorithm 1 first continues from that
-start alone, and tries the second start only if that does not reach the gap.
+then skipped. Where the first start's group moves end within twice the gap, Algorithm 1
+first continues from that start alone, and tries the second start only if that does not
+reach the gap.
 
 Refinement (ours, after Algorithm 2): each tensor with the others fixed tries every device
 placement of its option's Comp/Decomp steps, one step at a time or together (so every Option
@@ -436,10 +436,11 @@ def _espresso(ctx: PlanContext) -> np.ndarray:
     device = ctx.primary_device()
     choice = gpu_greedy(ctx, start, device, passes=GREEDY_PASSES)
     t = ctx.iteration_us(choice)
-    stop = stop_us(ctx, bound=t > stop_us(ctx, bound=False))
-    if t > stop:
-        choice = cpu_offload(ctx, choice)
-        choice = _refine_devices(ctx, choice, stop)
-        choice = _refine_twins(ctx, choice, stop)
+    if t > stop_us(ctx, bound=False):  # at the floor the bound is never priced
+        stop = stop_us(ctx)
+        if t > stop:
+            choice = cpu_offload(ctx, choice)
+            choice = _refine_devices(ctx, choice, stop)
+            choice = _refine_twins(ctx, choice, stop)
     log.debug("espresso: %d evaluations", ctx.evaluator.calls)
     return choice
