@@ -84,8 +84,9 @@ GREEDY_PASSES = 1
 OPTIMALITY_GAP = 1e-3
 # A plan within this relative distance of the lower bound (PlanContext.bound_us) is at it:
 # the bound and a simulated iteration sum the same task times in other orders, which moves
-# the last digits (measured up to 4e-16 relative over the 42 cells of benchmarks/plan.py).
-# Unlike OPTIMALITY_GAP, stopping there gives up nothing: no strategy is faster.
+# the last digits (benchmarks/plan.py --bound, 2026-12-03: the 19 plans at the bound are
+# within 2.2e-16 of it, relative). Unlike OPTIMALITY_GAP, stopping there gives up nothing:
+# no strategy is faster.
 BOUND_ROUNDING = 1e-9
 # Rounds of offload_descent at most (each round: every pair of units).
 OFFLOAD_ROUNDS = 4
@@ -100,18 +101,23 @@ def uniform_best(ctx: PlanContext, candidates: list) -> np.ndarray:  # type: ign
     return np.full(ctx.n_tensors, k, dtype=np.int64)
 
 
-def stop_us(ctx: PlanContext, gap: float | None = None, *, bound: bool = True) -> float:
+def stop_us(ctx: PlanContext, gap: float | None = None, *, bound: bool = True,
+            at: float | None = None) -> float:
     """The iteration time at which the search stops: within ``gap`` (default
     :data:`OPTIMALITY_GAP`) of the floor no strategy beats, or at the lower bound no strategy
     beats (:attr:`PlanContext.bound_us`, up to rounding: the plan is then optimal under the
-    model); ``gap`` 0: never, the search runs to its end. ``bound=False``: the floor's stop
-    alone, which needs nothing priced (the bound prices the whole tree's step settings,
-    about a millisecond on a cold model, which plans that stop at the floor never pay)."""
+    model); ``gap`` 0: never, the search runs to its end.
+
+    The bound prices the whole tree's step settings (about a millisecond on a cold model),
+    which plans that stop at the floor never pay: ``bound=False`` gives the floor's stop
+    alone, and so does an iteration time ``at`` that the search reached within it."""
     gap = OPTIMALITY_GAP if gap is None else gap
     if gap <= 0:
         return -math.inf
     floor = ctx.evaluator.floor_us * (1.0 + gap)
-    return max(floor, ctx.bound_us * (1.0 + BOUND_ROUNDING)) if bound else floor
+    if not bound or (at is not None and at <= floor):
+        return floor
+    return max(floor, ctx.bound_us * (1.0 + BOUND_ROUNDING))
 
 
 def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU,
@@ -151,11 +157,8 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
 
     # The first start's group moves stop at the floor's gap only: compute-bound workloads
     # end there without pricing the bound.
-    floor_stop = stop_us(ctx, gap, bound=False)
-    t_choice = _group_moves(ctx, choice, fronts.index, floor_stop)
-    if t_choice <= floor_stop:
-        return choice
-    stop = stop_us(ctx, gap)
+    t_choice = _group_moves(ctx, choice, fronts.index, stop_us(ctx, gap, bound=False))
+    stop = stop_us(ctx, gap, at=t_choice)
     if t_choice <= stop:
         return choice
     ahead = None
@@ -436,11 +439,10 @@ def _espresso(ctx: PlanContext) -> np.ndarray:
     device = ctx.primary_device()
     choice = gpu_greedy(ctx, start, device, passes=GREEDY_PASSES)
     t = ctx.iteration_us(choice)
-    if t > stop_us(ctx, bound=False):  # at the floor the bound is never priced
-        stop = stop_us(ctx)
-        if t > stop:
-            choice = cpu_offload(ctx, choice)
-            choice = _refine_devices(ctx, choice, stop)
-            choice = _refine_twins(ctx, choice, stop)
+    stop = stop_us(ctx, at=t)
+    if t > stop:
+        choice = cpu_offload(ctx, choice)
+        choice = _refine_devices(ctx, choice, stop)
+        choice = _refine_twins(ctx, choice, stop)
     log.debug("espresso: %d evaluations", ctx.evaluator.calls)
     return choice

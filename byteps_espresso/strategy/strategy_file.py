@@ -132,7 +132,7 @@ class Strategy:
         return "\n".join(lines)
 
     def _bound_lines(self) -> list[str]:
-        if self.lower_bound_ms is None or not self.lower_bound_ms:
+        if not self.lower_bound_ms:  # None (not computed), or a bound of nothing
             return []
         above = self.predicted_ms / self.lower_bound_ms - 1
         verdict = "optimal under the model" if above <= BOUND_ROUNDING else \
