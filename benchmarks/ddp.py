@@ -14,6 +14,8 @@ shaped links (``1`` and ``0.25`` Gbit/s; needs root). Variants:
     espresso-planned-powersgd  Compression.espresso("powersgd"), rank 4 and 10 plain first
                  as the hook, planned per bucket (which buckets, and the dense path of
                  their sums)
+    espresso...-tcp  the same with BYTEPS_ENABLE_IPC=0: dense keys over TCP even where a
+                 worker shares a host with a server (on loopback every one does)
 
 Runs of one (model, link) cell are interleaved ``--repeats`` times, so a slow phase of the
 shared host hits every variant alike. Reported per variant: the median iteration over the
@@ -47,6 +49,7 @@ MODELS = ("lstm", "transformer", "mlp")
 
 
 def _worker_args(variant: str, model: str, args: argparse.Namespace) -> list[str]:
+    variant = variant.removesuffix("-tcp")
     base = [sys.executable, str(ROOT / "benchmarks" / "ddp_worker.py"), "--model", model,
             "--steps", str(args.steps), "--batch-size", str(args.batch_size),
             "--eval-every", str(args.eval_every)]
@@ -86,6 +89,8 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
             name = f"{model}-{setting}-{variant}-{rep}"
             print(f"-- {name}", flush=True)
             env = dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING")
+            if variant.endswith("-tcp"):
+                env["BYTEPS_ENABLE_IPC"] = "0"
             result = run_training(name, _cluster(setting, args.servers),
                                   _worker_args(variant, model, args),
                                   out, env=env, live=False, timeout_s=args.timeout_s)

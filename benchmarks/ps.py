@@ -181,7 +181,7 @@ def _wait(procs: list[subprocess.Popen], what: str, tmp: Path) -> None:
 
 
 def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path,
-           secret: str | None = None) -> dict[str, Any]:
+           secret: str | None = None, *, ipc: bool = False) -> dict[str, Any]:
     from byteps_espresso.deploy.launch import free_port_pair
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "ESPRESSO_"))}
@@ -191,6 +191,7 @@ def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path,
                 "ESPRESSO_LOG_LEVEL": "WARNING"})
     if secret is not None:  # an authenticated job: every message carries a MAC
         env["ESPRESSO_JOB_SECRET"] = secret
+    env["BYTEPS_ENABLE_IPC"] = "1" if ipc else "0"  # dense keys through /dev/shm
     echo = [_spawn(["_echo_server", str(tmp / f"port{i}")], env, tmp / f"echo{i}.log")
             for i in range(servers)]
     deadline = time.monotonic() + 60
@@ -241,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed rounds per case (default: by size, fewer with --quick)")
     parser.add_argument("--auth", action="store_true",
                         help="run every layout twice: without and with ESPRESSO_JOB_SECRET")
+    parser.add_argument("--ipc", action="store_true",
+                        help="run every layout twice: over TCP and with BYTEPS_ENABLE_IPC=1 "
+                             "(dense keys through shared memory; the echo stays on TCP)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every job this many times, alternating (with --auth: "
                              "without, with, without, ...); figures are medians over them")
@@ -266,12 +270,13 @@ def main(argv: list[str] | None = None) -> int:
               "rounds": rounds[mb]} for mb in args.sizes for codec, params in codecs.items()]
     rows = []
     started = time.monotonic()
-    jobs = [(w, s, auth) for w, s in layouts for _ in range(args.repeat)
-            for auth in ((False, True) if args.auth else (False,))]
-    for workers, servers, auth in jobs:
+    jobs = [(w, s, auth, ipc) for w, s in layouts for _ in range(args.repeat)
+            for auth in ((False, True) if args.auth else (False,))
+            for ipc in ((False, True) if args.ipc else (False,))]
+    for workers, servers, auth, ipc in jobs:
         with tempfile.TemporaryDirectory(prefix="ps-bench-") as tmp:
             ps = run_ps(workers, servers, cases, Path(tmp),
-                        secrets.token_hex(32) if auth else None)
+                        secrets.token_hex(32) if auth else None, ipc=ipc)
         for case in cases:
             res = ps[case["name"]]
             nbytes = case["mb"] * MB
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             keys = len(_partitions(nbytes, partition_bytes))
             rows.append({
                 "workers": workers, "servers": servers, "size_mb": case["mb"],
-                "authenticated": auth,
+                "authenticated": auth, "transport": "shm" if ipc else "tcp",
                 "codec": case["codec"], "params": case["params"],
                 "round_ms": res["round_s"] * 1e3,
                 "gbps": nbytes / res["round_s"] / 1e9,
@@ -293,21 +298,25 @@ def main(argv: list[str] | None = None) -> int:
             })
         print(f"# {workers} workers, {servers} servers done "
               f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
-    header = (f"{'workers':>7} {'servers':>7} {'auth':>4} {'size':>6} {'codec':>8} {'round ms':>9} "
+    header = (f"{'workers':>7} {'servers':>7} {'auth':>4} {'via':>3} {'size':>6} {'codec':>8} "
+              f"{'round ms':>9} "
               f"{'GB/s':>7} {'echo ms':>8} {'echo GB/s':>9} {'vs echo':>7} "
               f"{'srv cpu ms':>10} {'srv agg ms':>10}")
     print(header)
     for r in rows:
         print(f"{r['workers']:>7} {r['servers']:>7} {'mac' if r['authenticated'] else '-':>4} "
-              f"{r['size_mb']:>4}MB {r['codec']:>8} "
+              f"{r['transport']:>3} {r['size_mb']:>4}MB {r['codec']:>8} "
               f"{r['round_ms']:>9.2f} {r['gbps']:>7.3f} {r['echo_round_ms']:>8.2f} "
               f"{r['echo_gbps']:>9.3f} {r['vs_echo']:>7.2f} "
               f"{r['server_cpu_ms_per_round']:>10.2f} {r['server_aggregate_ms_per_round']:>10.2f}")
     summary: dict[str, Any] = {"target_dense_vs_echo": TARGET_VS_ECHO}
     for mb in args.sizes:
         dense = {auth: [r["vs_echo"] for r in rows if r["codec"] == "dense"
-                        and r["size_mb"] == mb and r["authenticated"] == auth]
+                        and r["size_mb"] == mb and r["authenticated"] == auth
+                        and r["transport"] == "tcp"]
                  for auth in (False, True)}
+        shared = [r["vs_echo"] for r in rows if r["codec"] == "dense" and r["size_mb"] == mb
+                  and not r["authenticated"] and r["transport"] == "shm"]
         if not dense[False]:
             continue
         median = float(np.median(dense[False]))
@@ -321,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio": cost, "meets_target": cost >= TARGET_AUTH}
             print(f"dense {mb} MB with authentication vs without (each vs its echo): "
                   f"{cost:.2f} (target >= {TARGET_AUTH:.2f})")
+        if shared:  # the echo is TCP's: this says what the shared segment saves, no target
+            gain = float(np.median(shared)) / median
+            summary[f"dense_{mb}MB_shm_vs_tcp"] = {"shm_vs_echo": float(np.median(shared)),
+                                                   "speedup": gain}
+            print(f"dense {mb} MB through shared memory: {float(np.median(shared)):.2f} of the "
+                  f"TCP echo, {gain:.2f}x the TCP push/pull (each vs its echo)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "ps", "command": " ".join(["python benchmarks/ps.py", *(argv or

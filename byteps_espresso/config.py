@@ -250,6 +250,11 @@ VARIABLES: tuple[Variable, ...] = (
              "(BytePS default 4096000)."),
     Variable("BYTEPS_SERVER_ENGINE_THREAD", "server_threads", _int(1, 256), 4,
              "Aggregation threads per server process (numba kernels)."),
+    Variable("BYTEPS_ENABLE_IPC", "enable_ipc", _flag, True,
+             "Dense float32 keys go through shared memory (`/dev/shm`) between a worker and a "
+             "server on the same host (the same boot, network namespace and `/dev/shm`), as "
+             "BytePS's IPC mode for colocated servers (which BytePS leaves off by default); "
+             "other pairs stay on TCP. `0`: every key on TCP."),
     # ---- addresses and GPUs as BytePS / ps-lite / the container runtime hand them out ------
     Variable("NVIDIA_VISIBLE_DEVICES", "nvidia_visible_devices", _optional, None,
              "GPUs the container runtime exposes, as BytePS's launcher reads them: with "
@@ -448,6 +453,7 @@ class Config:
     intra_op_threads: int | None = None
     partition_bytes: int = 4_096_000
     server_threads: int = 4
+    enable_ipc: bool = True
     server_port: int = 0
     bind_all: bool = False
     start_timeout_s: float = 60.0

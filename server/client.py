@@ -53,6 +53,7 @@ from byteps_espresso.server.link import (
     recv_frames,
     send_frames,
 )
+from byteps_espresso.server.shm import Segment, host_identity
 
 from byteps_espresso.config import Config
 
@@ -70,6 +71,7 @@ _REPLY_OF = {
     P.MsgType.DECLARE: P.MsgType.DECLARE_OK,
     P.MsgType.STATS: P.MsgType.STATS_REPLY,
     P.MsgType.STATE: P.MsgType.STATE_REPLY,
+    P.MsgType.ATTACH: P.MsgType.ATTACH_OK,
 }
 _SCHEDULER = -1  # target index of the scheduler in control calls
 
@@ -239,6 +241,10 @@ class PSClient:
             raise PSError(f"worker {self.rank}: {exc}") from None
         self._auth = self._link.auth  # the job key (server/auth.py)
         self.servers: list[str] = list(accept["servers"])
+        here = host_identity() if cfg.enable_ipc else ""
+        # per server: whether it is on this host and takes shared memory (BYTEPS_ENABLE_IPC)
+        self._local = [bool(here) and h == here
+                       for h in accept.get("server_hosts") or [""] * len(self.servers)]
         self.num_workers = int(accept["num_workers"])
         connected = [dealer(self._ctx, addr, cfg) for addr in self.servers]
         self._socks = [sock for sock, _ in connected]
@@ -254,6 +260,11 @@ class PSClient:
         self._outbox: list[tuple[int, list[Any]]] = []  # sends queued while a thread drives
         self._inflight: dict[tuple[int, int, int], tuple[Handle, int]] = {}
         self._calls: dict[tuple[int, P.MsgType, int], collections.deque[_Call]] = {}
+        # BYTEPS_ENABLE_IPC: key -> the segment its pushes and sums go through (one round at
+        # a time: a key whose round is in flight there is busy, and its next round, if
+        # issued meanwhile, goes over TCP); a round that fails there takes the key off it.
+        self._shm: dict[int, Segment] = {}
+        self._shm_busy: set[int] = set()
         # Scheduler calls and "stop" go to the background thread, which owns the link.
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -332,9 +343,37 @@ class PSClient:
                  for p in parts]
         for call in calls:
             self._finish_call(call)
+        if compressor is None and dtype == "float32":
+            self._attach([p for p in parts if self._local[p.server]])
         self._tensors[name] = _Tensor(name, int(numel), dtype, compressor is not None,
                                       tuple(parts))
         return [(p.offset, p.spec.numel) for p in parts]
+
+    def _attach(self, parts: list[_Part]) -> None:
+        """Offer each partition's server a shared-memory segment (BYTEPS_ENABLE_IPC); a server
+        on another host, or one that refuses, keeps the partition on TCP."""
+        for part in parts:
+            try:
+                segment = Segment.create(sum(part.push_layout.frame_nbytes), f"{self.rank}")
+            except OSError as exc:  # e.g. a container's small /dev/shm: say it once
+                log.warning("worker %d: dense keys stay on TCP from %s on: no shared-memory "
+                            "segment of %d bytes (%s); give /dev/shm more space or set "
+                            "BYTEPS_ENABLE_IPC=0", self.rank, part.spec.name,
+                            sum(part.push_layout.frame_nbytes), exc)
+                self._local = [False] * len(self._local)
+                return
+            try:
+                self._call(part.server, P.encode_json(
+                    P.MsgType.ATTACH, {"path": segment.path, "host": host_identity()},
+                    key=part.key, sender=self.rank), P.MsgType.ATTACH, part.key,
+                    f"attach {part.spec.name!r}")
+            except PSError as exc:
+                log.warning("worker %d: %s", self.rank, exc)
+                segment.close()
+                continue
+            finally:
+                segment.unlink()  # mapped on both sides: the name is no longer needed
+            self._shm[part.key] = segment
 
     def partitions(self, name: str) -> list[tuple[int, int]]:
         """The (offset, numel) of each key of tensor ``name``."""
@@ -487,6 +526,8 @@ class PSClient:
         self._ctx.term()
         for fd in (self._wake_r, self._wake_w, self._io_wake_r, self._io_wake_w):
             os.close(fd)
+        for segment in self._shm.values():
+            segment.close()
 
     def __enter__(self) -> PSClient:
         return self
@@ -746,9 +787,17 @@ class PSClient:
         sends = []
         for i, (part, arrays) in enumerate(zip(tensor.parts, frames, strict=True)):
             lay = part.push_layout
+            flags, payload = P.FLAG_PULL, arrays
+            segment = self._shm.get(part.key)
+            if segment is not None and part.key not in self._shm_busy:
+                into = segment.array[:lay.numel]
+                if into.ctypes.data != arrays[0].ctypes.data:
+                    np.copyto(into, arrays[0])
+                self._shm_busy.add(part.key)
+                flags, payload = P.FLAG_PULL | P.FLAG_SHM, []
             push = P.encode(P.MsgType.PUSH, key=part.key, round=handle.round, sender=self.rank,
-                            codec=lay.codec, dtype=lay.dtype, numel=lay.numel, frames=arrays,
-                            flags=P.FLAG_PULL)
+                            codec=lay.codec, dtype=lay.dtype, numel=lay.numel, frames=payload,
+                            flags=flags)
             self._inflight[(part.server, part.key, handle.round)] = (handle, i)
             sends.append((part.server, push))
         return sends
@@ -801,6 +850,19 @@ class PSClient:
 
     def _store_reply(self, handle: Handle, i: int, msg: P.Message) -> None:
         part = handle.tensor.parts[i]
+        if msg.header.flags & P.FLAG_SHM:
+            if part.key not in self._shm_busy:
+                raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                      f"a shared-memory reply for key {part.key}, which this "
+                                      "round pushed over TCP")
+            P.check_shared(msg, part.reply_layout)
+            self._shm_busy.discard(part.key)
+            got = self._shm[part.key].array[:part.reply_layout.numel]
+            if handle._out is None:  # the segment takes the next round: copy the sum out
+                handle._out = got.copy()
+            else:
+                handle._out[part.offset:part.offset + part.spec.numel] = got
+            return
         arrays = P.decode_payload(msg, part.reply_layout)
         if not handle.tensor.compressed:
             if handle._out is None:  # a writable view of the reply frame, which we own
@@ -883,6 +945,16 @@ class PSClient:
             slot = (part.server, part.key, handle.round)
             if self._inflight.get(slot, (None,))[0] is handle:
                 del self._inflight[slot]
+                if part.key in self._shm_busy:
+                    self._leave_shm(part.key)
+
+    def _leave_shm(self, key: int) -> None:
+        """Take ``key`` off shared memory: its round there failed or was given up, and the
+        server may still write that round's sum into the segment."""
+        self._shm_busy.discard(key)
+        segment = self._shm.pop(key, None)
+        if segment is not None:
+            segment.close()
 
     def _check_deadlines(self, now: float) -> None:
         expired = {id(h): h for h, _ in self._inflight.values() if now > h.deadline}
@@ -923,6 +995,8 @@ class PSClient:
         for handle, _ in list(self._inflight.values()):
             handle._fail(PSError(handle._describe_pending(str(error))))
         self._inflight.clear()
+        for key in list(self._shm_busy):
+            self._leave_shm(key)
         for calls in self._calls.values():
             while calls:
                 calls.popleft().finish(error=error)

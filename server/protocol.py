@@ -34,6 +34,7 @@ import numpy as np
 __all__ = [
     "FLAG_MAC",
     "FLAG_PULL",
+    "FLAG_SHM",
     "HEADER",
     "MAGIC",
     "MAX_CONTROL_BYTES",
@@ -46,6 +47,7 @@ __all__ = [
     "Message",
     "MsgType",
     "ProtocolError",
+    "check_shared",
     "decode",
     "decode_control",
     "decode_json",
@@ -77,7 +79,11 @@ DENSE_CODEC = 0
 FLAG_PULL = 0x1
 # FLAG_MAC: the last frame is a MAC over the rest (server/auth.py); stripped before decode.
 FLAG_MAC = 0x2
-KNOWN_FLAGS = FLAG_PULL | FLAG_MAC
+# FLAG_SHM: a dense PUSH (with FLAG_PULL) or PULL_REPLY without payload frames: the push is
+# in the sender's shared-memory segment of the key, the sum was written into the receiver's
+# (ATTACH; server/shm.py).
+FLAG_SHM = 0x4
+KNOWN_FLAGS = FLAG_PULL | FLAG_MAC | FLAG_SHM
 
 
 class MsgType(enum.IntEnum):
@@ -106,6 +112,8 @@ class MsgType(enum.IntEnum):
     STATS_REPLY = 21  # JSON counters
     STATE = 22        # rank 0 -> server: JSON {op: list|get|put, ...} [+ raw state arrays]
     STATE_REPLY = 23  # JSON answer [+ raw state arrays]
+    ATTACH = 24       # worker -> server, JSON {path, host}: exchange this key in shared memory
+    ATTACH_OK = 25
 
 
 class DType(enum.IntEnum):
@@ -496,7 +504,42 @@ def decode_payload(msg: Message, layout: Layout) -> tuple[np.ndarray, ...]:
     Raises:
         ProtocolError: codec, dtype, numel, frame count or a frame length differs.
     """
+    _check_layout(msg.header, layout)
+    expected = layout.frame_nbytes
+    if msg.header.lengths != expected:
+        raise ProtocolError(ErrorCode.BAD_LENGTH,
+                            f"key {msg.header.key} payload frames must be {list(expected)} "
+                            f"bytes, got {list(msg.header.lengths)}")
+    arrays = []
+    for view, dtype in zip(msg.frames, layout.frame_dtypes, strict=True):
+        arr = np.frombuffer(view, dtype=dtype)
+        if not arr.flags.aligned:
+            arr = arr.copy()
+        arrays.append(arr)
+    return tuple(arrays)
+
+
+def check_shared(msg: Message, layout: Layout) -> None:
+    """Check a ``FLAG_SHM`` PUSH or PULL_REPLY against its key's layout: a dense float32
+    key, the layout's numel, no payload frames (the payload is in the shared segment).
+
+    Raises:
+        ProtocolError: the key is not dense float32, or the header's codec, dtype, numel or
+            frames differ.
+    """
     h = msg.header
+    if layout.codec != DENSE_CODEC or layout.dtype is not DType.FLOAT32:
+        raise ProtocolError(ErrorCode.BAD_FIELD,
+                            f"key {h.key} is not dense float32: it cannot be exchanged in "
+                            "shared memory")
+    _check_layout(h, layout)
+    if h.lengths:
+        raise ProtocolError(ErrorCode.BAD_LENGTH,
+                            f"key {h.key}: a shared-memory message has no payload frames, got "
+                            f"{len(h.lengths)}")
+
+
+def _check_layout(h: Header, layout: Layout) -> None:
     if h.codec != layout.codec:
         raise ProtocolError(ErrorCode.UNKNOWN_CODEC,
                             f"key {h.key} is declared with codec {layout.codec}, message has "
@@ -508,15 +551,3 @@ def decode_payload(msg: Message, layout: Layout) -> tuple[np.ndarray, ...]:
     if h.numel != layout.numel:
         raise ProtocolError(ErrorCode.BAD_LENGTH,
                             f"key {h.key} has {layout.numel} elements, message says {h.numel}")
-    expected = layout.frame_nbytes
-    if h.lengths != expected:
-        raise ProtocolError(ErrorCode.BAD_LENGTH,
-                            f"key {h.key} payload frames must be {list(expected)} bytes, "
-                            f"got {list(h.lengths)}")
-    arrays = []
-    for view, dtype in zip(msg.frames, layout.frame_dtypes, strict=True):
-        arr = np.frombuffer(view, dtype=dtype)
-        if not arr.flags.aligned:
-            arr = arr.copy()
-        arrays.append(arr)
-    return tuple(arrays)

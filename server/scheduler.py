@@ -78,6 +78,9 @@ _POLL_S = 0.1
 MAX_PARTS = 1 << 16
 # Most keys of a job; the same bound as a server's (server.MAX_KEYS).
 MAX_KEYS = 1 << 20
+# A server's host identity (server/shm.py: a boot id, two inode numbers and a device
+# number, about 70 characters) is at most this long.
+_MAX_HOST_CHARS = 256
 # Log the first N rejections of each error code, then every LOG_EVERY-th, with its count.
 _LOG_FIRST, _LOG_EVERY = 20, 1000
 # Replies queued for one peer that has not taken them (ZeroMQ messages). A node has one
@@ -99,6 +102,7 @@ class _Node:
     rank: int
     identity: bytes
     address: str = ""
+    host: str = ""  # a server's host_identity() when it takes shared memory, else ""
     last_seen: float = field(default_factory=time.monotonic)
     done: bool = False
 
@@ -438,7 +442,12 @@ class Scheduler:
             raise P.ProtocolError(P.ErrorCode.UNEXPECTED,
                                   f"DMLC_NUM_SERVER={self.cfg.num_servers} servers are "
                                   "already registered")
-        node = _Node("server", len(self.servers), identity, address)
+        host = body.get("host", "")
+        if not isinstance(host, str) or len(host) > _MAX_HOST_CHARS:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"server host must be a string of at most {_MAX_HOST_CHARS} "
+                                  "characters")
+        node = _Node("server", len(self.servers), identity, address, host)
         self.servers.append(node)
         self.server_bytes.append(0)
         return node
@@ -474,7 +483,7 @@ class Scheduler:
         for node in self.by_identity.values():
             node.last_seen = now
             body = {"rank": node.rank, "servers": addresses, "num_workers": len(self.workers),
-                    "job": self.job_id}
+                    "job": self.job_id, "server_hosts": [s.host for s in self.servers]}
             self._send(node.identity, P.encode_json(P.MsgType.ACCEPT, body))
             self.accepted.add(node.identity)  # from now on: the job key
         log.info("all %d server(s) and %d worker(s) registered", len(self.servers),

@@ -46,6 +46,7 @@ from byteps_espresso.server.link import (
     recv_frames,
     send_frames,
 )
+from byteps_espresso.server.shm import Segment, host_identity
 from numba import njit
 
 from byteps_espresso.config import Config
@@ -175,6 +176,11 @@ class _Key:
     folded: int = 0
     acc_finite: bool | None = None  # known by the last float32 add; None: check at the end
     frames: dict[int, Any] = field(default_factory=dict)  # dense: pusher -> received frame
+    # Shared memory (BYTEPS_ENABLE_IPC): pusher -> its attached segment; this round's pushers
+    # that pushed through theirs; per round, the waiters answered in shared memory (-> rank).
+    shm: dict[int, Segment] = field(default_factory=dict)
+    via_shm: set[int] = field(default_factory=set)
+    shm_waiters: dict[int, dict[bytes, int]] = field(default_factory=dict)
     # Rounds that failed (a non-finite push or aggregate), with the reason; the last few.
     failed: collections.OrderedDict = field(default_factory=collections.OrderedDict)
 
@@ -209,7 +215,9 @@ class Server:
         else:
             port = self.router.bind_to_random_port(f"tcp://{cfg.bind_host()}")
         self.address = f"tcp://{cfg.advertise_host()}:{port}"
-        self.link = SchedulerLink(self.ctx, cfg, "server", {"address": self.address})
+        # workers on this host (the same identity) push dense keys through shared memory
+        self.link = SchedulerLink(self.ctx, cfg, "server", {
+            "address": self.address, "host": host_identity() if cfg.enable_ipc else ""})
         self.rank = -1
         self.num_workers = 0
         self.keys: dict[int, _Key] = {}
@@ -224,6 +232,7 @@ class Server:
         self.bound_rank: dict[int, bytes] = {}
         self.rounds = 0
         self.agg_seconds = 0.0
+        self.shm_replies = 0  # PULL_REPLYs answered in shared memory
         self.guard = NumbaGuard(cfg.server_threads)
         self.pool = (ThreadPoolExecutor(cfg.server_threads, thread_name_prefix="ps-agg",
                                         initializer=self.guard.configure_thread)
@@ -297,6 +306,9 @@ class Server:
         self.link.close(linger_ms=1000)  # BYE must reach the scheduler
         self.router.close(linger=0)
         self.ctx.term()
+        for state in self.keys.values():
+            for segment in state.shm.values():
+                segment.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -441,7 +453,11 @@ class Server:
             raise P.ProtocolError(P.ErrorCode.NOT_A_PUSHER,
                                   f"rank {h.sender} is not a pusher of key {h.key} "
                                   f"({state.spec.name}); pushers are {list(state.spec.pushers)}")
-        payload = P.decode_payload(msg, state.push_layout)
+        shared = h.flags & P.FLAG_SHM
+        if shared:
+            payload = self._shared_push(state, msg)
+        else:
+            payload = P.decode_payload(msg, state.push_layout)
         self._check_round(state, h)
         if state.compressor is not None and not _finite(*payload):
             self._fail_round(state, h.round, f"rank {h.sender} pushed non-finite values")
@@ -455,6 +471,9 @@ class Server:
             state.frames[h.sender] = msg.raw[0]
         if h.flags & P.FLAG_PULL:  # answered by the round's PULL_REPLY
             state.waiters.setdefault(h.round, []).append(identity)
+            if shared:
+                state.via_shm.add(h.sender)
+                state.shm_waiters.setdefault(h.round, {})[identity] = h.sender
         else:
             self._send(identity, P.encode(P.MsgType.PUSH_OK, key=h.key, round=h.round,
                                           sender=self.rank))
@@ -484,7 +503,8 @@ class Server:
             if state.folded == 0:  # nothing to add yet: the first push becomes the sum
                 state.acc_frame = _backing_frame(x, state.frames.get(rank))
                 state.acc = x
-                if (state.acc_frame is None and len(pushers) > 1
+                # a push in shared memory is summed in place: its pusher waits for the sum
+                if (state.acc_frame is None and len(pushers) > 1 and rank not in state.via_shm
                         and x.dtype == np.float32):
                     state.acc = x.copy()  # a misaligned frame was copied; sum in our copy
             else:
@@ -508,6 +528,7 @@ class Server:
         state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
         state.acc_finite = None
         state.frames = {}
+        state.via_shm = set()
         state.last_closed, state.open_round = round_, None
         self.open_keys.pop(state.key, None)
         self.rounds += 1
@@ -531,7 +552,14 @@ class Server:
                 return
         elif frame is not None:
             out = frame
-        self._reply(state, round_, [out], state.waiters.pop(round_, []))
+        waiters = state.waiters.pop(round_, [])
+        shared = state.shm_waiters.pop(round_, None)
+        if shared:
+            self._reply_shared(state, round_, acc, shared)
+            waiters = [w for w in waiters if w not in shared]
+            if not waiters and len(set(shared.values())) == len(pushers):
+                return  # every pusher has the sum: no frames to build for later pulls
+        self._reply(state, round_, [out], waiters)
 
     def _fail_round(self, state: _Key, round_: int, why: str,
                     code: P.ErrorCode = P.ErrorCode.NON_FINITE) -> None:
@@ -545,8 +573,10 @@ class Server:
             state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
             state.acc_finite = None
             state.frames = {}
+            state.via_shm = set()
             state.open_round = None
             self.open_keys.pop(state.key, None)
+        state.shm_waiters.pop(round_, None)
         state.last_closed = max(round_, state.last_closed or 0)
         exc = P.ProtocolError(code, text)
         header = P.Header(P.MsgType.PUSH, state.key, round_)
@@ -604,7 +634,9 @@ class Server:
                     and h.round > state.open_round else P.ErrorCode.STALE_ROUND)
             raise P.ProtocolError(code, f"round {h.round} of key {h.key} ({state.spec.name}) "
                                   "has no result to pull (kept: "
-                                  f"{list(state.results)}, collecting: {state.open_round})")
+                                  f"{list(state.results)}, collecting: {state.open_round}; a "
+                                  "round every pusher pushed in shared memory is answered "
+                                  "there only)")
         if (state.last_closed is not None and h.round > state.last_closed + 2) or (
                 state.open_round is not None and h.round > state.open_round + 1):
             raise P.ProtocolError(P.ErrorCode.FUTURE_ROUND,
@@ -630,7 +662,9 @@ class Server:
     def _on_stats(self, identity: bytes, msg: P.Message) -> None:
         body = {"rank": self.rank, "keys": len(self.keys), "rounds": self.rounds,
                 "rejected": dict(self.rejected), "cpu_s": time.process_time(),
-                "aggregate_s": self.agg_seconds, "threads": self.cfg.server_threads}
+                "aggregate_s": self.agg_seconds, "threads": self.cfg.server_threads,
+                "shm_keys": sum(len(k.shm) for k in self.keys.values()),
+                "shm_replies": self.shm_replies}
         self._send(identity, P.encode_json(P.MsgType.STATS_REPLY, body, sender=self.rank))
 
     # ---- compressor state (checkpoints) -------------------------------------------------------
@@ -803,6 +837,71 @@ class Server:
             self._send(identity, reply, signed=True)
 
 
+    def _reply_shared(self, state: _Key, round_: int, acc: np.ndarray,
+                      waiters: dict[bytes, int]) -> None:
+        """Write the round's sum into each waiter's segment (the first pusher's already
+        holds it when it pushed in shared memory) and answer with a frameless PULL_REPLY."""
+        self.shm_replies += len(waiters)
+        for rank in set(waiters.values()):
+            into = state.shm[rank].array
+            if into.ctypes.data != acc.ctypes.data:
+                np.copyto(into[:acc.size], acc)
+        layout = state.reply_layout
+        reply = self.auth.sign(P.encode(
+            P.MsgType.PULL_REPLY, key=state.key, round=round_, sender=self.rank,
+            codec=layout.codec, dtype=layout.dtype, numel=layout.numel, flags=P.FLAG_SHM))
+        for identity in waiters:
+            self._send(identity, reply, signed=True)
+
+    @staticmethod
+    def _shared_push(state: _Key, msg: P.Message) -> tuple[np.ndarray]:
+        """The push of a ``FLAG_SHM`` message: a view of its sender's segment."""
+        h = msg.header
+        segment = state.shm.get(h.sender)
+        if segment is None:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"rank {h.sender} pushed key {h.key} ({state.spec.name}) in "
+                                  "shared memory without attaching a segment (ATTACH) first")
+        if not h.flags & P.FLAG_PULL:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  "a push in shared memory must also pull (FLAG_PULL): its "
+                                  "segment receives the sum")
+        P.check_shared(msg, state.push_layout)
+        return (segment.array[:state.push_layout.numel],)
+
+    def _on_attach(self, identity: bytes, msg: P.Message) -> None:
+        h = msg.header
+        state = self._key(h)
+        body = P.decode_json(msg)
+        refused = None
+        if not self.cfg.enable_ipc:
+            refused = "this server runs without BYTEPS_ENABLE_IPC"
+        elif h.sender not in state.spec.pushers:
+            refused = f"rank {h.sender} is not a pusher of it"
+        elif state.compressor is not None or state.push_layout.dtype is not P.DType.FLOAT32:
+            refused = "only dense float32 keys are exchanged in shared memory"
+        elif body.get("host") != host_identity() or not host_identity():
+            refused = "the worker is on another host (boot, network namespace or /dev/shm)"
+        elif h.sender in state.via_shm:
+            refused = "its open round is in the segment it has; attach after that round"
+        if refused is None:
+            path = body.get("path")
+            try:
+                if not isinstance(path, str):
+                    raise ValueError("the body has no segment path")
+                segment = Segment.attach(path, state.push_nbytes)
+            except (ValueError, OSError) as exc:
+                refused = str(exc)
+        if refused is not None:
+            raise P.ProtocolError(P.ErrorCode.BAD_FIELD,
+                                  f"key {h.key} ({state.spec.name}) stays on TCP: {refused}")
+        old = state.shm.pop(h.sender, None)
+        if old is not None:
+            old.close()
+        state.shm[h.sender] = segment
+        self._send(identity, P.encode(P.MsgType.ATTACH_OK, key=h.key, sender=self.rank))
+
+
 def _backing_frame(array: np.ndarray, frame: Any) -> Any:
     """``frame`` when it is a ``zmq.Frame`` that ``array`` views writably, else None.
 
@@ -881,6 +980,7 @@ _HANDLERS = {
     P.MsgType.PULL: Server._on_pull,
     P.MsgType.STATS: Server._on_stats,
     P.MsgType.STATE: Server._on_state,
+    P.MsgType.ATTACH: Server._on_attach,
 }
 
 
