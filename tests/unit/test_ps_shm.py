@@ -4,6 +4,9 @@ see one memory."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -71,3 +74,17 @@ def test_host_identity_names_boot_network_namespace_and_shm_mount():
         assert boot == f.read().strip()
     assert int(net) == os.stat("/proc/self/ns/net").st_ino
     assert (int(dev), int(ino)) == (os.stat(SHM_DIR).st_dev, os.stat(SHM_DIR).st_ino)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a network namespace needs root and unshare")
+def test_another_network_namespace_is_another_host():
+    """Emulated machines are network namespaces of one kernel (deploy/emulate.py): their
+    workers and servers must not share segments, or the shaped links would be bypassed."""
+    code = "from byteps_espresso.server.shm import host_identity; print(host_identity())"
+    there = subprocess.run(["unshare", "--net", sys.executable, "-c", code],
+                           capture_output=True, text=True, timeout=50, check=True).stdout.strip()
+    here = host_identity().split(":")
+    assert there.split(":")[1] != here[1]  # the namespace differs,
+    assert [there.split(":")[i] for i in (0, 2, 3)] == [here[i] for i in (0, 2, 3)]  # no more
