@@ -243,8 +243,10 @@ class PSClient:
         self.servers: list[str] = list(accept["servers"])
         here = host_identity() if cfg.enable_ipc else ""
         # per server: whether it is on this host and takes shared memory (BYTEPS_ENABLE_IPC)
-        self._local = [bool(here) and h == here
-                       for h in accept.get("server_hosts") or [""] * len(self.servers)]
+        hosts = accept.get("server_hosts")
+        if not isinstance(hosts, list) or len(hosts) != len(self.servers):
+            hosts = [""] * len(self.servers)
+        self._local = [bool(here) and h == here for h in hosts]
         self.num_workers = int(accept["num_workers"])
         connected = [dealer(self._ctx, addr, cfg) for addr in self.servers]
         self._socks = [sock for sock, _ in connected]

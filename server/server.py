@@ -836,7 +836,6 @@ class Server:
         for identity in waiters:
             self._send(identity, reply, signed=True)
 
-
     def _reply_shared(self, state: _Key, round_: int, acc: np.ndarray,
                       waiters: dict[bytes, int]) -> None:
         """Write the round's sum into each waiter's segment (the first pusher's already

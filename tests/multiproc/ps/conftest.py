@@ -18,8 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
+import zmq
 from byteps_espresso.deploy.launch import free_port_pair
+from byteps_espresso.server import protocol as P
 from byteps_espresso.server.client import PSClient
 
 from byteps_espresso.config import Config
@@ -30,6 +33,8 @@ WORKER_SCRIPT = HERE / "ps_worker.py"
 PARTITION_BYTES = 64 * 1024
 # Hard limit for any PS process started by a test, in seconds.
 PROC_TIMEOUT_S = 90
+# The test jobs' ESPRESSO_MAX_MESSAGE_BYTES.
+MAX_MESSAGE_BYTES = 8 << 20
 
 
 def base_env(num_workers: int, num_servers: int, **extra: str) -> dict[str, str]:
@@ -42,7 +47,7 @@ def base_env(num_workers: int, num_servers: int, **extra: str) -> dict[str, str]
         "DMLC_PS_ROOT_PORT": str(free_port_pair()),
         "ESPRESSO_START_TIMEOUT": "30",
         "ESPRESSO_TIMEOUT": "20",
-        "ESPRESSO_MAX_MESSAGE_BYTES": str(8 << 20),
+        "ESPRESSO_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
         "BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES),
         "BYTEPS_SERVER_ENGINE_THREAD": "2",
         "ESPRESSO_LOG_LEVEL": "WARNING",
@@ -80,6 +85,38 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
 
 def read_log(log_dir: Path, name: str) -> str:
     return (log_dir / f"{name}.log").read_text()
+
+
+class RawPeer:
+    """A bare DEALER speaking the wire protocol by hand."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def request(self, frames: list) -> P.Message:
+        self.sock.send_multipart(frames)
+        assert self.sock.poll(20_000), "no reply from the server"
+        return P.decode(self.sock.recv_multipart(), MAX_MESSAGE_BYTES)
+
+    def rejected(self, frames: list, code: P.ErrorCode) -> dict:
+        reply = self.request(frames)
+        assert reply.header.type is P.MsgType.ERROR, reply.header
+        body = P.decode_json(reply)
+        assert body["code"] == code.value, body
+        assert body["message"]
+        return body
+
+    def push(self, key: int, round_: int, sender: int, x: np.ndarray, **fields) -> list:
+        args = {"key": key, "round": round_, "sender": sender, "dtype": P.DType.FLOAT32,
+                "numel": x.size, "frames": [x], **fields}
+        return P.encode(P.MsgType.PUSH, **args)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
 
 
 @dataclass
@@ -166,4 +203,5 @@ def ps_tools() -> types.SimpleNamespace:
     """The helpers above, for test modules (conftest is not importable by name)."""
     return types.SimpleNamespace(ps_job=ps_job, start_worker=start_worker, start_role=start_role,
                                  kill_all=kill_all, read_log=read_log, base_env=base_env,
-                                 worker_env=worker_env)
+                                 worker_env=worker_env, RawPeer=RawPeer,
+                                 max_message_bytes=MAX_MESSAGE_BYTES)

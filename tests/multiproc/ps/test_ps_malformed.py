@@ -8,47 +8,14 @@ import socket
 
 import numpy as np
 import pytest
-import zmq
 from byteps_espresso.server import protocol as P
 
 NUMEL = 1000
-MAX_MESSAGE_BYTES = 8 << 20  # the test job's ESPRESSO_MAX_MESSAGE_BYTES
-
-
-class RawPeer:
-    """A bare DEALER speaking the wire protocol by hand."""
-
-    def __init__(self, address: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-
-    def request(self, frames: list) -> P.Message:
-        self.sock.send_multipart(frames)
-        assert self.sock.poll(20_000), "no reply from the server"
-        return P.decode(self.sock.recv_multipart(), MAX_MESSAGE_BYTES)
-
-    def rejected(self, frames: list, code: P.ErrorCode) -> dict:
-        reply = self.request(frames)
-        assert reply.header.type is P.MsgType.ERROR, reply.header
-        body = P.decode_json(reply)
-        assert body["code"] == code.value, body
-        assert body["message"]
-        return body
-
-    def push(self, key: int, round_: int, sender: int, x: np.ndarray, **fields) -> list:
-        args = {"key": key, "round": round_, "sender": sender, "dtype": P.DType.FLOAT32,
-                "numel": x.size, "frames": [x], **fields}
-        return P.encode(P.MsgType.PUSH, **args)
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
 
 
 @pytest.mark.timeout(120)
-def test_malformed_messages_are_rejected_counted_and_serving_goes_on(ps_job_factory):
+def test_malformed_messages_are_rejected_counted_and_serving_goes_on(ps_job_factory, ps_tools):
+    raw_peer, max_message_bytes = ps_tools.RawPeer, ps_tools.max_message_bytes
     job = ps_job_factory(1)
     c0, c1 = job.clients[:2]
     for c in (c0, c1):
@@ -56,7 +23,7 @@ def test_malformed_messages_are_rejected_counted_and_serving_goes_on(ps_job_fact
     key = c0._tensors["m"].parts[0].key
     before = c0.server_stats()[0]["rejected"]
     x = np.arange(NUMEL, dtype=np.float32)
-    raw = RawPeer(c0.servers[0])
+    raw = raw_peer(c0.servers[0])
     sent: dict[str, int] = {}
 
     def expect(frames: list, code: P.ErrorCode) -> None:
@@ -94,9 +61,9 @@ def test_malformed_messages_are_rejected_counted_and_serving_goes_on(ps_job_fact
         expect([os.urandom(7)], P.ErrorCode.TRUNCATED)
         # Oversized: announced in the header, and real frames that add up past the limit.
         huge = raw.push(key, 1, 1, x)
-        huge[0] = huge[0][:40] + (MAX_MESSAGE_BYTES + 1).to_bytes(8, "little")
+        huge[0] = huge[0][:40] + (max_message_bytes + 1).to_bytes(8, "little")
         expect(huge, P.ErrorCode.TOO_LARGE)
-        half = np.zeros(MAX_MESSAGE_BYTES // 8 + 1, np.float32)  # 4 frames of half the limit
+        half = np.zeros(max_message_bytes // 8 + 1, np.float32)  # 4 frames of half the limit
         expect(P.encode(P.MsgType.PUSH, key=key, round=1, sender=1, dtype=P.DType.FLOAT32,
                         numel=NUMEL, frames=[half] * 4), P.ErrorCode.TOO_LARGE)
         expect(P.encode_json(P.MsgType.DECLARE, {"name": "bad", "numel": -3, "pushers": [0]},
@@ -106,8 +73,8 @@ def test_malformed_messages_are_rejected_counted_and_serving_goes_on(ps_job_fact
         expect(P.encode_json(P.MsgType.DECLARE, {"name": "anon", "numel": 4, "pushers": [0]},
                              key=79), P.ErrorCode.BAD_FIELD)  # not from a worker rank
         # A single frame above the limit: ZeroMQ drops that connection before allocating.
-        blob = RawPeer(c0.servers[0])
-        blob.sock.send_multipart([np.zeros(MAX_MESSAGE_BYTES // 4 + 16, np.float32)])
+        blob = raw_peer(c0.servers[0])
+        blob.sock.send_multipart([np.zeros(max_message_bytes // 4 + 16, np.float32)])
         assert not blob.sock.poll(500)
         blob.close()
         counted = c0.server_stats()[0]["rejected"]

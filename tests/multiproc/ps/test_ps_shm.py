@@ -12,7 +12,6 @@ import threading
 
 import numpy as np
 import pytest
-import zmq
 from byteps_espresso.server import protocol as P
 from byteps_espresso.server.client import PSClient, PSError
 from byteps_espresso.server.shm import SHM_DIR, Segment, host_identity
@@ -20,7 +19,6 @@ from byteps_espresso.server.shm import SHM_DIR, Segment, host_identity
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
 NUMEL = 50_001  # 200 KB: four partitions at the tests' BYTEPS_PARTITION_BYTES=64 KiB
-MAX_MESSAGE_BYTES = 8 << 20  # the test job's ESPRESSO_MAX_MESSAGE_BYTES
 
 
 def _connect(job, ipc: list[bool]) -> list[PSClient]:
@@ -136,7 +134,7 @@ def test_servers_without_ipc_keep_every_key_on_tcp(tmp_path, ps_tools):
         assert not clients[0]._shm and not clients[1]._shm
         got = _together(clients, lambda r, c: c.push_pull("t", _data(r, 0), 0))
         assert all(np.array_equal(g, _reference(2, 0)) for g in got)
-        raw = _RawPeer(clients[0].servers[0])
+        raw = ps_tools.RawPeer(clients[0].servers[0])
         seg = Segment.create(4 * NUMEL, "test")
         try:
             key = clients[0]._tensors["t"].parts[0].key
@@ -160,7 +158,7 @@ def test_bad_attach_and_shared_pushes_are_refused_and_serving_goes_on(tmp_path, 
         key = c0._tensors["d"].parts[0].key
         ckey = c0._tensors["c"].parts[0].key
         before = c2.server_stats()[0]["rejected"]
-        raw = _RawPeer(c0.servers[0])
+        raw = ps_tools.RawPeer(c0.servers[0])
         seg = Segment.create(4 * numel, "test")
         small = Segment.create(4 * (numel - 1), "test")
         x = np.arange(numel, dtype=np.float32)
@@ -191,7 +189,7 @@ def test_bad_attach_and_shared_pushes_are_refused_and_serving_goes_on(tmp_path, 
             raw.sock.send_multipart(_shm_push(key, 0, 0, numel))
             assert np.array_equal(c1.push_pull("d", x * 2, 0), x * 3)
             assert raw.sock.poll(20_000)
-            got = P.decode(raw.sock.recv_multipart(), MAX_MESSAGE_BYTES)
+            got = P.decode(raw.sock.recv_multipart(), ps_tools.max_message_bytes)
             assert got.header.type is P.MsgType.PULL_REPLY
             assert got.header.flags & P.FLAG_SHM and not got.frames
             assert np.array_equal(seg.array[:numel], x * 3)
@@ -220,29 +218,3 @@ def _shm_push(key: int, round_: int, sender: int, numel: int,
               flags: int = P.FLAG_PULL | P.FLAG_SHM) -> list:
     return P.encode(P.MsgType.PUSH, key=key, round=round_, sender=sender,
                     dtype=P.DType.FLOAT32, numel=numel, flags=flags)
-
-
-class _RawPeer:
-    """A bare DEALER speaking the wire protocol by hand."""
-
-    def __init__(self, address: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-
-    def request(self, frames: list) -> P.Message:
-        self.sock.send_multipart(frames)
-        assert self.sock.poll(20_000), "no reply from the server"
-        return P.decode(self.sock.recv_multipart(), MAX_MESSAGE_BYTES)
-
-    def rejected(self, frames: list, code: P.ErrorCode) -> dict:
-        reply = self.request(frames)
-        assert reply.header.type is P.MsgType.ERROR, reply.header
-        body = P.decode_json(reply)
-        assert body["code"] == code.value, body
-        return body
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
