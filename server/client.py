@@ -423,7 +423,9 @@ class PSClient:
         handle = Handle(tensor, int(round), now + self.cfg.op_timeout_s, self.cfg.op_timeout_s,
                         self._await, out=out)
         with self._mu:
-            sends = self._register_op(handle, frames)
+            sends, copies = self._register_op(handle, frames)
+        for into, src in copies:  # outside the lock: the busy key's segment is this thread's
+            np.copyto(into, src)
         self._submit(sends)
         return handle
 
@@ -773,20 +775,21 @@ class PSClient:
 
     # ---- state changes (hold _mu) -------------------------------------------------------------
     def _register_op(self, handle: Handle, frames: list[list[np.ndarray]]
-                     ) -> list[tuple[int, list[Any]]]:
-        """Record the pushes of ``handle`` as in flight; returns what to send (nothing when
-        the handle failed at once: a lost server, or that round already in flight)."""
+                     ) -> tuple[list[tuple[int, list[Any]]], list[tuple[np.ndarray, np.ndarray]]]:
+        """Record the pushes of ``handle`` as in flight; returns what to send and the
+        (segment, push) copies to make before it is sent (nothing when the handle failed at
+        once: a lost server, or that round already in flight)."""
         tensor = handle.tensor
         for part in tensor.parts:
             dead = self._dead.get(_SCHEDULER) or self._dead.get(part.server)
             if dead:  # an ABORT's reason names the root cause; prefer it
                 handle._fail(PSError(handle._describe_pending(dead, part.server)))
-                return []
+                return [], []
             if (part.server, part.key, handle.round) in self._inflight:
                 handle._fail(PSError(f"round {handle.round} of {part.spec.name!r} is already "
                                      f"in flight on worker {self.rank}"))
-                return []
-        sends = []
+                return [], []
+        sends, copies = [], []
         for i, (part, arrays) in enumerate(zip(tensor.parts, frames, strict=True)):
             lay = part.push_layout
             flags, payload = P.FLAG_PULL, arrays
@@ -794,7 +797,7 @@ class PSClient:
             if segment is not None and part.key not in self._shm_busy:
                 into = segment.array[:lay.numel]
                 if into.ctypes.data != arrays[0].ctypes.data:
-                    np.copyto(into, arrays[0])
+                    copies.append((into, arrays[0]))
                 self._shm_busy.add(part.key)
                 flags, payload = P.FLAG_PULL | P.FLAG_SHM, []
             push = P.encode(P.MsgType.PUSH, key=part.key, round=handle.round, sender=self.rank,
@@ -802,7 +805,7 @@ class PSClient:
                             flags=flags)
             self._inflight[(part.server, part.key, handle.round)] = (handle, i)
             sends.append((part.server, push))
-        return sends
+        return sends, copies
 
     def _register_call(self, call: _Call) -> bool:
         """Record ``call`` as waiting for its reply; False (and the call failed) when its

@@ -176,13 +176,20 @@ class _Key:
     folded: int = 0
     acc_finite: bool | None = None  # known by the last float32 add; None: check at the end
     frames: dict[int, Any] = field(default_factory=dict)  # dense: pusher -> received frame
-    # Shared memory (BYTEPS_ENABLE_IPC): pusher -> its attached segment; this round's pushers
-    # that pushed through theirs; per round, the waiters answered in shared memory (-> rank).
+    # Shared memory (BYTEPS_ENABLE_IPC): pusher -> its attached segment; the open round's
+    # pushers that pushed through theirs (-> the connection their sum is announced on).
     shm: dict[int, Segment] = field(default_factory=dict)
-    via_shm: set[int] = field(default_factory=set)
-    shm_waiters: dict[int, dict[bytes, int]] = field(default_factory=dict)
+    shm_pushed: dict[int, bytes] = field(default_factory=dict)
     # Rounds that failed (a non-finite push or aggregate), with the reason; the last few.
     failed: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+
+    def clear_open(self) -> None:
+        """Drop the open round's pushes and running sum (it completed or failed)."""
+        self.acc, self.acc_frame, self.folded, self.pushes = None, None, 0, {}
+        self.acc_finite = None
+        self.frames = {}
+        self.shm_pushed = {}
+        self.open_round = None
 
     @property
     def push_nbytes(self) -> int:
@@ -472,8 +479,7 @@ class Server:
         if h.flags & P.FLAG_PULL:  # answered by the round's PULL_REPLY
             state.waiters.setdefault(h.round, []).append(identity)
             if shared:
-                state.via_shm.add(h.sender)
-                state.shm_waiters.setdefault(h.round, {})[identity] = h.sender
+                state.shm_pushed[h.sender] = identity
         else:
             self._send(identity, P.encode(P.MsgType.PUSH_OK, key=h.key, round=h.round,
                                           sender=self.rank))
@@ -504,7 +510,7 @@ class Server:
                 state.acc_frame = _backing_frame(x, state.frames.get(rank))
                 state.acc = x
                 # a push in shared memory is summed in place: its pusher waits for the sum
-                if (state.acc_frame is None and len(pushers) > 1 and rank not in state.via_shm
+                if (state.acc_frame is None and len(pushers) > 1 and rank not in state.shm_pushed
                         and x.dtype == np.float32):
                     state.acc = x.copy()  # a misaligned frame was copied; sum in our copy
             else:
@@ -525,11 +531,9 @@ class Server:
         # A non-finite partial sum stays non-finite (inf + x, NaN + x), so the last add's
         # answer is the whole sum's.
         finite = state.acc_finite if state.acc_finite is not None else _finite(acc)
-        state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
-        state.acc_finite = None
-        state.frames = {}
-        state.via_shm = set()
-        state.last_closed, state.open_round = round_, None
+        shared = state.shm_pushed
+        state.clear_open()
+        state.last_closed = round_
         self.open_keys.pop(state.key, None)
         self.rounds += 1
         if not finite:
@@ -553,11 +557,11 @@ class Server:
         elif frame is not None:
             out = frame
         waiters = state.waiters.pop(round_, [])
-        shared = state.shm_waiters.pop(round_, None)
         if shared:
             self._reply_shared(state, round_, acc, shared)
-            waiters = [w for w in waiters if w not in shared]
-            if not waiters and len(set(shared.values())) == len(pushers):
+            announced = set(shared.values())
+            waiters = [w for w in waiters if w not in announced]
+            if not waiters and len(shared) == len(pushers):
                 return  # every pusher has the sum: no frames to build for later pulls
         self._reply(state, round_, [out], waiters)
 
@@ -570,13 +574,8 @@ class Server:
         while len(state.failed) > RESULT_HISTORY:
             state.failed.popitem(last=False)
         if state.open_round == round_:
-            state.acc, state.acc_frame, state.folded, state.pushes = None, None, 0, {}
-            state.acc_finite = None
-            state.frames = {}
-            state.via_shm = set()
-            state.open_round = None
+            state.clear_open()
             self.open_keys.pop(state.key, None)
-        state.shm_waiters.pop(round_, None)
         state.last_closed = max(round_, state.last_closed or 0)
         exc = P.ProtocolError(code, text)
         header = P.Header(P.MsgType.PUSH, state.key, round_)
@@ -837,11 +836,12 @@ class Server:
             self._send(identity, reply, signed=True)
 
     def _reply_shared(self, state: _Key, round_: int, acc: np.ndarray,
-                      waiters: dict[bytes, int]) -> None:
-        """Write the round's sum into each waiter's segment (the first pusher's already
-        holds it when it pushed in shared memory) and answer with a frameless PULL_REPLY."""
+                      waiters: dict[int, bytes]) -> None:
+        """Write the round's sum into each waiting pusher's segment (the first pusher's
+        already holds it when it pushed in shared memory) and answer each with a frameless
+        PULL_REPLY; ``waiters``: rank -> connection."""
         self.shm_replies += len(waiters)
-        for rank in set(waiters.values()):
+        for rank in waiters:
             into = state.shm[rank].array
             if into.ctypes.data != acc.ctypes.data:
                 np.copyto(into[:acc.size], acc)
@@ -849,7 +849,7 @@ class Server:
         reply = self.auth.sign(P.encode(
             P.MsgType.PULL_REPLY, key=state.key, round=round_, sender=self.rank,
             codec=layout.codec, dtype=layout.dtype, numel=layout.numel, flags=P.FLAG_SHM))
-        for identity in waiters:
+        for identity in waiters.values():
             self._send(identity, reply, signed=True)
 
     @staticmethod
@@ -879,9 +879,9 @@ class Server:
             refused = f"rank {h.sender} is not a pusher of it"
         elif state.compressor is not None or state.push_layout.dtype is not P.DType.FLOAT32:
             refused = "only dense float32 keys are exchanged in shared memory"
-        elif body.get("host") != host_identity() or not host_identity():
+        elif not host_identity() or body.get("host") != host_identity():
             refused = "the worker is on another host (boot, network namespace or /dev/shm)"
-        elif h.sender in state.via_shm:
+        elif h.sender in state.shm_pushed:
             refused = "its open round is in the segment it has; attach after that round"
         if refused is None:
             path = body.get("path")

@@ -42,8 +42,9 @@ def _connect(job, ipc: list[bool]) -> list[PSClient]:
     return out
 
 
-def _together(clients: list[PSClient], fn) -> list:
-    """``fn(rank, client)`` on every client at once, started in a random order."""
+def _together(clients: list[PSClient], fn, *, errors: bool = False) -> list:
+    """``fn(rank, client)`` on every client at once, started in a random order; with
+    ``errors`` the exceptions are returned in place of results, else the first is raised."""
     results: list = [None] * len(clients)
 
     def run(rank: int) -> None:
@@ -59,6 +60,10 @@ def _together(clients: list[PSClient], fn) -> list:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    if not errors:
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
     return results
 
 
@@ -116,7 +121,7 @@ def test_a_failed_round_takes_its_key_back_to_tcp(tmp_path, ps_tools):
         bad = _data(0, 1)
         bad[::1000] = np.nan  # every partition's round fails on the server
         failed = _together(clients, lambda r, c: c.push_pull(
-            "f", bad if r == 0 else _data(1, 1), 1))
+            "f", bad if r == 0 else _data(1, 1), 1), errors=True)
         for err in failed:
             assert isinstance(err, PSError) and "non_finite" in str(err), err
         for client in clients:
