@@ -68,8 +68,9 @@ def _worker_args(variant: str, model: str, args: argparse.Namespace) -> list[str
             compressor, "--ratio", str(args.ratio)]
 
 
-def _cluster(setting: str, servers: int) -> list[str]:
-    shape = ["--local"] if setting == "loopback" else ["--emulate", "--inter-gbps", setting]
+def _cluster(setting: str, servers: int, colocate: bool = False) -> list[str]:
+    shape = ["--local"] if setting == "loopback" else [
+        "--emulate", "--inter-gbps", setting, *(["--colocate"] if colocate else [])]
     return [*shape, "--machines", "2", "--workers-per-machine", "2", "--servers", str(servers)]
 
 
@@ -91,7 +92,7 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
             env = dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING")
             if variant.endswith("-tcp"):
                 env["BYTEPS_ENABLE_IPC"] = "0"
-            result = run_training(name, _cluster(setting, args.servers),
+            result = run_training(name, _cluster(setting, args.servers, args.colocate),
                                   _worker_args(variant, model, args),
                                   out, env=env, live=False, timeout_s=args.timeout_s)
             runs[variant].append(result.metrics)
@@ -156,6 +157,9 @@ def main() -> int:
     p.add_argument("--servers", type=int, default=1,
                    help="PS server processes, each on its own node when emulated (BytePS "
                         "runs as many as machines); DDP's runs start them too, idle")
+    p.add_argument("--colocate", action="store_true",
+                   help="emulated: each server in a machine's namespace, beside its workers "
+                        "(server j on machine j mod 2), as BytePS deploys them")
     p.add_argument("--target-factor", type=float, default=1.05)
     p.add_argument("--timeout-s", type=float, default=900, help="per run")
     p.add_argument("--out", default=str(ROOT / "out" / "ddp"))

@@ -10,6 +10,10 @@ Every node's link is shaped in both directions (egress of the node's ``eth0`` an
 peer on the bridge) with ``tbf`` to ``inter_gbps``, plus ``netem`` delay of half the one-way
 latency on each side when ``inter_latency_ms > 0``. Workers of one machine share its
 namespace and talk over its (unshaped) loopback, as GPUs of one machine share NVLink/PCIe.
+With ``colocate`` the servers get no namespaces of their own: server ``j`` runs in machine
+``j mod machines``'s, beside its workers, as BytePS deploys a server per worker machine. A
+machine's traffic to its own server then stays off the link (and, being one host to the
+runtime, goes through shared memory where ``BYTEPS_ENABLE_IPC`` allows).
 
 The subnet exists only inside the run's namespaces: nothing is added to the host's network
 stack, so traffic cannot leave them and concurrent runs (distinct prefixes) never collide.
@@ -176,12 +180,14 @@ class EmulatedCluster:
 
     Args:
         machines: worker machines (one namespace each).
-        servers: parameter-server processes (one namespace each).
+        servers: parameter-server processes (one namespace each, unless ``colocate``).
         inter_gbps: bandwidth of every node's link, Gbit/s.
         inter_latency_ms: one-way latency between two nodes, ms (half on each link).
         subnet: private IPv4 subnet for the bridge (default :data:`DEFAULT_SUBNET`).
         reaper: told about every namespace before it is created, so that it is deleted
             even if this process is killed outright.
+        colocate: run server ``j`` in machine ``j mod machines``'s namespace instead of its
+            own.
 
     Raises:
         EmulationError: not root, iproute2 missing, bad parameters, or the kernel lacks a
@@ -190,14 +196,15 @@ class EmulatedCluster:
 
     def __init__(self, machines: int, servers: int, inter_gbps: float,
                  inter_latency_ms: float = 0.0, *, subnet: str = DEFAULT_SUBNET,
-                 reaper: Reaper | None = None):
+                 reaper: Reaper | None = None, colocate: bool = False):
         if machines < 1 or servers < 0:
             raise EmulationError(f"need machines >= 1 and servers >= 0, got {machines}, "
                                  f"{servers}")
         if not inter_gbps > 0 or inter_latency_ms < 0:
             raise EmulationError("need --inter-gbps > 0 and --inter-latency-ms >= 0, got "
                                  f"{inter_gbps} and {inter_latency_ms}")
-        self.nodes = ["sched"] + [f"s{j}" for j in range(servers)] + [
+        self.machines, self.colocate = machines, colocate
+        self.nodes = ["sched"] + [f"s{j}" for j in range(0 if colocate else servers)] + [
             f"m{i}" for i in range(machines)]
         hosts = list(ipaddress.ip_network(subnet).hosts())
         if len(hosts) < len(self.nodes):
@@ -217,6 +224,8 @@ class EmulatedCluster:
 
     def node_of(self, role: str, index: int) -> str:
         """Node hosting process ``index`` of ``role`` (machine id for workers)."""
+        if role == "server" and self.colocate:
+            return f"m{index % self.machines}"
         return {"scheduler": "sched", "server": f"s{index}", "worker": f"m{index}"}[role]
 
     def placement(self, role: str, index: int) -> Placement:

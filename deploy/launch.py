@@ -290,6 +290,10 @@ def build_parser(prog: str = "espresso-launch") -> argparse.ArgumentParser:
                           "(implies --local)")
     emu.add_argument("--inter-gbps", type=float, default=10.0,
                      help="bandwidth of every machine's link, Gbit/s (default 10)")
+    emu.add_argument("--colocate", action="store_true",
+                     help="run each server in a machine's namespace (server j on machine "
+                          "j mod machines), beside its workers, instead of on a node of its "
+                          "own")
     emu.add_argument("--inter-latency-ms", type=float, default=0.0,
                      help="one-way latency between two machines, ms (default 0; needs "
                           "the kernel's netem qdisc)")
@@ -324,7 +328,8 @@ def _run(args: argparse.Namespace, environ: Mapping[str, str], prog: str,
     from byteps_espresso.deploy.emulate import EmulatedCluster
 
     with EmulatedCluster(args.machines, args.servers, args.inter_gbps,
-                         args.inter_latency_ms, reaper=reaper) as cluster:
+                         args.inter_latency_ms, reaper=reaper,
+                         colocate=args.colocate) as cluster:
         return _supervise(lambda: cluster_specs(
             command, machines=args.machines, workers_per_machine=args.workers_per_machine,
             servers=args.servers, base_env=environ, root_port=args.port or _EMULATED_PORT,
@@ -406,6 +411,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     previous = signal.signal(signal.SIGTERM, terminate)
     previous_tstp = signal.signal(signal.SIGTSTP, suspend)
     try:
+        if args.colocate and not args.emulate:
+            raise ValueError("--colocate places the servers in emulated machines and needs "
+                             "--emulate; with --local every process shares this host "
+                             "already")
         if args.emulate:
             check_host()  # refuse before anything starts
         timeout_s = variable("ESPRESSO_HEARTBEAT_TIMEOUT", environ)

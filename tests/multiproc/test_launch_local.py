@@ -44,6 +44,9 @@ total = client.push_pull("grad", np.full(4096, cfg.rank + 1, np.float32), 0)
 expected = cfg.world_size * (cfg.world_size + 1) / 2
 assert np.allclose(total, expected), (total[:4], expected)
 print(f"sum ok rank={cfg.rank} host={cfg.node_host} root={cfg.root_uri}", flush=True)
+if "stats" in sys.argv and cfg.rank == 0:  # the round is complete: every waiter answered
+    replies = sum(s["shm_replies"] for s in client.server_stats())
+    print(f"shm replies={replies}", flush=True)
 if cfg.rank == fail_rank:
     sys.exit(5)
 if fail_rank >= 0:
@@ -149,13 +152,28 @@ def test_local_ctrl_c_stops_everything(tmp_path):
 @needs_root
 def test_emulated_job_uses_namespace_addresses_for_ps_and_gloo(tmp_path):
     proc, tag = _launch(tmp_path, ["--emulate", *LOCAL[1:], "--inter-gbps", "1"],
-                        job_args=[-1, "gloo"])
+                        job_args=[-1, "gloo", "stats"])
     out, err, survivors = _finish(proc, tag)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     hosts = {line.split("host=")[1].split()[0] for line in out.splitlines() if "sum ok" in line}
     assert len(hosts) == 2 and all(h.startswith("10.213.0.") for h in hosts), hosts
     assert "root=10.213.0.1" in out
     assert out.count("gloo ok") == 4
+    assert "shm replies=0" in out  # the server is another host to every machine
+    assert not [n for n in list_namespaces() if n.startswith(f"esp{proc.pid}x")]
+    assert not survivors
+
+
+@needs_root
+def test_colocated_servers_answer_their_machines_workers_through_shared_memory(tmp_path):
+    # Two servers, one per machine; the job's one key lives on one of them, so that
+    # machine's two workers reach it through shared memory and the other two over the link.
+    args = ["--emulate", "--colocate", *LOCAL[1:-1], "2", "--inter-gbps", "1"]
+    proc, tag = _launch(tmp_path, args, job_args=[-1, "gloo", "stats"])
+    out, err, survivors = _finish(proc, tag)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert out.count("sum ok") == 4 and out.count("gloo ok") == 4
+    assert "shm replies=2" in out
     assert not [n for n in list_namespaces() if n.startswith(f"esp{proc.pid}x")]
     assert not survivors
 

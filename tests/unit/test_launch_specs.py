@@ -106,6 +106,28 @@ def test_placement_sets_prefix_and_addresses():
     assert all(s.env["GLOO_SOCKET_IFNAME"] == "eth0" for s in specs)
 
 
+def test_colocated_servers_share_the_machines_namespaces_and_addresses():
+    from byteps_espresso.deploy.emulate import EmulatedCluster
+
+    apart = EmulatedCluster(machines=2, servers=3, inter_gbps=1)
+    together = EmulatedCluster(machines=2, servers=3, inter_gbps=1, colocate=True)
+    assert apart.nodes == ["sched", "s0", "s1", "s2", "m0", "m1"]
+    assert together.nodes == ["sched", "m0", "m1"]  # no namespace of a server's own
+    for j, machine in enumerate((0, 1, 0)):  # server j on machine j mod machines
+        server, worker = together.placement("server", j), together.placement("worker", machine)
+        assert (server.prefix, server.host) == (worker.prefix, worker.host)
+        assert apart.placement("server", j).host not in {
+            apart.placement("worker", m).host for m in (0, 1)}
+
+
+def test_colocate_without_emulate_is_refused_with_what_to_change(capsys):
+    from byteps_espresso.deploy.launch import main
+
+    assert main(["--local", "--colocate", "--", "python", "train.py"], environ={}) == 2
+    assert "--colocate places the servers in emulated machines and needs --emulate" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("kw", "message"), [
     ({"machines": 0}, "--machines"),
     ({"workers_per_machine": 0}, "--workers-per-machine"),
