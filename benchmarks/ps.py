@@ -192,23 +192,22 @@ def sum_server(port_file: str, workers: int) -> None:
     killed. A partition's sum buffer is reused across rounds: every worker has its reply
     before any of them sends the partition again."""
     sock = _raw_router(port_file)
-    sums: dict[bytes, np.ndarray] = {}
-    senders: dict[bytes, list[Any]] = {}
+    open_rounds: dict[bytes, tuple[np.ndarray, list[Any]]] = {}  # tag -> (sum, senders)
     while True:
         identity, tag, body = sock.recv_multipart(copy=False)
         x = np.frombuffer(body.buffer, np.float32)
-        waiting = senders.setdefault(tag.bytes, [])
-        if not waiting:
-            acc = sums.get(tag.bytes)
+        acc, waiting = open_rounds.get(tag.bytes, (None, []))
+        if not waiting:  # a partition's first copy (the cases' sizes differ per tag)
             if acc is None or acc.shape != x.shape:
-                acc = sums[tag.bytes] = np.empty_like(x)
+                acc = np.empty_like(x)
+                open_rounds[tag.bytes] = (acc, waiting)
             np.copyto(acc, x)
         else:
-            np.add(sums[tag.bytes], x, out=sums[tag.bytes])
+            np.add(acc, x, out=acc)
         waiting.append(identity)
         if len(waiting) == workers:
             for who in waiting:
-                sock.send_multipart([who, sums[tag.bytes]], copy=False)
+                sock.send_multipart([who, acc], copy=False)
             waiting.clear()
 
 
@@ -245,7 +244,7 @@ def run_ps(workers: int, servers: int, cases: list[dict[str, Any]], tmp: Path,
     deadline = time.monotonic() + 60
     while not all(f.exists() for f in files):
         if time.monotonic() > deadline:
-            raise RuntimeError("echo servers did not start")
+            raise RuntimeError("the echo and raw-sum servers did not start")
         time.sleep(0.05)
     addresses = [f"tcp://127.0.0.1:{f.read_text()}" for f in files]
     spec_path = tmp / "spec.json"
