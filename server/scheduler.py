@@ -12,8 +12,11 @@ Lifecycle:
        get the same answer); BARRIER releases once every worker arrived; HEARTBEAT keeps nodes
        alive. A node is lost when it is silent for ``ESPRESSO_TIMEOUT``, or when a connection
        drops (its process exited, or it was stopped or unreachable for
-       ``ESPRESSO_HEARTBEAT_TIMEOUT``: ZMTP heartbeats, see :mod:`.link`) and the node had
-       been silent since before the drop; everyone gets ABORT naming it (also in
+       ``ESPRESSO_HEARTBEAT_TIMEOUT``: ZMTP heartbeats, see :mod:`.link`) and the node has
+       been silent since before the drop, for ``ESPRESSO_HEARTBEAT_TIMEOUT`` in all. Any
+       connection's drop counts (a drop names no peer), and one need not be a node's: a TCP
+       health check or a port scan closes one too, so a node silent for less (busy in code
+       that holds the GIL) is never blamed for it. Everyone gets ABORT naming it (also in
        ``ESPRESSO_FAULT_FILE``), and the scheduler exits 1. Registered nodes beat during
        start-up too, so this holds before every node is in.
     3. Shutdown: when every worker sent DONE, servers get SHUTDOWN, and the scheduler exits 0
@@ -62,14 +65,10 @@ __all__ = ["DISCONNECT_GRACE_S", "Scheduler", "SchedulerError", "run_scheduler"]
 
 log = logging.getLogger(__name__)
 
-# After some node's TCP connection drops, nodes silent for this many seconds since the drop
-# are declared lost (6 heartbeat intervals: tolerates a busy machine, still fails fast).
+# After a connection drops, a node silent since before the drop is declared lost once it has
+# been silent for ESPRESSO_HEARTBEAT_TIMEOUT and at least this long (6 heartbeat intervals:
+# tolerates a busy machine, still fails fast).
 DISCONNECT_GRACE_S = 6 * HEARTBEAT_INTERVAL_S
-# A connection dropped by the heartbeat time-out belongs to a node silent for about
-# ESPRESSO_HEARTBEAT_TIMEOUT; one silent for more than this many heartbeat intervals when a
-# connection drops is lost at once (live nodes beat every interval; 4 leaves room for a
-# loaded machine, and stays below the smallest time-out accepted, 1 s, plus one interval).
-SILENT_AT_DROP_INTERVALS = 4
 # Seconds the scheduler waits for servers to acknowledge SHUTDOWN before exiting anyway.
 SHUTDOWN_WAIT_S = 5.0
 # Poll period of the event loop, in seconds.
@@ -275,10 +274,19 @@ class Scheduler:
     def _live_nodes(self) -> list[_Node]:
         return [n for n in self.by_identity.values() if not n.done and n.role != "late"]
 
+    def _lost_after_drop_s(self) -> float:
+        """Silence after which a node is lost once some connection has dropped."""
+        return max(self.cfg.heartbeat_timeout_s, DISCONNECT_GRACE_S)
+
     def _check_drop(self, now: float) -> None:
-        """A connection dropped: the node that had gone silent is the one whose connection
-        the heartbeat time-out (or a dead process) closed."""
-        threshold = SILENT_AT_DROP_INTERVALS * HEARTBEAT_INTERVAL_S
+        """A connection dropped. When ZeroMQ's heartbeat time-out closed it, its node has
+        sent nothing (no HEARTBEAT, no ZMTP pong) for ESPRESSO_HEARTBEAT_TIMEOUT: the most
+        silent node, if silent about that long, is lost at once. Otherwise the drop was a
+        process that exited (``_check_liveness`` finds it) or a connection that was no
+        node's, and the most silent node is only busy."""
+        # The scheduler notes a message when it handles it, up to a poll period late; one
+        # heartbeat interval of slack covers that.
+        threshold = self.cfg.heartbeat_timeout_s - HEARTBEAT_INTERVAL_S
         silent = sorted(self._live_nodes(), key=lambda n: n.last_seen)
         if silent and now - silent[0].last_seen > threshold:
             node = silent[0]
@@ -288,16 +296,18 @@ class Scheduler:
                         f"{self.cfg.heartbeat_timeout_s:g} s)", culprit=node.name)
 
     def _check_liveness(self, now: float) -> None:
+        lost_after_s = self._lost_after_drop_s()
         for node in self._live_nodes():
             silent = now - node.last_seen
             if silent > self.cfg.op_timeout_s:
                 self._abort(f"{node.describe()} is lost: no heartbeat for {silent:.1f} s "
                             f"(ESPRESSO_TIMEOUT={self.cfg.op_timeout_s:g})", culprit=node.name)
             if (self.dropped_at is not None and node.last_seen < self.dropped_at
-                    and now - self.dropped_at > DISCONNECT_GRACE_S):
+                    and silent > lost_after_s):
                 self._abort(f"{node.describe()} is lost: its connection dropped and it has "
                             f"been silent for {silent:.1f} s", culprit=node.name)
-        if self.dropped_at is not None and now - self.dropped_at > DISCONNECT_GRACE_S:
+        # A node silent since before the drop passes lost_after_s before the drop is this old.
+        if self.dropped_at is not None and now - self.dropped_at > lost_after_s:
             self.dropped_at = None
 
     def _abort(self, reason: str, linger_s: float = REGISTER_GRACE_S,
