@@ -5,6 +5,9 @@ and 1 server (``--servers``), so both runtimes get the same processes, cores (on
 thread each), links and gloo: on loopback (``loopback``) or on the emulated cluster with
 shaped links (``1`` and ``0.25`` Gbit/s; needs root). Variants:
 
+    local        no synchronization: every rank steps alone on the same processes and
+                 cores (the floor every other variant adds its communication to; its loss
+                 is rank 0's own training, not comparable, and it has no time to target)
     ddp          DDP (gloo all-reduce, 25 MiB buckets), uncompressed
     ddp-fp16     DDP with its fp16_compress_hook
     ddp-powersgd DDP with its powerSGD_hook (rank 4)
@@ -53,6 +56,8 @@ def _worker_args(variant: str, model: str, args: argparse.Namespace) -> list[str
     base = [sys.executable, str(ROOT / "benchmarks" / "ddp_worker.py"), "--model", model,
             "--steps", str(args.steps), "--batch-size", str(args.batch_size),
             "--eval-every", str(args.eval_every)]
+    if variant == "local":
+        return [*base, "--runtime", "local"]
     if variant.startswith("ddp"):
         hook = variant.partition("-")[2] or "none"
         return [*base, "--runtime", "ddp", "--hook", hook]
@@ -85,6 +90,7 @@ def _time_to(evals: list[dict], target: float) -> float | None:
 
 def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list[dict]:
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    failed: dict[str, list[str]] = {v: [] for v in args.variants}
     for rep in range(args.repeats):
         for variant in args.variants:
             name = f"{model}-{setting}-{variant}-{rep}"
@@ -92,12 +98,20 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
             env = dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING")
             if variant.endswith("-tcp"):
                 env["BYTEPS_ENABLE_IPC"] = "0"
-            result = run_training(name, _cluster(setting, args.servers, args.colocate),
-                                  _worker_args(variant, model, args),
-                                  out, env=env, live=False, timeout_s=args.timeout_s)
+            try:
+                result = run_training(name, _cluster(setting, args.servers, args.colocate),
+                                      _worker_args(variant, model, args),
+                                      out, env=env, live=False, timeout_s=args.timeout_s)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                # One failed run must not lose the others' figures: recorded, left out.
+                print(f"   failed: {exc}", flush=True)
+                failed[variant].append(str(exc))
+                continue
             runs[variant].append(result.metrics)
     rows = []
     for variant, metrics in runs.items():
+        if not metrics:
+            continue
         half = len(metrics[0]["iteration_s"]) // 2
         iteration_ms = statistics.median(
             statistics.median(m["iteration_s"][half:]) * 1e3 for m in metrics)
@@ -113,7 +127,8 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
                      "evals": [m["evals"] for m in metrics],
                      "kept": [m.get("algorithm") for m in metrics],
                      "predicted_ms": _median_of([m.get("predicted_ms") for m in metrics]),
-                     "buckets": [m.get("buckets") for m in metrics]})
+                     "buckets": [m.get("buckets") for m in metrics],
+                     "failed_runs": failed[variant]})
     for row in rows:
         row["prediction_error"] = (None if row["predicted_ms"] is None else
                                    row["predicted_ms"] / row["iteration_ms"] - 1)
@@ -122,24 +137,34 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
     for row in rows:
         row["vs_ddp"] = row["iteration_ms"] / ddp["iteration_ms"] if ddp else None
         row["target_loss"] = target
-        times = [_time_to(e, target) for e in row["evals"]] if target is not None else []
+        # local's loss is one rank's own training: no time to target
+        times = ([_time_to(e, target) for e in row["evals"]]
+                 if target is not None and row["variant"] != "local" else [])
         reached = [t for t in times if t is not None]
         row["time_to_target_s"] = (statistics.median(reached)
                                    if len(reached) * 2 > len(times) else None)
-    return rows
+    return rows + [{"model": model, "setting": setting, "variant": variant,
+                    "iteration_ms": None, "failed_runs": failed[variant]}
+                   for variant, metrics in runs.items() if not metrics]
 
 
 def _table(rows: list[dict]) -> str:
     lines = [f"{'model':11} {'link':8} {'variant':20} {'tensors':>7} {'iter ms':>8} "
              f"{'vs DDP':>7} {'loss':>8} {'to target s':>11} {'predicted':>9}"]
     for r in rows:
+        if r["iteration_ms"] is None:
+            lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} every run "
+                         f"failed: {r['failed_runs'][0]}")
+            continue
         vs = f"{r['vs_ddp']:6.2f}x" if r["vs_ddp"] is not None else f"{'-':>7}"
         tt = f"{r['time_to_target_s']:11.1f}" if r["time_to_target_s"] is not None \
             else f"{'never':>11}"
         pred = (f"{r['prediction_error']:+8.0%}" if r["prediction_error"] is not None
                 else f"{'-':>9}")
+        failed = f"  ({len(r['failed_runs'])} run(s) failed)" if r["failed_runs"] else ""
         lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} {r['tensors']:7d} "
-                     f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt} {pred}")
+                     f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt} {pred}"
+                     f"{failed}")
     return "\n".join(lines)
 
 
@@ -172,8 +197,9 @@ def main() -> int:
     rows = []
     for setting in args.settings:
         for model in args.models:
-            rows += _cell(model, setting, args, Path(args.out))
-            print(_table(rows[-len(args.variants):]), flush=True)
+            cell = _cell(model, setting, args, Path(args.out))
+            rows += cell
+            print(_table(cell), flush=True)
     print(_table(rows))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()

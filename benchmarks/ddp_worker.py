@@ -8,7 +8,11 @@ the job (and creates torch.distributed's default group), then either
                         (gloo), with ``--hook none|fp16|powersgd`` (torch's communication
                         hooks: fp16_compress_hook, powerSGD_hook), or
     --runtime espresso  bps.DistributedOptimizer with ``--compression none`` or
-                        ``espresso`` (``--compressor``/``--ratio``).
+                        ``espresso`` (``--compressor``/``--ratio``), or
+    --runtime local     no synchronization at all: each rank steps on its own gradients.
+                        The same processes on the same cores with nothing exchanged, so
+                        its iteration is the floor any synchronization (DDP's, a hook's
+                        or this runtime's) adds to; its loss is one rank's, not comparable.
 
 Models (``--model``): ``lstm`` (examples/train.py: embedding + LSTM + output, 5 tensors),
 ``transformer`` (4 encoder layers, d_model 256: 51 tensors), ``mlp`` (three large linear
@@ -137,7 +141,7 @@ def _compression(args: argparse.Namespace) -> bps.CompressionSpec:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runtime", choices=["ddp", "espresso"], required=True)
+    p.add_argument("--runtime", choices=["ddp", "espresso", "local"], required=True)
     p.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
     p.add_argument("--compression", choices=["none", "espresso", "powersgd"], default="none")
     p.add_argument("--compressor", default="efsignsgd")
@@ -169,10 +173,10 @@ def train(args: argparse.Namespace) -> None:
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     lr = args.lr if args.lr is not None else _LR[args.model]
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    net = model
     if args.runtime == "ddp":
         net = _ddp(model, args.hook)
-    else:
-        net = model
+    elif args.runtime == "espresso":
         opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=_compression(args))
     held_x, held_y = task.batch(256, torch.Generator().manual_seed(12345))
