@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -118,26 +119,40 @@ def test_stopped_scheduler_is_found_by_every_node(tmp_path, ps_tools):
     assert "lost the connection to the scheduler" in ps_tools.read_log(tmp_path, "server0")
 
 
+def _hold_and_finish(ps_tools, job, tmp_path: Path, seconds: int,
+                     during: Callable[[], None] = lambda: None) -> dict[str, int]:
+    """Worker 1 holds the GIL for ``seconds`` once (``during`` runs while it does); then a
+    few more rounds and a clean stop. Every process's exit code."""
+    procs = {}
+    try:
+        procs = _start(ps_tools, job, tmp_path)
+        (tmp_path / "hold1").write_text(str(seconds))
+        deadline = time.monotonic() + 30
+        while (tmp_path / "hold1").exists():  # the worker takes the file as it starts
+            assert time.monotonic() < deadline, job.logs()
+            time.sleep(0.02)
+        during()
+        while not (tmp_path / "held1").exists():
+            assert time.monotonic() < deadline, job.logs()
+            assert all(p.poll() is None for p in [*procs.values(), *job.procs.values()]), \
+                job.logs()
+            time.sleep(0.1)
+        time.sleep(1.0)  # a few more rounds after the busy one
+        (tmp_path / "stop").touch()
+        codes = {name: proc.wait(timeout=30) for name, proc in procs.items()}
+        codes["scheduler"] = job.procs["scheduler"].wait(timeout=30)
+    finally:
+        (tmp_path / "stop").touch()
+        _resume_and_kill(*procs.values(), *job.procs.values())
+    return codes
+
+
 @pytest.mark.timeout(150)
 def test_worker_holding_the_gil_longer_than_the_heartbeat_timeout_is_not_lost(tmp_path, ps_tools):
     # 2 s time-out and a 6 s native call that keeps the GIL: Python-level heartbeats stop,
     # ZeroMQ's must keep the connection (and the job) alive.
     with ps_tools.ps_job(tmp_path, 2, 1, ESPRESSO_HEARTBEAT_TIMEOUT="2") as job:
-        procs = {}
-        try:
-            procs = _start(ps_tools, job, tmp_path)
-            (tmp_path / "hold1").write_text("6")
-            deadline = time.monotonic() + 30
-            while not (tmp_path / "held1").exists():
-                assert time.monotonic() < deadline, job.logs()
-                time.sleep(0.1)
-            time.sleep(1.0)  # a few more rounds after the busy one
-            (tmp_path / "stop").touch()
-            codes = {name: proc.wait(timeout=30) for name, proc in procs.items()}
-            codes["scheduler"] = job.procs["scheduler"].wait(timeout=30)
-        finally:
-            (tmp_path / "stop").touch()
-            _resume_and_kill(*procs.values(), *job.procs.values())
+        codes = _hold_and_finish(ps_tools, job, tmp_path, 6)
     assert set(codes.values()) == {0}, (codes, job.logs())
 
 
@@ -147,30 +162,13 @@ def test_busy_worker_is_not_blamed_for_a_connection_that_is_not_its(tmp_path, ps
     # reports a dropped connection without naming whose. Worker 1 meanwhile holds the GIL
     # for 4 s at the default 5 s time-out, so its heartbeats have stopped for seconds; it
     # is busy, not lost, and the job must go on.
+    def probe() -> None:
+        time.sleep(2.5)
+        port = int(job.env["DMLC_PS_ROOT_PORT"])
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            time.sleep(0.1)
+
     with ps_tools.ps_job(tmp_path, 2, 1) as job:
-        procs = {}
-        try:
-            procs = _start(ps_tools, job, tmp_path)
-            (tmp_path / "hold1").write_text("4")
-            deadline = time.monotonic() + 30
-            while (tmp_path / "hold1").exists():  # the worker takes the file as it starts
-                assert time.monotonic() < deadline, job.logs()
-                time.sleep(0.02)
-            time.sleep(2.5)
-            port = int(job.env["DMLC_PS_ROOT_PORT"])
-            with socket.create_connection(("127.0.0.1", port), timeout=5):
-                time.sleep(0.1)
-            while not (tmp_path / "held1").exists():
-                assert time.monotonic() < deadline, job.logs()
-                assert all(p.poll() is None for p in [*procs.values(), *job.procs.values()]), \
-                    job.logs()
-                time.sleep(0.1)
-            time.sleep(1.0)  # a few more rounds after the busy one
-            (tmp_path / "stop").touch()
-            codes = {name: proc.wait(timeout=30) for name, proc in procs.items()}
-            codes["scheduler"] = job.procs["scheduler"].wait(timeout=30)
-        finally:
-            (tmp_path / "stop").touch()
-            _resume_and_kill(*procs.values(), *job.procs.values())
+        codes = _hold_and_finish(ps_tools, job, tmp_path, 4, probe)
     assert set(codes.values()) == {0}, (codes, job.logs())
     assert "is lost" not in ps_tools.read_log(tmp_path, "scheduler"), job.logs()
