@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 # been silent for ESPRESSO_HEARTBEAT_TIMEOUT and at least this long (6 heartbeat intervals:
 # tolerates a busy machine, still fails fast).
 DISCONNECT_GRACE_S = 6 * HEARTBEAT_INTERVAL_S
+# The least silence, in heartbeat intervals, for which a node is blamed at once for a drop.
+SILENT_AT_DROP_INTERVALS = 4
 # Seconds the scheduler waits for servers to acknowledge SHUTDOWN before exiting anyway.
 SHUTDOWN_WAIT_S = 5.0
 # Poll period of the event loop, in seconds.
@@ -285,8 +287,10 @@ class Scheduler:
         process that exited (``_check_liveness`` finds it) or a connection that was no
         node's, and the most silent node is only busy."""
         # The scheduler notes a message when it handles it, up to a poll period late; one
-        # heartbeat interval of slack covers that.
-        threshold = self.cfg.heartbeat_timeout_s - HEARTBEAT_INTERVAL_S
+        # heartbeat interval of slack covers that. Never under 4 intervals: a short time-out
+        # still leaves a loaded machine's live nodes (they beat every interval) that long.
+        threshold = max(self.cfg.heartbeat_timeout_s - HEARTBEAT_INTERVAL_S,
+                        SILENT_AT_DROP_INTERVALS * HEARTBEAT_INTERVAL_S)
         silent = sorted(self._live_nodes(), key=lambda n: n.last_seen)
         if silent and now - silent[0].last_seen > threshold:
             node = silent[0]
