@@ -43,7 +43,8 @@ def test_omp_num_threads_must_be_a_positive_integer() -> None:
         Config.from_env({**WORKER, "OMP_NUM_THREADS": "0"})
 
 
-@pytest.mark.parametrize(("n_cores", "requested", "local_size", "sharers", "expected"), [
+@pytest.mark.parametrize("case", [
+    # (cores, ESPRESSO_CPU_THREADS, workers per machine, workers on the cores, expected)
     (2, 2, 2, 2, 2),    # one machine on its own 2 cores: as asked
     (2, 2, 2, 4, 1),    # 2 machines x 2 workers on 2 cores (loopback, emulated): half each
     (2, 2, 1, 4, 1),    # 4 one-worker machines on 2 cores: never below 1
@@ -52,7 +53,7 @@ def test_omp_num_threads_must_be_a_positive_integer() -> None:
     (8, 4, 2, 1, 4),    # fewer sharers than local workers (one of them elsewhere): as asked
 ])
 def test_cpu_threads_per_machine_is_its_share_of_shared_cores(
-        cores, n_cores: int, requested: int, local_size: int, sharers: int,
-        expected: int) -> None:
+        cores, case: tuple[int, int, int, int, int]) -> None:
+    n_cores, requested, local_size, sharers, expected = case
     cores(n_cores)
     assert cpu_threads_per_machine(requested, local_size, sharers) == expected
