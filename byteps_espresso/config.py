@@ -353,9 +353,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ESPRESSO_PROFILE_OUT", "profile_out", _optional, None,
              "Directory where rank 0 writes the measured workload and planned strategy."),
     Variable("ESPRESSO_CPU_THREADS", "cpu_threads", _int(1, 1024), 2,
-             "Host threads per machine for CPU (numba) compression on workers; where the "
-             "workers of several machines share one host's cores (loopback, the emulated "
-             "cluster), at most the machine's share of them, and the planner prices that."),
+             "Host threads per machine for CPU (numba) compression on workers."),
     Variable("ESPRESSO_DEVICE_KERNELS", "device_kernels", _device_kernels, "auto",
              "Kernels of `Comp(gpu)`/`Decomp(gpu)`: `torch` ops on the training device, or "
              "`numba` (host memory only; bit-identical payloads). `auto`: torch on GPUs; on "

@@ -13,7 +13,7 @@ Lifecycle:
        alive. A node is lost when it is silent for ``ESPRESSO_TIMEOUT``, or when a connection
        drops (its process exited, or it was stopped or unreachable for
        ``ESPRESSO_HEARTBEAT_TIMEOUT``: ZMTP heartbeats, see :mod:`.link`) and the node has
-       been silent since before the drop, for ``ESPRESSO_HEARTBEAT_TIMEOUT`` in all. Any
+       been silent since before the drop, for about ``ESPRESSO_HEARTBEAT_TIMEOUT``. Any
        connection's drop counts (a drop names no peer), and one need not be a node's: a TCP
        health check or a port scan closes one too, so a node silent for less (busy in code
        that holds the GIL) is never blamed for it. Everyone gets ABORT naming it (also in

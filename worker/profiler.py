@@ -357,7 +357,7 @@ def measure_cluster(session: Session) -> Any:
     times = _paused_link_times(session)
     if rt.topology.rank != 0:
         return None
-    return _cluster(rt.topology, rt.cfg.num_servers, rt.cpu_threads, times,
+    return _cluster(rt.topology, rt.cfg.num_servers, rt.cfg.cpu_threads, times,
                     _copy_gbps(rt.device), lanes=rt.lanes)
 
 
@@ -637,7 +637,7 @@ class LaneProbes:
         self.lanes = rt.lanes
         self.device = rt.device
         self.servers = rt.cfg.num_servers
-        self.cpu_threads = rt.cpu_threads
+        self.cpu_threads = rt.cfg.cpu_threads
         self.codec = None if codec is None else codec.bare()
         self.low_rank = low_rank
         self.links: dict[tuple[str, int], list[float]] = {}
@@ -1005,7 +1005,7 @@ class EspressoSpec(CompressionSpec):
         loaded = time.perf_counter()
         topo = rt.topology
         cluster = Cluster.preset(topo.machines, topo.local_size, "pcie", 10.0,
-                                 servers=rt.cfg.num_servers, cpu_threads=rt.cpu_threads,
+                                 servers=rt.cfg.num_servers, cpu_threads=rt.cfg.cpu_threads,
                                  lanes=rt.lanes, shared_host=rt.shared_host,
                                  host_device=rt.device.type == "cpu")
         numel = {"espresso.warm.a": 1 << 16, "espresso.warm.b": 1 << 10}

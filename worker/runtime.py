@@ -101,15 +101,7 @@ class Runtime:
                 address=f"{cfg.address()}, {self.backend} over {ifname}")
         self.transports = create_groups(self.topology, lanes, backend=self.backend,
                                         comm_device=comm_device)
-        self.shared_host, sharers = _host_sharing(self.topology, self.transports[0], cfg)
-        # What the planner prices CPU compression with: ESPRESSO_CPU_THREADS, or less where
-        # other machines' workers run on the same cores (loopback, the emulated cluster).
-        self.cpu_threads = cpu_threads_per_machine(cfg.cpu_threads, self.topology.local_size,
-                                                   sharers)
-        if self.cpu_threads < cfg.cpu_threads and self.topology.rank == 0:
-            log.info("%d workers share this host's %d cores: CPU compression is priced with "
-                     "%d thread(s) per machine (ESPRESSO_CPU_THREADS=%d)", sharers,
-                     len(os.sched_getaffinity(0)), self.cpu_threads, cfg.cpu_threads)
+        self.shared_host = _machines_share_host(self.topology, self.transports[0], cfg)
         if self.shared_host and self.topology.rank == 0:
             log.info("all %d machines run on this host (one host name and address): the "
                      "uncompressed path skips the intra-machine hierarchy",
@@ -121,13 +113,13 @@ class Runtime:
 
             self.ps_client = PSClient(cfg, rank=self.topology.rank)
             self.ps = PSPath(self.ps_client)
-        # The CPU threads are per machine: this process's share runs its numba kernels
+        # ESPRESSO_CPU_THREADS is per machine: this process's share runs its numba kernels
         # (parallel kernels otherwise start one thread per core in every worker process and
         # the processes of one machine oversubscribe its cores).
         # numba keeps the count per calling thread (a new thread starts with one per core),
         # so the lanes and the host pool set it too: otherwise each ran every parallel kernel
         # on its own team of one OpenMP thread per core.
-        threads = max(1, self.cpu_threads // cfg.local_size)
+        threads = max(1, cfg.cpu_threads // cfg.local_size)
         self._thread_init = functools.partial(_set_numba_threads, threads)
         self._thread_init()
         torch.set_num_threads(intra_op_threads(cfg.local_size, cfg.intra_op_threads))
@@ -226,41 +218,16 @@ class Runtime:
             self._store_tunnel = None
 
 
-def _host_sharing(topology: Topology, transport: Any, cfg: Config) -> tuple[bool, int]:
-    """(whether every worker machine of the job runs on this one host, as espresso-launch
-    --local runs them: every rank has the same host name and advertised address; how many
-    workers run on this process's cores: the same kernel, by its boot id, and the same CPU
-    affinity, so also the emulated cluster's network namespaces and containers of one node
-    without cpusets of their own). One 16-byte all-gather at start-up."""
-    if topology.world_size == 1:
-        return False, 1
+def _machines_share_host(topology: Topology, transport: Any, cfg: Config) -> bool:
+    """Whether every worker machine of the job runs on this one host (espresso-launch
+    --local): every rank has the same host name and advertised address. One 8-byte
+    all-gather at start-up."""
+    if topology.machines == 1:
+        return False
     me = f"{socket.gethostname()}|{cfg.advertise_host()}".encode()
-    cores = f"{_boot_id()}|{sorted(os.sched_getaffinity(0))}".encode()
-    ident = torch.tensor([zlib.crc32(me), zlib.crc32(cores)], dtype=torch.int64)
-    every = transport.allgather(Scope.FLAT, ident, [2] * topology.world_size).view(-1, 2)
-    shared_host = topology.machines > 1 and len(set(every[:, 0].tolist())) == 1
-    return shared_host, int((every[:, 1] == ident[1]).sum())
-
-
-def _boot_id() -> str:
-    """This kernel's boot id (one per running kernel: shared by its containers and network
-    namespaces); the host name where /proc does not have it."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
-
-
-def cpu_threads_per_machine(requested: int, local_size: int, sharers: int) -> int:
-    """Host threads per machine for CPU compression: ``requested`` (ESPRESSO_CPU_THREADS),
-    at most this machine's share of the cores when ``sharers`` workers, of this machine and
-    others, run on them. 4 workers of 2 machines on 2 cores: 1 per machine, and CPU Comp
-    steps measured 1.9-2.2x what 2 priced (BENCHMARKS.md, "CPU compression on shared
-    cores")."""
-    cores = len(os.sched_getaffinity(0))
-    share = cores * local_size // max(sharers, local_size)
-    return max(1, min(requested, share))
+    ident = torch.tensor([zlib.crc32(me)], dtype=torch.int64)
+    every = transport.allgather(Scope.FLAT, ident, [1] * topology.world_size)
+    return len(set(every.tolist())) == 1
 
 
 def intra_op_threads(local_size: int, requested: int | None = None) -> int:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from byteps_espresso.worker.check import REPLAN_GAIN
 from byteps_espresso.worker.profiler import _LANE_REPS, _PROBE_ROUNDS
-from byteps_espresso.worker.runtime import DEFAULT_LANES, cpu_threads_per_machine
+from byteps_espresso.worker.runtime import DEFAULT_LANES
 
 from byteps_espresso.strategy import Strategy
 from byteps_espresso.strategy.options import Option
@@ -143,8 +143,6 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
     assert cluster_json["intra_link"] == "measured"
     assert cluster_json["server_latency_us"] is not None and cluster_json["server_gbps"] > 0
     assert cluster_json["lanes"] == DEFAULT_LANES  # the timeline holds Options behind their lane
-    # The 2 x 2 workers share this host's cores: CPU compression is priced with their share.
-    assert cluster_json["cpu_threads"] == cpu_threads_per_machine(2, 2, 4)
     costs = json.loads((out / "costs.json").read_text())
     assert measured in costs["note"]
     assert set(costs["compressors"]["randomk"]) >= (

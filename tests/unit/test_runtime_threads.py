@@ -1,12 +1,11 @@
-"""The worker's intra-op thread count: its share of the machine's cores, or OMP_NUM_THREADS;
-the CPU compression threads the planner prices per machine where machines share cores."""
+"""The worker's intra-op thread count: its share of the machine's cores, or OMP_NUM_THREADS."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from byteps_espresso.worker.runtime import cpu_threads_per_machine, intra_op_threads
+from byteps_espresso.worker.runtime import intra_op_threads
 
 from byteps_espresso.config import Config, ConfigError
 
@@ -41,19 +40,3 @@ def test_omp_num_threads_is_the_users_choice(cores) -> None:
 def test_omp_num_threads_must_be_a_positive_integer() -> None:
     with pytest.raises(ConfigError, match="OMP_NUM_THREADS"):
         Config.from_env({**WORKER, "OMP_NUM_THREADS": "0"})
-
-
-@pytest.mark.parametrize("case", [
-    # (cores, ESPRESSO_CPU_THREADS, workers per machine, workers on the cores, expected)
-    (2, 2, 2, 2, 2),    # one machine on its own 2 cores: as asked
-    (2, 2, 2, 4, 1),    # 2 machines x 2 workers on 2 cores (loopback, emulated): half each
-    (2, 2, 1, 4, 1),    # 4 one-worker machines on 2 cores: never below 1
-    (16, 2, 4, 8, 2),   # 2 machines x 4 on 16 cores: 8 each, the 2 asked for
-    (16, 12, 4, 8, 8),  # ... asked for more than their share: the share
-    (8, 4, 2, 1, 4),    # fewer sharers than local workers (one of them elsewhere): as asked
-])
-def test_cpu_threads_per_machine_is_its_share_of_shared_cores(
-        cores, case: tuple[int, int, int, int, int]) -> None:
-    n_cores, requested, local_size, sharers, expected = case
-    cores(n_cores)
-    assert cpu_threads_per_machine(requested, local_size, sharers) == expected
