@@ -24,8 +24,10 @@ Runs of one (model, link) cell are interleaved ``--repeats`` times, so a slow ph
 shared host hits every variant alike. Reported per variant: the median iteration over the
 second half of the steps (the steady state, after profiling and trials), its ratio to DDP's,
 the final held-out loss, the training time until the held-out loss first reaches the
-target (DDP's final loss x ``--target-factor``; with the start-up included) and, for the
-planned runs, the planner's predicted iteration against the measured one. Prints a table
+target (DDP's final loss x ``--target-factor``; with the start-up included), for the
+planned runs the planner's predicted iteration against the measured one, the set-up time
+(rank 0, from ``bps.init()`` to the first step, every rank ready: ``ddp_worker.py``) and the
+first iteration. Prints a table
 and writes benchmarks/results/ddp.json.
 
     .venv/bin/python benchmarks/ddp.py --settings loopback               # uncompressed
@@ -128,6 +130,9 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
                      "kept": [m.get("algorithm") for m in metrics],
                      "predicted_ms": _median_of([m.get("predicted_ms") for m in metrics]),
                      "buckets": [m.get("buckets") for m in metrics],
+                     "setup_s": _median_of([m.get("setup_s") for m in metrics]),
+                     "first_iteration_ms": statistics.median(
+                         m["iteration_s"][0] * 1e3 for m in metrics),
                      "failed_runs": failed[variant]})
     for row in rows:
         row["prediction_error"] = (None if row["predicted_ms"] is None else
@@ -150,7 +155,8 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
 
 def _table(rows: list[dict]) -> str:
     lines = [f"{'model':11} {'link':8} {'variant':20} {'tensors':>7} {'iter ms':>8} "
-             f"{'vs DDP':>7} {'loss':>8} {'to target s':>11} {'predicted':>9}"]
+             f"{'vs DDP':>7} {'loss':>8} {'to target s':>11} {'predicted':>9} "
+             f"{'set-up s':>8} {'1st it ms':>9}"]
     for r in rows:
         if r["iteration_ms"] is None:
             lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} every run "
@@ -162,9 +168,10 @@ def _table(rows: list[dict]) -> str:
         pred = (f"{r['prediction_error']:+8.0%}" if r["prediction_error"] is not None
                 else f"{'-':>9}")
         failed = f"  ({len(r['failed_runs'])} run(s) failed)" if r["failed_runs"] else ""
+        setup = f"{r['setup_s']:8.1f}" if r.get("setup_s") is not None else f"{'-':>8}"
         lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} {r['tensors']:7d} "
-                     f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt} {pred}"
-                     f"{failed}")
+                     f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt} {pred} "
+                     f"{setup} {r['first_iteration_ms']:9.0f}{failed}")
     return "\n".join(lines)
 
 
