@@ -24,9 +24,9 @@ Runs of one (model, link) cell are interleaved ``--repeats`` times, so a slow ph
 shared host hits every variant alike. Reported per variant: the median iteration over the
 second half of the steps (the steady state, after profiling and trials), its ratio to DDP's,
 the final held-out loss, the training time until the held-out loss first reaches the
-target (DDP's final loss x ``--target-factor``; with the start-up included), for the
-planned runs the planner's predicted iteration against the measured one, the set-up time
-(rank 0, from ``bps.init()`` to the first step, every rank ready: ``ddp_worker.py``) and the
+target (DDP's final loss x ``--target-factor``; with the runtime's set-up and start-up
+included), for the planned runs the planner's predicted iteration against the measured one,
+the set-up time (wrapping the model or optimizer, slowest rank: ``ddp_worker.py``) and the
 first iteration. Prints a table
 and writes benchmarks/results/ddp.json.
 
