@@ -27,8 +27,7 @@ the final held-out loss, the training time until the held-out loss first reaches
 target (DDP's final loss x ``--target-factor``; with the runtime's set-up and start-up
 included), for the planned runs the planner's predicted iteration against the measured one,
 the set-up time (wrapping the model or optimizer, slowest rank: ``ddp_worker.py``) and the
-first iteration. Prints a table
-and writes benchmarks/results/ddp.json.
+first iteration. Prints a table and writes benchmarks/results/ddp.json.
 
     .venv/bin/python benchmarks/ddp.py --settings loopback               # uncompressed
     sudo .venv/bin/python benchmarks/ddp.py --settings 1 0.25 \\

@@ -115,8 +115,12 @@ HELDOUT_SEED = 2**31 - 1
 class HeldOut:
     """The training clock and the loss on a fixed held-out batch every ``--eval-every`` steps.
 
-    Every rank evaluates (all at the same steps, so no rank waits for another), and the time
-    spent evaluating is left out of the clock: ``elapsed_s`` is training time only.
+    Every rank evaluates at the same steps, and the time spent evaluating is left out of the
+    clock: ``elapsed_s`` is training time only. The ranks are not synchronized around it: a
+    rank that finishes its evaluation (or its set-up) first waits for the others inside its
+    next step. The runs this example compares all use this runtime, so that wait adds noise
+    between them, not a bias; benchmarks/ddp_worker.py, which compares with DDP, synchronizes
+    the ranks off the clock.
     """
 
     def __init__(self, task: MarkovTask, model: nn.Module, loss_fn: nn.Module,
