@@ -106,8 +106,14 @@ def test_espresso_resumes_with_the_checkpoint_strategy_and_the_kept_one_is_reusa
     resumed = _run(cluster, tmp_path / "resumed", [*args, str(tmp_path / "first")],
                    {**ESPRESSO_ENV, "ESPRESSO_PROFILE_STEPS": "50"})
     _same_bits(tmp_path / "first", tmp_path / "resumed")
-    # What the checkpoint had to carry: momentum correction's state, the biases' velocities.
-    assert first[0]["codec_slots"] == ["accumulated", "velocity"] and first[0]["velocities"]
+    # What the checkpoint had to carry: the velocities of the uncompressed tensors, and
+    # momentum correction's state (its two slots, nothing else) for what the codec compressed
+    # up to the checkpoint. Which finalists compressed, in the trials and after, depends on
+    # what measured fastest: on 2 shared cores one CI run in three kept an uncompressed
+    # finalist throughout and held no codec state, and one run kept an uncompressed strategy
+    # after compressing in its trials. The resume above is exact either way.
+    assert first[0]["codec_slots"] in ([], ["accumulated", "velocity"]), first[0]
+    assert first[0]["velocities"] > 0
     for r in range(4):
         assert resumed[r]["options"] == first[r]["options"] == first[0]["options"]
         later = {s: v for s, v in first[r]["losses"].items() if int(s) >= ESPRESSO_SAVE_AT}
