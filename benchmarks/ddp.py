@@ -129,7 +129,7 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
                      "kept": [m.get("algorithm") for m in metrics],
                      "predicted_ms": _median_of([m.get("predicted_ms") for m in metrics]),
                      "buckets": [m.get("buckets") for m in metrics],
-                     "setup_s": _median_of([m.get("setup_s") for m in metrics]),
+                     "setup_s": statistics.median(m["setup_s"] for m in metrics),
                      "first_iteration_ms": statistics.median(
                          m["iteration_s"][0] * 1e3 for m in metrics),
                      "failed_runs": failed[variant]})
@@ -167,10 +167,9 @@ def _table(rows: list[dict]) -> str:
         pred = (f"{r['prediction_error']:+8.0%}" if r["prediction_error"] is not None
                 else f"{'-':>9}")
         failed = f"  ({len(r['failed_runs'])} run(s) failed)" if r["failed_runs"] else ""
-        setup = f"{r['setup_s']:8.1f}" if r.get("setup_s") is not None else f"{'-':>8}"
         lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} {r['tensors']:7d} "
                      f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt} {pred} "
-                     f"{setup} {r['first_iteration_ms']:9.0f}{failed}")
+                     f"{r['setup_s']:8.1f} {r['first_iteration_ms']:9.0f}{failed}")
     return "\n".join(lines)
 
 

@@ -31,8 +31,8 @@ evaluation the same. Without the barriers the ranks reached their first step up 
 apart on the shared cores (the first ``torch.optim`` optimizer of a process imports
 ``torch._dynamo``: 1.4-2.1 s per rank on 2 cores): DDP's constructor, which broadcasts the
 module's state, absorbed that spread outside the clock, while rank 0's first step under
-``bps.DistributedOptimizer`` waited 0.4-1.3 s for the others inside it, and rank 0's own
-set-up (0.3-1.5 s with ``Compression.espresso``) was not counted.
+``bps.DistributedOptimizer`` waited 0.4-1.3 s for the others inside it, and the runtime's
+own set-up (0.3-1.5 s per rank with ``Compression.espresso``) was not counted.
 """
 
 from __future__ import annotations

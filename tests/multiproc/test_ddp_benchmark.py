@@ -26,8 +26,9 @@ def test_floor_beside_ddp_and_a_failed_run_is_recorded(tmp_path):
     for row in (local, ddp):
         assert row["failed_runs"] == [] and row["iteration_ms"] > 0, row
         assert [e["step"] for e in row["evals"][0]] == [0, 3, 6], row["evals"]
-        # rank 0's set-up (to the barrier before the first step) and its first iteration
+        # the runtime's set-up (the slowest rank's) is on the training clock from step 0
         assert row["setup_s"] > 0 and row["first_iteration_ms"] > 0, row
+        assert row["evals"][0][0]["train_s"] == row["setup_s"], row["evals"]
     # The floor trains rank 0 on its own batches: it learns, but it is not DDP's run, so
     # it gets no time to DDP's target; DDP itself reaches its own final loss.
     assert local["evals"][0][-1]["heldout_loss"] < local["evals"][0][0]["heldout_loss"]
