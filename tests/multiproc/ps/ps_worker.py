@@ -6,7 +6,8 @@ Usage: ps_worker.py MODE OUTDIR
     killed     run round 0 of a key spread over every server, write OUTDIR/ready<rank>; rank 0
                then starts round 1 at once, other ranks wait for OUTDIR/go first
     connect    only register (start-up tests)
-    loop       push/pull one key round after round until OUTDIR/stop exists, writing
+    loop       push/pull one key round after round until a rank finds OUTDIR/stop (every
+               rank stops after that same round), writing
                OUTDIR/ready<rank> after the first round; a file OUTDIR/hold<rank> holding a
                number of seconds makes the worker hold the GIL that long once, in a native
                call, as a busy training step can
@@ -77,9 +78,15 @@ def loop(client: PSClient, out: Path) -> None:
     x = np.ones(1024, np.float32)
     hold = out / f"hold{client.rank}"
     round_ = 0
-    while not (out / "stop").exists():
+    while True:
+        # Whether OUTDIR/stop exists travels in the sum, so every rank stops after the same
+        # round: checked on its own, one rank could see it a round before another, which then
+        # waited for that rank's push until ESPRESSO_TIMEOUT and failed.
+        x[-1] = float((out / "stop").exists())
         total = client.push_pull("k", x, round_)
         assert total[0] == client.num_workers, total[:4]
+        if total[-1] > 0:
+            break
         if round_ == 0:
             (out / f"ready{client.rank}").touch()
         if hold.exists():
