@@ -23,7 +23,8 @@ The scheduling kernel is compiled with numba (cached on disk); the search evalua
 thousands of strategies through :meth:`Evaluator.iteration_us` and :meth:`Evaluator.best_of`.
 A :class:`Schedule` carries the trace of its run (after each tensor, what the rest of the run
 depends on: ``_trace_state``); best_of starts its candidates from the traced state before
-their tensor and stops simulating a candidate once its state is the traced one again.
+their tensor and stops simulating a candidate once its state is the traced one again, or
+the traced one shifted in time (see SHIFT_TOL).
 
 Example:
     >>> ev = Evaluator(workload, pricer, options)
@@ -57,6 +58,13 @@ TRACE_DEPTH = 32
 # Room for traced intervals per tensor and resource, on average; past it, the later tensors'
 # states are not traced (as if deeper than TRACE_DEPTH).
 TRACE_ROOM = 4
+# A run that does not record may also follow a trace from a state that is the traced one
+# shifted in time (its backward ends delta later or sooner, and so does every busy interval
+# after it): every later tensor is then scheduled as traced, delta later. Shifted times are
+# computed along other chains of additions, so they match to within this many microseconds
+# (float64 rounding of iterations up to about 1e6 us is about 1e-10 us per operation); the
+# search's own tie tolerance is the same 1e-6 us.
+SHIFT_TOL = 1e-6
 
 # Scalars the kernels pass to one another. A literal (0, -1, False) in a call between numba
 # functions is typed as that literal value, and each distinct literal compiles the callee once
@@ -80,7 +88,7 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
     """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]): per
     tensor, (1) its backward segment, then per task (2) the earliest fitting start on its
     resource and (3) the insertion of its busy interval; when following a trace, (4) whether
-    the state after the tensor is the traced one.
+    the state after the tensor is the traced one (or, not recording, the traced one shifted).
 
     Steps (1)-(4) are written out here rather than called: a call that passes arrays costs
     two atomic reference-count updates per array (numba's NRT_incref and NRT_decref, also
@@ -100,7 +108,10 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
     (step 4) every later tensor is scheduled as traced, so its done time is read
     from the trace instead of simulated (the sums, maxima and bounds still run in the same
     order: the same floats as simulating; the busy intervals and lanes are left as they were
-    at that tensor, and a recording run copies the rest of its trace, not its tasks).
+    at that tensor, and a recording run copies the rest of its trace, not its tasks). A run
+    that does not record also stops at a state that is the traced one shifted by delta (to
+    within SHIFT_TOL): every later tensor is then ready and done delta after its traced
+    times, equal to a simulation's to within about SHIFT_TOL (other chains of roundings).
     """
     bwd = acc[0]
     last = acc[1]
@@ -199,13 +210,17 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
         if _beaten(forward + max(bwd + rest, last), sdone, best_t, best_s, tol):
             _keep(acc, bwd, last, sdone)
             return False
-        if follow and i >= oi and bwd == ready_tr[i]:
-            # (4) whether this run's state after tensor i is the traced one (_trace_state):
-            # the lanes' free times clipped to bwd (a lane free before bwd delays nothing),
-            # and per resource the busy intervals ending after bwd, their starts clipped to it
+        if follow and i >= oi and (not record or bwd == ready_tr[i]):
+            # (4) whether this run's state after tensor i is the traced one (_trace_state),
+            # or (not recording) the traced one shifted by delta, to within SHIFT_TOL: the
+            # lanes' free times clipped to bwd (a lane free before bwd delays nothing), and
+            # per resource the busy intervals ending after bwd, their starts clipped to it
+            delta = bwd - ready_tr[i]
+            slack = 0.0 if delta == 0.0 else SHIFT_TOL
             same = True
             for q in range(lanes_tr.shape[1]):
-                if max(acc[3 + q], bwd) != max(lanes_tr[i, q], bwd):
+                if abs(max(acc[3 + q], bwd) - (max(lanes_tr[i, q], ready_tr[i]) + delta)) \
+                        > slack:
                     same = False
                     break
             pos = off_tr[i]
@@ -217,8 +232,8 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
                     same = False
                 q = 0
                 while same and q < m:
-                    if ends[r, k + q] != iv_tr[pos, 1] or \
-                            max(starts[r, k + q], bwd) != iv_tr[pos, 0]:
+                    if abs(ends[r, k + q] - (iv_tr[pos, 1] + delta)) > slack or \
+                            abs(max(starts[r, k + q], bwd) - (iv_tr[pos, 0] + delta)) > slack:
                         same = False
                     pos += 1
                     q += 1
@@ -228,7 +243,7 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
             if record:  # the rest of the run is the trace's
                 _copy_trace(out, trace, i + 1, j1)
             return _replay(acc, gaps, i + 1, j1, rest, bwd, last, sdone, forward, best_t,
-                           best_s, tol, trace)
+                           best_s, tol, trace, delta)
     _keep(acc, bwd, last, sdone)
     return True
 
@@ -250,13 +265,13 @@ def _keep(acc, bwd, last, sdone):  # pragma: no cover - compiled
 
 @numba.njit(cache=True)
 def _replay(acc, gaps, j0, j1, rest, bwd, last, sdone, forward, best_t, best_s, tol,  # noqa: PLR0917
-            trace):  # pragma: no cover - compiled
+            trace, delta):  # pragma: no cover - compiled
     """_advance's accumulators and bound over tensors j0..j1-1 scheduled as ``trace`` has
-    them (its ready and done times), in _advance's order of operations."""
+    them (its ready and done times, each + delta), in _advance's order of operations."""
     for m in range(j0, j1):
         rest -= gaps[m]
-        bwd = trace[0][m]
-        t = trace[1][m]
+        bwd = trace[0][m] + delta
+        t = trace[1][m] + delta
         sdone += t
         last = max(last, t)
         if _beaten(forward + max(bwd + rest, last), sdone, best_t, best_s, tol):
@@ -1070,7 +1085,8 @@ class Evaluator:
         time and the sum of synchronized times); then ``choice[i]`` is the incumbent that every
         candidate must beat (ties keep it) and is not simulated again. With the whole
         Schedule, a candidate's run stops simulating at the first tensor after which its
-        state is the schedule's (the rest is read from its trace: the same answer, sooner).
+        state is the schedule's, or the schedule's shifted in time (the rest is read from its
+        trace: the same answer, sooner; after a shift, times equal to within SHIFT_TOL).
         Returns (index, iteration time)."""
         cands = np.asarray(candidates, dtype=np.int64)
         choice = np.asarray(choice, dtype=np.int64)
