@@ -25,9 +25,11 @@ shared host hits every variant alike. Reported per variant: the median iteration
 second half of the steps (the steady state, after profiling and trials), its ratio to DDP's,
 the final held-out loss, the training time until the held-out loss first reaches the
 target (DDP's final loss x ``--target-factor``; with the runtime's set-up and start-up
-included), for the planned runs the planner's predicted iteration against the measured one,
-the set-up time (wrapping the model or optimizer, slowest rank: ``ddp_worker.py``) and the
-first iteration. Prints a table and writes benchmarks/results/ddp.json.
+included), for the planned runs the planner's predicted iteration against the measured one
+(as planned, before the strategy ran, and as the check refitted the model to the kept
+strategy's first timed iterations: ``worker/check.py``, read from each run's
+``check.json``), the set-up time (wrapping the model or optimizer, slowest rank:
+``ddp_worker.py``) and the first iteration. Prints a table and writes benchmarks/results/ddp.json.
 
     .venv/bin/python benchmarks/ddp.py --settings loopback               # uncompressed
     sudo .venv/bin/python benchmarks/ddp.py --settings 1 0.25 \\
@@ -85,6 +87,18 @@ def _median_of(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _refitted_ms(check: Path) -> float | None:
+    """The refitted model's prediction of the strategy that trains on after the check (the
+    kept one, refitted to its own timed iterations, or the re-planned one, planned on the
+    refitted model); None where no check ran or nothing was refitted."""
+    if not check.exists():
+        return None
+    record = json.loads(check.read_text())
+    if record.get("stayed") == "replanned":
+        return record["replanned"]["predicted_ms"]
+    return record.get("kept_refitted_ms")
+
+
 def _time_to(evals: list[dict], target: float) -> float | None:
     return next((e["train_s"] for e in evals if e["heldout_loss"] <= target), None)
 
@@ -99,6 +113,8 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
             env = dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING")
             if variant.endswith("-tcp"):
                 env["BYTEPS_ENABLE_IPC"] = "0"
+            profile = out / f"{name}-profile"
+            env["ESPRESSO_PROFILE_OUT"] = str(profile)  # where rank 0 writes check.json
             try:
                 result = run_training(name, _cluster(setting, args.servers, args.colocate),
                                       _worker_args(variant, model, args),
@@ -108,7 +124,8 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
                 print(f"   failed: {exc}", flush=True)
                 failed[variant].append(str(exc))
                 continue
-            runs[variant].append(result.metrics)
+            runs[variant].append({**result.metrics,
+                                  "refitted_ms": _refitted_ms(profile / "check.json")})
     rows = []
     for variant, metrics in runs.items():
         if not metrics:
@@ -128,6 +145,7 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
                      "evals": [m["evals"] for m in metrics],
                      "kept": [m.get("algorithm") for m in metrics],
                      "predicted_ms": _median_of([m.get("predicted_ms") for m in metrics]),
+                     "refitted_ms": _median_of([m["refitted_ms"] for m in metrics]),
                      "buckets": [m.get("buckets") for m in metrics],
                      "setup_s": statistics.median(m["setup_s"] for m in metrics),
                      "first_iteration_ms": statistics.median(
@@ -136,6 +154,8 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
     for row in rows:
         row["prediction_error"] = (None if row["predicted_ms"] is None else
                                    row["predicted_ms"] / row["iteration_ms"] - 1)
+        row["refitted_error"] = (None if row["refitted_ms"] is None else
+                                 row["refitted_ms"] / row["iteration_ms"] - 1)
     ddp = next((r for r in rows if r["variant"] == "ddp"), None)
     target = ddp["final_loss"] * args.target_factor if ddp else None
     for row in rows:
@@ -155,7 +175,7 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
 def _table(rows: list[dict]) -> str:
     lines = [f"{'model':11} {'link':8} {'variant':20} {'tensors':>7} {'iter ms':>8} "
              f"{'vs DDP':>7} {'loss':>8} {'to target s':>11} {'predicted':>9} "
-             f"{'set-up s':>8} {'1st it ms':>9}"]
+             f"{'refitted':>8} {'set-up s':>8} {'1st it ms':>9}"]
     for r in rows:
         if r["iteration_ms"] is None:
             lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} every run "
@@ -166,10 +186,12 @@ def _table(rows: list[dict]) -> str:
             else f"{'never':>11}"
         pred = (f"{r['prediction_error']:+8.0%}" if r["prediction_error"] is not None
                 else f"{'-':>9}")
+        refit = (f"{r['refitted_error']:+7.0%}" if r["refitted_error"] is not None
+                 else f"{'-':>8}")
         failed = f"  ({len(r['failed_runs'])} run(s) failed)" if r["failed_runs"] else ""
         lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} {r['tensors']:7d} "
                      f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt} {pred} "
-                     f"{r['setup_s']:8.1f} {r['first_iteration_ms']:9.0f}{failed}")
+                     f"{refit} {r['setup_s']:8.1f} {r['first_iteration_ms']:9.0f}{failed}")
     return "\n".join(lines)
 
 

@@ -29,6 +29,8 @@ def test_floor_beside_ddp_and_a_failed_run_is_recorded(tmp_path):
         # the runtime's set-up (the slowest rank's) is on the training clock from step 0
         assert row["setup_s"] > 0 and row["first_iteration_ms"] > 0, row
         assert row["evals"][0][0]["train_s"] == row["setup_s"], row["evals"]
+        # no planner, no check: nothing predicted, nothing refitted
+        assert row["predicted_ms"] is None and row["refitted_ms"] is None, row
     # The floor trains rank 0 on its own batches: it learns, but it is not DDP's run, so
     # it gets no time to DDP's target; DDP itself reaches its own final loss.
     assert local["evals"][0][-1]["heldout_loss"] < local["evals"][0][0]["heldout_loss"]
