@@ -17,14 +17,16 @@ a non-root sleeps through a rooted Option's middle steps) and the slowest rank's
 iteration. Rank 0 refits the latencies to those steps (one factor per kind of step:
 exchanges, push/pulls, rooted collectives; a kind the strategy does not run takes the
 largest factor measured, the host's message latency, so that a re-plan cannot flee to a
-kind no step checked), prices the kept strategy again and re-plans on the refitted cluster
-(:meth:`CompressionSpec.replan`). A plan predicted at least ``REPLAN_GAIN`` faster than the
-kept one runs the same number of checked iterations and stays only if its measured median
-beats the kept one's; otherwise the kept strategy comes back. One re-plan per job: a second
-would chase the noise of a shared host. With ``ESPRESSO_PROFILE_OUT`` rank 0 writes
-``check.json``: the factors, each strategy's prediction (as planned, refitted) against its
-measured median, and which one stayed (and ``strategy.json`` again where the re-planned one
-stayed).
+kind no step checked) and the compression kernels' costs to its Comp and Decomp steps (one
+factor per device, :func:`~byteps_espresso.worker.profiler.fit_compute`: the kernels were
+timed alone, and in training they share their cores), prices the kept strategy again and
+re-plans on the refitted model (:meth:`CompressionSpec.replan`). A plan predicted at least
+``REPLAN_GAIN`` faster than the kept one runs the same number of checked iterations and
+stays only if its measured median beats the kept one's; otherwise the kept strategy comes
+back. One re-plan per job: a second would chase the noise of a shared host. With
+``ESPRESSO_PROFILE_OUT`` rank 0 writes ``check.json``: the factors, each strategy's
+prediction (as planned, refitted) against its measured median, and which one stayed (and
+``strategy.json`` again where the re-planned one stayed).
 """
 
 from __future__ import annotations
@@ -189,9 +191,11 @@ def check_text(record: Mapping[str, Any]) -> str:
     factors = record.get("factors")
     if not factors:
         return text + "; no step timed alike on every rank, nothing refitted"
+    compute = record.get("compute_factors") or {}
     text += ("; latency refitted to its steps: " + ", ".join(
         f"{kind} x{f:.2f}" for kind, f in factors.items())
         + f" (kinds it does not run x{record['others_factor']:.2f})"
+        + "".join(f", compute on {device} x{f:.2f}" for device, f in compute.items())
         + f" -> predicted {_off(record['kept_refitted_ms'], kept['measured_ms'])}; "
         f"re-planned in {record['replan_ms']:.0f} ms: {record['replanned_predicted_ms']:.1f} ms")
     again = record["replanned"]

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -151,6 +152,16 @@ class CompressorCosts:
     def decompress_us(self, compressor: str, device: str, numel: Any, payloads: Any = 1) -> Any:
         """Time to decompress ``payloads`` payloads of ``numel`` elements each and sum them."""
         return np.asarray(payloads) * self._model(compressor, device, "decompress")(numel)
+
+    def scaled(self, factors: Mapping[str, float]) -> CompressorCosts:
+        """This profile with every compressor's lines on each device of ``factors`` (``gpu``,
+        ``cpu``, ``server``) multiplied by its factor; the other devices and the dense sum
+        as they are."""
+        return dataclasses.replace(self, models={
+            name: {device: ({op: Linear(m.a_us * factors[device], m.b_us * factors[device])
+                             for op, m in lines.items()} if device in factors else lines)
+                   for device, lines in per_device.items()}
+            for name, per_device in self.models.items()})
 
     # ---- fitting and JSON --------------------------------------------------------------------
     @classmethod

@@ -227,6 +227,7 @@ def test_the_kept_strategy_is_checked_and_every_rank_trains_on_the_one_that_stay
         for fast, slow in zip(run["measured_us"], run["slowest_us"], strict=True):
             assert (fast is None) == (slow is None) and (fast is None or slow >= fast)
     assert check["factors"] and all(f >= 1.0 for f in check["factors"].values())
+    assert all(f >= 1.0 for f in check["compute_factors"].values())
     again = check["replanned"]
     if again is None:
         assert check["stayed"] == "kept"

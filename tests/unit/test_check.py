@@ -210,3 +210,33 @@ def test_the_refit_finds_what_the_steps_took_and_a_switch_needs_the_gain(planned
     if new is not None:
         assert new.predicted_ms == pytest.approx(info["replanned_predicted_ms"])
         assert new.options != kept.options or new.layout != kept.layout
+
+
+def test_the_refit_prices_compression_as_the_checked_steps_took_it(planned):
+    """The kept strategy's kernels took 2.5x their price on the training device and 2x on
+    the host (they share their cores in training): the refit finds those factors for the
+    devices its steps ran on (a device no step ran takes the larger), and the kept
+    strategy's refitted prediction is its iteration on that profile; the fp32 path has no
+    kernels and nothing is fitted."""
+    workload, costs, kept = planned
+    base = replace(kept.cluster, server_latency_us=kept.cluster.ps_latency_us)
+    truth = {"gpu": 2.5, "cpu": 2.0}
+    fused = {t.name: t.numel for t in kept.workload.tensors}
+    runs = [Run(n, o, fused[n], *[_steps(base, o, fused[n], costs.scaled(truth))] * 2)
+            for n, o in kept.options.items()]
+    spec = EspressoSpec("randomk", {"ratio": 0.01})
+    spec._planned[frozenset(workload.names)] = (workload, costs, frozenset(), (0, 1 << 20))
+    _, info = spec._replanned(kept, runs)
+    devices = {s.device.value for o in kept.options.values() for s in o.steps
+               if s.kind.is_compute}
+    assert info["compute_factors"] == pytest.approx({d: truth[d] for d in devices})
+    if not devices:
+        assert kept.algorithm == "fp32"
+        return
+    top = max(info["compute_factors"].values())
+    ctx = PlanContext(kept.workload, base, "randomk", {"ratio": 0.01},
+                      costs.scaled({d: info["compute_factors"].get(d, top) for d in truth}),
+                      kept.constraints)
+    assert info["kept_refitted_ms"] == pytest.approx(
+        ctx.iteration_us(ctx.index([kept.options[n] for n in kept.workload.names])) / 1e3)
+    assert info["kept_refitted_ms"] > kept.predicted_ms

@@ -344,6 +344,75 @@ def test_fit_latency_fits_each_kind_over_every_run():
         np.testing.assert_allclose(_step_prices(fitted, o), _step_prices(truth, o), rtol=1e-9)
 
 
+def _costs_times(costs, factor: dict[str, float]):
+    """``costs`` with every compressor's lines on each device of ``factor`` scaled by it."""
+    from dataclasses import replace
+
+    from byteps_espresso.strategy.compressor_costs import Linear
+
+    return replace(costs, models={
+        name: {device: {op: Linear(m.a_us * factor.get(device, 1.0),
+                                   m.b_us * factor.get(device, 1.0))
+                        for op, m in lines.items()} for device, lines in per_device.items()}
+        for name, per_device in costs.models.items()})
+
+
+def test_fit_compute_scales_each_device_s_lines_to_what_its_steps_took():
+    """Runs whose compression on the training device took 3x its price and on the host 1.5x
+    (the kernels share their cores in training): one factor per device, and every step's
+    price on the fitted profile is what it took; communication steps do not move them."""
+    from byteps_espresso.worker.profiler import fit_compute, step_prices
+
+    from byteps_espresso.strategy import CompressorCosts, Option
+    from byteps_espresso.strategy.costs import CompressedSizes
+
+    probed, costs = _probed(), CompressorCosts.default()
+    truth = _costs_times(costs, {"gpu": 3.0, "cpu": 1.5})
+    options = [Option.parse("Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)"),
+               Option.parse("ReduceScatter(intra) -> Comp(cpu) -> AllgatherC(inter) "
+                            "-> Decomp(cpu) -> Allgather(intra)")]
+    sizes = CompressedSizes("randomk", {"ratio": 0.01})
+
+    def prices(c, o):  # type: ignore[no-untyped-def]
+        return step_prices(probed, o, _NUMELS, compressor="randomk", sizes=sizes, costs=c)
+
+    runs = [(o, n, row) for o in options for n, row in zip(_NUMELS, prices(truth, o),
+                                                           strict=True)]
+    fitted, factors = fit_compute(probed, runs, compressor="randomk",
+                                  params={"ratio": 0.01}, costs=costs)
+    # the host's steps also copy the tensor to and from the device: that part does not scale
+    assert factors == pytest.approx({"gpu": 3.0, "cpu": 1.5})
+    for o in options:
+        np.testing.assert_allclose(prices(fitted, o), prices(truth, o), rtol=1e-9)
+    assert fitted.dense_sum == costs.dense_sum
+
+
+def test_fit_compute_gives_a_device_no_step_ran_the_largest_factor_and_never_speeds_up():
+    """Only the training device's kernels were timed, at 2x: the host's lines scale 2x too
+    (a re-plan must not flee to a device no step checked); steps faster than their price
+    leave the profile as it was; no compute step at all, nothing fitted."""
+    from byteps_espresso.worker.profiler import fit_compute, step_prices
+
+    from byteps_espresso.strategy import CompressorCosts, Option
+    from byteps_espresso.strategy.costs import CompressedSizes
+
+    probed, costs = _probed(), CompressorCosts.default()
+    option = Option.parse("Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)")
+    sizes = CompressedSizes("randomk", {"ratio": 0.01})
+    kwargs = {"compressor": "randomk", "params": {"ratio": 0.01}, "costs": costs}
+    for factor, want in ((2.0, 2.0), (0.5, 1.0)):
+        took = step_prices(probed, option, _NUMELS, compressor="randomk", sizes=sizes,
+                           costs=_costs_times(costs, {"gpu": factor}))
+        fitted, factors = fit_compute(probed, list(zip([option] * len(_NUMELS), _NUMELS, took,
+                                                       strict=True)), **kwargs)
+        assert factors == pytest.approx({"gpu": want})
+        assert fitted.compress_us("randomk", "cpu", 10_000) == pytest.approx(
+            want * costs.compress_us("randomk", "cpu", 10_000))
+    plain = Option.parse("Allreduce(flat)")
+    took = step_prices(probed, plain, _NUMELS, compressor="randomk", sizes=sizes, costs=costs)
+    assert fit_compute(probed, [(plain, _NUMELS[0], took[0])], **kwargs) == (costs, {})
+
+
 def test_fit_latency_gives_the_kinds_no_step_ran_the_largest_factor():
     """With ``unmeasured`` a plan priced on the refitted cluster cannot favour a kind no
     step checked: the exchanges, which the BytePS path does not run, take the larger of the
