@@ -318,8 +318,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ESPRESSO_CHECK_STEPS", "check_steps", _int(0), 6,
              "Iterations of the kept strategy (after the compressor's schedule) timed step "
              "by step and checked against the model: the first is a warm-up; the latencies "
-             "are refitted to the steps, the model re-plans once, and a plan predicted 10% "
-             "faster runs as many iterations and stays only if it measures faster "
+             "and the kernels' costs are refitted to the steps, the model re-plans once, "
+             "and a plan predicted 10% faster runs as many iterations and stays only if it "
+             "measures faster "
              "(`check.json` in `ESPRESSO_PROFILE_OUT`). Below 2: no check."),
     Variable("ESPRESSO_STARTUP_BUDGET", "startup_budget", _budget, 10.0,
              "Start-up budget, in fp32 iterations (the fastest profiled one, over all "
