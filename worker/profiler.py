@@ -64,8 +64,8 @@ from byteps_espresso.strategy.options import Device, Kind, Option, Scope
 from byteps_espresso.strategy.tree import PARTNER
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
-           "fit_latency", "in_training_latency", "measure_cluster", "measure_costs", "probe_lanes",
-           "read_profile", "ready_offsets", "step_prices", "workload_from_offsets",
+           "fit_compute", "fit_latency", "in_training_latency", "measure_cluster", "measure_costs",
+           "probe_lanes", "read_profile", "ready_offsets", "step_prices", "workload_from_offsets",
            "workload_from_ready_times"]
 
 log = logging.getLogger(__name__)
