@@ -429,6 +429,25 @@ def step_prices(cluster: Any, option: Option, numels: Sequence[int], *, compress
         len(option.steps))
 
 
+def _by_option(runs: Sequence[tuple[Option, int, np.ndarray]]) \
+        -> dict[Option, tuple[list[int], np.ndarray]]:
+    """The timed runs grouped by Option, to price each Option once: (element counts,
+    (runs x steps) measured us)."""
+    grouped: dict[Option, list[tuple[int, np.ndarray]]] = {}
+    for option, numel, measured in runs:
+        grouped.setdefault(option, []).append((numel, np.asarray(measured, dtype=float)))
+    return {o: ([n for n, _ in got], np.stack([m for _, m in got])) for o, got in grouped.items()}
+
+
+def _normal_equation(part: np.ndarray, rest: np.ndarray, measured: np.ndarray,
+                     weight: np.ndarray) -> tuple[float, float]:
+    """The two sums of the weighted least squares of ``measured = rest + factor x part`` over
+    the entries with a part and a measurement: factor = first / second."""
+    ok = (part > 0) & np.isfinite(measured)
+    w, p = weight[ok], part[ok]
+    return float(np.sum(w * p * (measured[ok] - rest[ok]))), float(np.sum(w * p * p))
+
+
 def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
                 compressor: str, params: Mapping[str, Any], costs: Any,
                 kinds: Sequence[str] = ("exchange", "ps"),
@@ -446,9 +465,6 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
     for the kinds fitted.
     """
     sizes = CompressedSizes(compressor, dict(params))
-    by_option: dict[Option, list[tuple[int, np.ndarray]]] = {}
-    for option, numel, measured in runs:
-        by_option.setdefault(option, []).append((numel, np.asarray(measured, dtype=float)))
     kinds = [what for what in kinds if what != "ps" or cluster.servers]
 
     def per_step(c: Any, option: Option, numels: list[int]) -> np.ndarray:
@@ -458,9 +474,7 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
     cluster = replace(cluster, server_latency_us=cluster.ps_latency_us if cluster.servers
                       else None)
     sums = {what: [0.0, 0.0] for what in kinds}
-    for option, got in by_option.items():
-        numels = [n for n, _ in got]
-        measured = np.stack([m for _, m in got])
+    for option, (numels, measured) in _by_option(runs).items():
         base = per_step(cluster, option, numels)
         for what in kinds:
             name, members = _LATENCY_KINDS[what]
@@ -468,13 +482,11 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
             if not cols:
                 continue
             latency = (base - per_step(replace(cluster, **{name: 0.0}), option, numels))[:, cols]
-            rest = base[:, cols] - latency
-            ok = (latency > 0) & np.isfinite(measured[:, cols])
-            if ok.any():
-                lat, price = latency[ok], base[:, cols][ok]
-                residual = measured[:, cols][ok] - rest[ok]
-                sums[what][0] += float(np.sum(lat * residual / price ** 2))
-                sums[what][1] += float(np.sum((lat / price) ** 2))
+            price = base[:, cols]
+            num, den = _normal_equation(latency, price - latency, measured[:, cols],
+                                        1.0 / np.where(price > 0, price, 1.0) ** 2)
+            sums[what][0] += num
+            sums[what][1] += den
     factors = {what: max(1.0, num / den) for what, (num, den) in sums.items() if den > 0}
     top = max(factors.values(), default=1.0)
     scaled = cluster
@@ -507,20 +519,18 @@ def fit_compute(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
     (costs, {device: factor}) for the devices fitted."""
     sizes = CompressedSizes(compressor, dict(params))
     sums = {d.value: [0.0, 0.0] for d in Device}
-    bare = {d.value: costs.scaled({d.value: 0.0}) for d in Device}
-    for option, numel, measured in runs:
-        got = np.asarray(measured, dtype=float)
-        price = step_prices(cluster, option, [numel], compressor=compressor, sizes=sizes,
-                            costs=costs)[0]
+    for option, (numels, measured) in _by_option(runs).items():
+        base = step_prices(cluster, option, numels, compressor=compressor, sizes=sizes,
+                           costs=costs)
         for device in {st.device.value for st in option.steps if st.kind.is_compute}:
-            rest = step_prices(cluster, option, [numel], compressor=compressor, sizes=sizes,
-                               costs=bare[device])[0]
-            for j, step in enumerate(option.steps):
-                kernel = price[j] - rest[j]
-                if step.kind.is_compute and step.device.value == device and kernel > 0 \
-                        and np.isfinite(got[j]):
-                    sums[device][0] += float(kernel * (got[j] - rest[j]))
-                    sums[device][1] += float(kernel ** 2)
+            cols = [j for j, st in enumerate(option.steps)
+                    if st.kind.is_compute and st.device.value == device]
+            rest = step_prices(cluster, option, numels, compressor=compressor, sizes=sizes,
+                               costs=costs.scaled({device: 0.0}))[:, cols]
+            kernel = base[:, cols] - rest
+            num, den = _normal_equation(kernel, rest, measured[:, cols], np.ones_like(kernel))
+            sums[device][0] += num
+            sums[device][1] += den
     factors = {device: max(1.0, num / den) for device, (num, den) in sums.items() if den > 0}
     if not factors:
         return costs, factors
