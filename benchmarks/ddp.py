@@ -19,6 +19,9 @@ shaped links (``1`` and ``0.25`` Gbit/s; needs root). Variants:
                  their sums)
     espresso...-tcp  the same with BYTEPS_ENABLE_IPC=0: dense keys over TCP even where a
                  worker shares a host with a server (on loopback every one does)
+    espresso-C-kept  the strategy the last run of espresso-C in this cell kept, from its
+                 first step (ESPRESSO_STRATEGY: nothing profiled, planned or tried; list it
+                 after espresso-C): what that run's start-up cost it
 
 Runs of one (model, link) cell are interleaved ``--repeats`` times, so a slow phase of the
 shared host hits every variant alike. Reported per variant: the median iteration over the
@@ -55,7 +58,7 @@ MODELS = ("lstm", "transformer", "mlp")
 
 
 def _worker_args(variant: str, model: str, args: argparse.Namespace) -> list[str]:
-    variant = variant.removesuffix("-tcp")
+    variant = variant.removesuffix("-kept").removesuffix("-tcp")
     base = [sys.executable, str(ROOT / "benchmarks" / "ddp_worker.py"), "--model", model,
             "--steps", str(args.steps), "--batch-size", str(args.batch_size),
             "--eval-every", str(args.eval_every)]
@@ -106,13 +109,22 @@ def _time_to(evals: list[dict], target: float) -> float | None:
 def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list[dict]:
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     failed: dict[str, list[str]] = {v: [] for v in args.variants}
+    kept: dict[str, Path] = {}  # per planned variant, the strategy its last run kept
     for rep in range(args.repeats):
         for variant in args.variants:
             name = f"{model}-{setting}-{variant}-{rep}"
             print(f"-- {name}", flush=True)
             env = dict(os.environ, ESPRESSO_LOG_LEVEL="WARNING")
-            if variant.endswith("-tcp"):
+            if variant.removesuffix("-kept").endswith("-tcp"):
                 env["BYTEPS_ENABLE_IPC"] = "0"
+            if variant.endswith("-kept"):
+                planned = variant.removesuffix("-kept")
+                if planned not in kept:
+                    failed[variant].append(f"no strategy kept by {planned} in this cell: "
+                                           f"list {planned} before {variant}")
+                    print(f"   failed: {failed[variant][-1]}", flush=True)
+                    continue
+                env["ESPRESSO_STRATEGY"] = str(kept[planned])
             profile = out / f"{name}-profile"
             env["ESPRESSO_PROFILE_OUT"] = str(profile)  # where rank 0 writes check.json
             try:
@@ -126,6 +138,8 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
                 continue
             runs[variant].append({**result.metrics,
                                   "refitted_ms": _refitted_ms(profile / "check.json")})
+            if (profile / "strategy.json").exists():
+                kept[variant] = profile / "strategy.json"
     rows = []
     for variant, metrics in runs.items():
         if not metrics:

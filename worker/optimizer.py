@@ -545,7 +545,7 @@ class _Sync:
         # Order index of the first non-finite gradient of each bucket of this iteration that
         # had one on this rank (see _check_finite).
         self.bad: list[int] = []
-        self.codec = compression.codec(self.session)
+        self.codec = _with_kernels(compression.codec(self.session))
         self.lowrank = compression.lowrank(self.session,
                                            self.shapes)
         # What measures the compression error (ESPRESSO_COMPRESSION_ERROR_EVERY), if anything.
@@ -1129,6 +1129,14 @@ def _finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in ``t``: one reduction without a temporary (a sum is NaN or infinite
     when any element is), and the exact check only when the sum overflowed."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def _with_kernels(codec: CodecPair | None) -> CodecPair | None:
+    """``codec`` with its kernels loaded (:meth:`CodecPair.load_kernels`): now, while the
+    optimizer is built, not in a lane during the first backward pass."""
+    if codec is not None:
+        codec.load_kernels()
+    return codec
 
 
 def _take_momentum(opt: torch.optim.Optimizer) -> tuple[float, float]:

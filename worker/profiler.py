@@ -716,12 +716,6 @@ class LaneProbes:
         self._executors = list(session.plain.executors)
         for ex in self._executors:
             ex.timings = []
-        if self.codec is not None:  # load the kernels now, not in a lane during backward
-            x = next(iter(self._timed.values()))
-            for dev in (Device.GPU, Device.CPU):
-                payload = self.codec.compress(dev, x, "espresso.probe", self.codec.steady_step)
-                self.codec.decompress(dev, payload, x.numel(), "espresso.probe",
-                                      self.codec.steady_step)
 
     def close(self) -> None:
         """Stop timing the lanes' steps (the profile is no longer needed)."""
@@ -732,8 +726,8 @@ class LaneProbes:
     def issue(self, engine: Any, iteration: int) -> None:
         """Queue the compressor's timings of a probing iteration in a lane, beside the fp32
         synchronization (same call on every rank, after its last bucket)."""
-        # The compressor needs no warm-up: its kernels were loaded at construction. It runs
-        # on the lane the iteration's link probes leave free.
+        # The compressor needs no warm-up: the optimizer loaded its kernels when it was built
+        # (CodecPair.load_kernels). It runs on the lane the iteration's link probes leave free.
         if self.codec is not None and probe_lanes(iteration, engine.lanes):
             self.handles.append(engine.call(iteration + 1, self._spending(
                 "compressor", iteration, self._codec), "espresso.probe.codec"))

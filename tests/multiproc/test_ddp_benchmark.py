@@ -41,3 +41,28 @@ def test_floor_beside_ddp_and_a_failed_run_is_recorded(tmp_path):
     assert "every run failed" in proc.stdout, proc.stdout
     log = (tmp_path / "mlp-loopback-espresso-nosuchcompressor-0.log").read_text()
     assert "nosuchcompressor" in log and "Error" in log, log[-2000:]
+
+
+@pytest.mark.timeout(400)
+def test_a_kept_variant_trains_the_strategy_its_planned_run_kept(tmp_path):
+    out = tmp_path / "ddp.json"
+    # Listed first, the -kept variant has no strategy in the first round: recorded as failed.
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--settings", "loopback", "--models", "mlp",
+         "--variants", "espresso-efsignsgd-kept", "espresso-efsignsgd", "--repeats", "2",
+         "--steps", "8", "--eval-every", "4", "--json", str(out), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    kept, planned = rows["espresso-efsignsgd-kept"], rows["espresso-efsignsgd"]
+    assert planned["failed_runs"] == [], planned
+    assert len(kept["failed_runs"]) == 1, kept
+    assert "list espresso-efsignsgd before espresso-efsignsgd-kept" in kept["failed_runs"][0]
+    # The second round trained the strategy the first planned run kept, from its first step:
+    # its prediction is that file's, and nothing was profiled, planned or tried.
+    saved = json.loads(
+        (tmp_path / "mlp-loopback-espresso-efsignsgd-0-profile" / "strategy.json").read_text())
+    assert kept["predicted_ms"] == saved["predicted_iteration_ms"], (kept, saved)
+    assert kept["iteration_ms"] > 0 and kept["evals"][0][-1]["step"] == 8, kept
+    assert (tmp_path / "mlp-loopback-espresso-efsignsgd-1-profile" / "trials.json").exists()
+    assert not (tmp_path / "mlp-loopback-espresso-efsignsgd-kept-1-profile").exists()

@@ -61,3 +61,36 @@ def test_both_kernels_give_the_same_bits_with_error_feedback_and_a_restored_stat
         a = numba.compress(Device.GPU, x, "w", step)
         b = restored.compress(Device.GPU, x, "w", step)
         assert _same(a, b)
+
+
+_LOADS_NOTHING_LATER = """
+import torch
+from byteps_espresso.kernels.cli import _dispatchers
+from byteps_espresso.worker.codecs import CodecPair
+from byteps_espresso.strategy.options import Device
+
+def loaded():
+    return sum(len(d.signatures) for d in {id(d): d for d in _dispatchers()}.values())
+
+codec = CodecPair("efsignsgd", error_feedback=True)
+before = loaded()
+codec.load_kernels()
+after = loaded()
+assert codec.state_dict() == {"gpu": {}, "cpu": {}}, codec.state_dict()
+x = torch.randn(100_003, generator=torch.Generator().manual_seed(0))
+for dev in (Device.GPU, Device.CPU):
+    codec.decompress(dev, codec.compress(dev, x, "w", 5), x.numel(), "w", 5)
+print(before, after, loaded())
+"""
+
+
+def test_load_kernels_leaves_nothing_to_load_for_the_first_step_and_no_state():
+    # A fresh process: the tests before this one may have loaded the kernels already.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LOADS_NOTHING_LATER], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    before, after, later = map(int, out)
+    assert after > before  # the kernels loaded in load_kernels ...
+    assert later == after  # ... and the job's first compression on each device loaded none
