@@ -19,7 +19,7 @@ so each worker holds one residual per tensor range and step of its Option.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -154,9 +154,10 @@ class CodecPair:
         return CodecPair(self.name, self.params, device=self.device,
                          device_kernels=self.device_kernels)
 
-    def load_kernels(self) -> None:
-        """Run one compression and one decoding on each device now, on a small tensor through
-        :meth:`bare` (no state is touched), so that the kernels load here and not in the lanes.
+    def load_kernels(self, devices: Iterable[Device] = (Device.GPU, Device.CPU)) -> None:
+        """Run one compression, one decoding and one sum of decoded payloads on each of
+        ``devices`` now, on a small tensor through :meth:`bare` (no state is touched), so that
+        the kernels load here and not in the lanes.
 
         The first compression of a process loads numba's kernels from its cache (about 0.2 s
         alone). In a lane that happened during the job's first backward pass, while the other
@@ -166,9 +167,11 @@ class CodecPair:
         bare = self.bare()
         x = torch.ones(_LOAD_NUMEL, device=self.device)
         step = bare.steady_step
-        for dev in (Device.GPU, Device.CPU):
+        for dev in devices:
             payload = bare.compress(dev, x, "espresso.load", step)
             bare.decompress(dev, payload, _LOAD_NUMEL, "espresso.load", step)
+            # a Decomp of gathered payloads decodes and sums them in one kernel
+            bare.aggregate(dev, [payload, payload], _LOAD_NUMEL, "espresso.load", step)
 
     def partner(self, name: str) -> CodecPair:
         """Compressor ``name`` on the same device and kernels, without error feedback: the

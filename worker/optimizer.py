@@ -61,7 +61,7 @@ from byteps_espresso.strategy.buckets import (
 from byteps_espresso.strategy.costs import dense_us
 from byteps_espresso.strategy.lowrank import inner as low_rank_inner
 from byteps_espresso.strategy.lowrank import wrap
-from byteps_espresso.strategy.options import Kind, Option, Scope
+from byteps_espresso.strategy.options import Device, Kind, Option, Scope
 
 __all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "NonFiniteGradientError",
            "Plan", "StartupProfile", "first_step_at"]
@@ -545,7 +545,7 @@ class _Sync:
         # Order index of the first non-finite gradient of each bucket of this iteration that
         # had one on this rank (see _check_finite).
         self.bad: list[int] = []
-        self.codec = _with_kernels(compression.codec(self.session))
+        self.codec = compression.codec(self.session)
         self.lowrank = compression.lowrank(self.session,
                                            self.shapes)
         # What measures the compression error (ESPRESSO_COMPRESSION_ERROR_EVERY), if anything.
@@ -570,12 +570,23 @@ class _Sync:
         self.trials: Trials | None = None
         self._trials_from = 0  # the iteration the trials' first one runs (see _apply_plan)
         self.buckets: list[_Bucket] = []
+        self._begin(compression)
+        for name in self.order:
+            self.params[name].register_post_accumulate_grad_hook(self._hook(name))
+
+    def _begin(self, compression: CompressionSpec) -> None:
+        """Profile, or train the given strategy from the first step (nothing to profile);
+        either way the codec's kernels load now, not in a lane during the first backward pass
+        (:meth:`CodecPair.load_kernels`): on the devices the strategy compresses on, or on
+        both, which the probes time."""
         if self._profile_steps == 0:
             self._apply_plan(None)
         else:
             self._start_profiling(compression)
-        for name in self.order:
-            self.params[name].register_post_accumulate_grad_hook(self._hook(name))
+        if self.codec is not None:
+            devices = (Device.GPU, Device.CPU) if self.options is None else {
+                d for o in self.options.values() if o.is_compressed for d in o.devices}
+            self.codec.load_kernels(devices)
 
     def _start_profiling(self, compression: CompressionSpec) -> None:
         # While profiling every bucket runs the fp32 path, fused as Compression.none fuses.
@@ -1129,14 +1140,6 @@ def _finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in ``t``: one reduction without a temporary (a sum is NaN or infinite
     when any element is), and the exact check only when the sum overflowed."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
-
-
-def _with_kernels(codec: CodecPair | None) -> CodecPair | None:
-    """``codec`` with its kernels loaded (:meth:`CodecPair.load_kernels`): now, while the
-    optimizer is built, not in a lane during the first backward pass."""
-    if codec is not None:
-        codec.load_kernels()
-    return codec
 
 
 def _take_momentum(opt: torch.optim.Optimizer) -> tuple[float, float]:

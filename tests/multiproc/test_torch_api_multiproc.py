@@ -122,3 +122,6 @@ def test_espresso_strategy_is_loaded_and_nothing_is_profiled(tmp_path, cluster):
                                    "ESPRESSO_PROFILE_STEPS": "50"})
     for rank in range(2):
         assert (tmp_path / f"strategy_{rank}.txt").read_text() == "all-gpu randomk"
+        # the codec's kernels loaded while the optimizer was built: the steps loaded none
+        built, after = map(int, (tmp_path / f"kernels_{rank}.txt").read_text().split())
+        assert built > 0 and after == built, (built, after)

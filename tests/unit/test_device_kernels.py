@@ -79,7 +79,9 @@ after = loaded()
 assert codec.state_dict() == {"gpu": {}, "cpu": {}}, codec.state_dict()
 x = torch.randn(100_003, generator=torch.Generator().manual_seed(0))
 for dev in (Device.GPU, Device.CPU):
-    codec.decompress(dev, codec.compress(dev, x, "w", 5), x.numel(), "w", 5)
+    payload = codec.compress(dev, x, "w", 5)
+    codec.decompress(dev, payload, x.numel(), "w", 5)
+    codec.aggregate(dev, [payload, payload], x.numel(), "w", 5)
 print(before, after, loaded())
 """
 
