@@ -1127,13 +1127,9 @@ class EspressoSpec(CompressionSpec):
                 within=_TRIAL_WITHIN if self._trials(session) else None,
                 algorithm=self.algorithm, constraints=self.constraints, costs=costs,
                 caps=planned[3], apart=apart)
-            kept = buckets if any(b.fused for b in buckets) else ()
-            finalists = [replace(s, buckets=kept) for s in finalists]
-            if len(finalists) > 1 and profile is not None and profile.layout:
-                # The profiled iterations ran fp32 on their own buckets: the fp32 finalist
-                # keeps those, so that they measure it (worker/trials.py).
-                finalists = [self._on_layout(s, workload, cluster, costs, profile.layout)
-                             if s.algorithm == "fp32" else s for s in finalists]
+            finalists = self._laid_out(finalists, buckets, profile=profile, workload=workload,
+                                       cluster=cluster, costs=costs, apart=apart,
+                                       caps=planned[3])
             log.info("planned in %.1f ms (bucket caps: %s):\n%s",
                      (time.perf_counter() - t0) * 1e3, ", ".join(
                          f"{cap / MiB:g} MiB {ms:.2f} ms" for cap, ms in tried),
@@ -1229,6 +1225,36 @@ class EspressoSpec(CompressionSpec):
         again = plan(fused, cluster, self.compressor, dict(self.params),
                      algorithm=strategy.algorithm, constraints=self.constraints, costs=costs)
         return replace(again, buckets=tuple(layout) if any(b.fused for b in layout) else ())
+
+    def _laid_out(self, finalists: list[Any], planned_layout: Sequence[Any], *,
+                  profile: Any | None, workload: Any, cluster: Any, costs: Any,
+                  apart: frozenset[str], caps: Sequence[int]) -> list[Any]:
+        """The finalists of ``plan_bucketed`` (on ``planned_layout``) with their buckets
+        recorded. Where there are trials: the fp32 finalist on the profiled iterations'
+        buckets, and second the plan on the fewest buckets
+        (:func:`~byteps_espresso.strategy.planner.plan_fewest_buckets`), where that layout is
+        not the planned one and is predicted within ``_TRIAL_WITHIN`` of the plan. The model
+        ranks layouts by their overlap with the backward pass and misses what each bucket's
+        collectives wait for on shared cores, so the trials measure both; second, so that
+        the start-up budget reaches it."""
+        from byteps_espresso.strategy.planner import plan_fewest_buckets
+
+        kept = tuple(planned_layout) if any(b.fused for b in planned_layout) else ()
+        finalists = [replace(s, buckets=kept) for s in finalists]
+        if len(finalists) < 2:
+            return finalists
+        if profile is not None and profile.layout:
+            # The profiled iterations ran fp32 on their own buckets: the fp32 finalist keeps
+            # those, so that they measure it (worker/trials.py).
+            finalists = [self._on_layout(s, workload, cluster, costs, profile.layout)
+                         if s.algorithm == "fp32" else s for s in finalists]
+        layout, fewest = plan_fewest_buckets(
+            workload, cluster, self.compressor, dict(self.params), algorithm=self.algorithm,
+            constraints=self.constraints, costs=costs, caps=caps, apart=apart)
+        if layout == tuple(planned_layout) or \
+                fewest.predicted_ms > finalists[0].predicted_ms * _TRIAL_WITHIN:
+            return finalists
+        return [finalists[0], fewest, *finalists[1:]]
 
     def _trials(self, session: Session) -> bool:
         return self.algorithm == "espresso" and session.runtime.cfg.trial_steps >= 2

@@ -21,6 +21,7 @@ from byteps_espresso.strategy.buckets import (
     DEFAULT_FIRST_CAP_BYTES,
     Bucket,
     fuse,
+    layout_apart,
     plan_fused,
     reorder,
 )
@@ -33,8 +34,9 @@ from byteps_espresso.strategy.timeline import Timeline
 from byteps_espresso.strategy.tree import Constraints
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["REPORTED_BASELINES", "RESTRICTED", "RUNNABLE_BASELINES", "plan", "plan_alone",
-           "plan_bucketed", "plan_finalists", "plan_with_timelines"]
+__all__ = ["FEWEST_BUCKETS", "REPORTED_BASELINES", "RESTRICTED", "RUNNABLE_BASELINES", "plan",
+           "plan_alone", "plan_bucketed", "plan_fewest_buckets", "plan_finalists",
+           "plan_with_timelines"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ RUNNABLE_BASELINES = ("fp32", "all-gpu", "hipress", "cpu-only")
 # device mix, and on 2 x 2 CPU workers the plan under no-gpu measured fastest of 21 strategies
 # in three calibration runs in a row (BENCHMARKS.md, "Cost-model calibration").
 RESTRICTED = {"no-gpu": {"allow_gpu": False}, "no-cpu": {"allow_cpu": False}}
+# The label of plan_fewest_buckets' strategies (after the algorithm's name).
+FEWEST_BUCKETS = "fewest-buckets"
 
 
 def _options(workload: Workload, solution: baselines.Solution) -> dict[str, Option]:
@@ -255,6 +259,38 @@ def plan_bucketed(workload: Workload, cluster: Cluster, compressor: str = "rando
                                               costs=costs, pinned=pinned)
     return buckets, tried, [plan(fused, cluster, compressor, params, algorithm=algorithm,
                                  constraints=base, costs=costs, pinned=pinned)]
+
+
+def plan_fewest_buckets(workload: Workload, cluster: Cluster, compressor: str = "randomk",
+                        params: dict[str, Any] | None = None, *, algorithm: str = "espresso",
+                        constraints: Constraints | None = None,
+                        costs: CompressorCosts | None = None,
+                        caps: Sequence[int] = CANDIDATE_CAPS,
+                        apart: frozenset[str] = frozenset()) \
+        -> tuple[tuple[Bucket, ...], Strategy]:
+    """``algorithm`` alone (no baselines) on the layout with the fewest buckets: the largest
+    of ``caps`` for every bucket, without the small first one
+    (:func:`~byteps_espresso.strategy.buckets.layout_apart`; the gradients in ``apart`` fused
+    only with each other, their buckets uncompressed). Its Strategy describes the fused
+    workload, is named ``<algorithm>/fewest-buckets`` (:data:`FEWEST_BUCKETS`) and records
+    the layout.
+
+    A trial finalist beside the planned layout (``worker/profiler.py``): each bucket's Option
+    adds its collectives, and where the workers share a host's cores every collective waits
+    for the last member to arrive, a cost the model does not see. On the LSTM of
+    examples/train.py at 1 Gbit/s (emulated, 2 x 2 workers on 2 cores) the planned three
+    buckets were predicted at 21.3 ms and measured 32.6, these two at 21.2 and 25.9
+    (BENCHMARKS.md, "Fewer buckets, measured")."""
+    base = constraints or Constraints()
+    cap = max(caps)
+    buckets = layout_apart([(t.name, t.numel) for t in workload.tensors], cap, None, apart)
+    ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart else workload
+    fused = fuse(ordered, buckets)
+    strategy, _ = plan_alone(fused, cluster, compressor, params, algorithm=algorithm,
+                             constraints=base, costs=costs,
+                             pinned=_pinned_buckets(fused, apart))
+    return buckets, replace(strategy, algorithm=f"{algorithm}/{FEWEST_BUCKETS}",
+                            buckets=buckets if any(b.fused for b in buckets) else ())
 
 
 def plan(workload: Workload, cluster: Cluster, compressor: str = "randomk",

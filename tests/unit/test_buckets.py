@@ -212,3 +212,35 @@ def test_plan_bucketed_equals_planning_every_layout_in_full(monkeypatch, within)
         [(s.algorithm, s.options, s.baselines) for s in want]
     assert [s.predicted_ms for s in got] == pytest.approx([s.predicted_ms for s in want])
     assert calls == ([fuse(wl, buckets).names] if within is not None else [])
+
+
+def test_plan_fewest_buckets_plans_the_largest_cap_without_a_small_first_bucket():
+    """The trials' layout finalist: every bucket up to the largest cap (no 1 MiB first one),
+    the excluded gradients fused only with each other and left uncompressed, planned by the
+    algorithm alone and labelled, with its layout recorded."""
+    from byteps_espresso.strategy import planner
+    from byteps_espresso.strategy.buckets import DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES
+
+    wl = _many_small_tensors()
+    cluster = Cluster.preset(2, 2, "pcie", 10)
+    params = {"ratio": 0.01}
+    tensors = [(t.name, t.numel) for t in wl.tensors]
+    apart = frozenset(wl.names[1::4])
+    buckets, strategy = planner.plan_fewest_buckets(wl, cluster, "randomk", params,
+                                                    apart=apart)
+    assert buckets == layout_apart(tensors, DEFAULT_CAP_BYTES, None, apart)
+    # fewer buckets than the greedy layout of the same cap with the small first bucket
+    assert len(buckets) < len(layout_apart(tensors, DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES,
+                                           apart))
+    assert strategy.algorithm == f"espresso/{planner.FEWEST_BUCKETS}"
+    assert strategy.layout == buckets
+    fused = fuse(reorder(wl, [n for b in buckets for n in b.tensors]), buckets)
+    alone, _ = planner.plan_alone(fused, cluster, "randomk", params,
+                                  pinned=frozenset(b.name for b in buckets
+                                                   if set(b.tensors) <= apart))
+    assert strategy.options == alone.options
+    assert strategy.predicted_ms == pytest.approx(alone.predicted_ms, abs=1e-9)
+    assert any(set(b.tensors) <= apart for b in buckets)
+    for b in buckets:
+        if set(b.tensors) <= apart:  # the excluded gradients' buckets stay uncompressed
+            assert not strategy.options[b.name].is_compressed
