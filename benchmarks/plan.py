@@ -399,10 +399,11 @@ def print_startup(rows: list[dict]) -> None:
     print("\n(e) start-up planning (plan_bucketed on the main job's profile, a fresh process "
           "each), ms")
     for r in rows:
-        layouts = ", ".join(f"{cap / (1 << 20):g} MiB {ms:.2f}" for cap, ms in r["layouts"])
+        layouts = ", ".join(f"{cap / (1 << 20):g} MiB/{n} {ms:.2f}"
+                            for cap, n, ms in r["layouts"])
         print(f"{r['compressor']:10} {r['cache']} cache {r['planned_ms']:9.1f} ms (CPU "
               f"{r['cpu_ms']:.1f} ms); layouts "
-              f"(cap, predicted ms): {layouts}; finalists "
+              f"(cap/buckets, predicted ms): {layouts}; finalists "
               f"{', '.join(f'{a} {ms:.2f}' for a, ms in r['finalists'])}")
 
 

@@ -83,7 +83,7 @@ def _startup() -> dict:
                                                   COMPRESSORS[compressor],
                                                   within=TRIAL_WITHIN, costs=costs)
         out[compressor] = {"buckets": [b.name for b in buckets],
-                           "tried": [[cap, repr(ms)] for cap, ms in tried],
+                           "tried": [[cap, n, repr(ms)] for cap, n, ms in tried],
                            "finalists": [_record(s) for s in finalists]}
     return out
 

@@ -1132,7 +1132,7 @@ class EspressoSpec(CompressionSpec):
                                        caps=planned[3])
             log.info("planned in %.1f ms (bucket caps: %s):\n%s",
                      (time.perf_counter() - t0) * 1e3, ", ".join(
-                         f"{cap / MiB:g} MiB {ms:.2f} ms" for cap, ms in tried),
+                         f"{cap / MiB:g} MiB, {n} buckets: {ms:.2f} ms" for cap, n, ms in tried),
                      finalists[0].summary())
             if len(finalists) > 1:
                 log.info("measuring %d finalists for %d iterations each: %s", len(finalists),

@@ -210,8 +210,15 @@ def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],
                caps: Sequence[int] = CANDIDATE_CAPS,
                first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES,
                apart: frozenset[str] = frozenset()) \
-        -> tuple[tuple[Bucket, ...], list[tuple[int, float]]]:
-    """The layout whose plan is predicted fastest, among the greedy layouts of ``caps``.
+        -> tuple[tuple[Bucket, ...], list[tuple[int, int, float]]]:
+    """The layout whose plan is predicted fastest, among the greedy layouts of ``caps`` and
+    the layout with the fewest buckets (the largest cap for every bucket, the first too).
+
+    The small first bucket starts the first gradients' synchronization early, under the
+    backward pass; where that pass is short, each bucket's collectives cost more than the
+    overlap gains (the LSTM of examples/train.py at 1 Gbit/s on the emulated cluster, 2 x 2
+    workers on 2 cores: its greedy three buckets measured 32.6 ms an iteration, the fewest,
+    two, 25.9; BENCHMARKS.md, "Fewer buckets, measured").
 
     Args:
         workload: the per-gradient profile (backward order).
@@ -221,21 +228,25 @@ def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],
         apart: gradients fused only with each other (:func:`layout_apart`).
 
     Returns:
-        (the kept layout, [(cap, predicted) for each distinct layout planned]); a tie keeps
-        the smaller cap (more overlap).
+        (the kept layout, [(cap, buckets, predicted) for each distinct layout planned, in the
+        order planned: the greedy ones by cap, then the fewest]); a tie keeps the layout
+        planned first (more buckets, more overlap).
     """
     tensors = [(t.name, t.numel) for t in workload.tensors]
+    top = max(caps)
+    candidates = [(cap, layout_apart(tensors, cap, min(first_cap_bytes, cap) if cap else None,
+                                     apart)) for cap in sorted(caps)]
+    candidates.append((top, layout_apart(tensors, top, None, apart)))
     seen: dict[tuple[Bucket, ...], float] = {}
-    tried: list[tuple[int, float]] = []
+    tried: list[tuple[int, int, float]] = []
     best: tuple[Bucket, ...] | None = None
-    for cap in sorted(caps):
-        buckets = layout_apart(tensors, cap, min(first_cap_bytes, cap) if cap else None, apart)
+    for cap, buckets in candidates:
         if buckets in seen:
             continue
         ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart \
             else workload
         seen[buckets] = predicted = plan_one(fuse(ordered, buckets))
-        tried.append((cap, predicted))
+        tried.append((cap, len(buckets), predicted))
         if best is None or predicted < seen[best]:
             best = buckets
     assert best is not None

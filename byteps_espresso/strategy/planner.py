@@ -226,21 +226,22 @@ def plan_bucketed(workload: Workload, cluster: Cluster, compressor: str = "rando
                   costs: CompressorCosts | None = None, caps: Sequence[int] = CANDIDATE_CAPS,
                   first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES,
                   apart: frozenset[str] = frozenset()) \
-        -> tuple[tuple[Bucket, ...], list[tuple[int, float]], list[Strategy]]:
+        -> tuple[tuple[Bucket, ...], list[tuple[int, int, float]], list[Strategy]]:
     """What ``Compression.espresso`` plans at start-up: the bucket layout, then its strategies.
 
-    Each distinct greedy layout of ``caps`` (:func:`~byteps_espresso.strategy.buckets.plan_fused`)
-    is planned with ``algorithm`` alone (no baselines, no finalists: only its predicted time
-    decides the layout), and only the kept layout gets the full plan: its finalists
-    (:func:`plan_finalists`, when ``within`` is given) or the plan with its baselines.
+    Each distinct greedy layout of ``caps``, and the one with the fewest buckets
+    (:func:`~byteps_espresso.strategy.buckets.plan_fused`), is planned with ``algorithm``
+    alone (no baselines, no finalists: only its predicted time decides the layout), and only
+    the kept layout gets the full plan: its finalists (:func:`plan_finalists`, when
+    ``within`` is given) or the plan with its baselines.
 
     The gradients in ``apart`` (``Compression.espresso(exclude=...)``) are fused only with
     each other and their buckets stay uncompressed in every plan.
 
     Returns:
-        (the kept layout, [(cap, predicted ms) per distinct layout], the strategies of the
-        kept layout, the planned one first). The strategies describe the fused workload;
-        the caller records the layout in them.
+        (the kept layout, [(cap, buckets, predicted ms) per distinct layout], the strategies
+        of the kept layout, the planned one first). The strategies describe the fused
+        workload; the caller records the layout in them.
     """
     base = constraints or Constraints()
 

@@ -82,11 +82,19 @@ def test_plan_fused_keeps_the_fastest_layout_and_plans_each_layout_once():
 
     # 4,000-byte tensors: caps 0 and 1 KiB both give singletons (planned once).
     best, tried = plan_fused(wl, predicted, caps=(0, KB, 8 * KB, 64 * KB), first_cap_bytes=64 * KB)
-    assert calls == [8, 4, 1] and [c for c, _ in tried] == [0, 8 * KB, 64 * KB]
+    assert calls == [8, 4, 1] and [(c, n) for c, n, _ in tried] == [(0, 8), (8 * KB, 4),
+                                                                     (64 * KB, 1)]
     assert len(best) == 1 and best[0].tensors == tuple(wl.names)
     # A tie keeps the smaller cap: more buckets, more overlap.
     best, _ = plan_fused(wl, lambda fused: 1.0, caps=(0, 64 * KB))
     assert best == singletons(wl.names)
+    # With a small first bucket the greedy layouts keep two buckets at least; the layout of
+    # the fewest (the largest cap for the first bucket too) is planned last.
+    calls.clear()
+    best, tried = plan_fused(wl, predicted, caps=(0, 64 * KB), first_cap_bytes=8 * KB)
+    assert calls == [8, 2, 1] and [(c, n) for c, n, _ in tried] == [(0, 8), (64 * KB, 2),
+                                                                     (64 * KB, 1)]
+    assert best == (Bucket.of(wl.names),)
 
 
 def _many_small_tensors() -> Workload:
@@ -107,9 +115,9 @@ def test_the_planner_prices_fusion_on_a_latency_bound_link(machines, gpus, algor
 
     unfused = predicted(wl)
     best, tried = plan_fused(wl, predicted)
-    assert tried[0] == (0, pytest.approx(unfused))
+    assert tried[0] == (0, len(wl.tensors), pytest.approx(unfused))
     # Every message pays the links' latency: a fused layout is predicted faster and kept.
-    assert min(ms for _, ms in tried) < unfused
+    assert min(ms for _, _, ms in tried) < unfused
     assert any(b.fused for b in best)
 
 
@@ -207,7 +215,7 @@ def test_plan_bucketed_equals_planning_every_layout_in_full(monkeypatch, within)
     monkeypatch.setattr(planner, "plan_finalists", counted)
     buckets, tried, got = planner.plan_bucketed(wl, cluster, "randomk", params, within=within)
     assert buckets == want_buckets and len(want_tried) > 1
-    assert tried == [(cap, pytest.approx(ms, abs=1e-9)) for cap, ms in want_tried]
+    assert tried == [(cap, n, pytest.approx(ms, abs=1e-9)) for cap, n, ms in want_tried]
     assert [(s.algorithm, s.options, s.baselines) for s in got] == \
         [(s.algorithm, s.options, s.baselines) for s in want]
     assert [s.predicted_ms for s in got] == pytest.approx([s.predicted_ms for s in want])
