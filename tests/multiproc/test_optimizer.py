@@ -191,6 +191,30 @@ def test_trials_switch_strategies_in_step_and_every_rank_keeps_the_same(tmp_path
 
 
 @pytest.mark.timeout(200)
+def test_the_fewest_buckets_are_a_layout_the_trials_measure(tmp_path, cluster):
+    """Where the plan keeps DDP's small first bucket, the plan on the fewest buckets is the
+    second finalist: the trials switch layouts in step on every rank, and it is measured."""
+    out = tmp_path / "profile"
+    steps = 2 + 2 * 7 + 2
+    _run_trials(tmp_path, cluster, "espresso-fewest", steps)
+    for step in range(steps):
+        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
+        for r in range(1, WORLD):
+            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+    finalists = json.loads((out / "trials.json").read_text())["finalists"]
+    fewest = [f for f in finalists if f["algorithm"] == "espresso/fewest-buckets"]
+    # The two weight matrices share a bucket only on the fewest buckets.
+    weights = {"0.weight", "2.weight"}
+    planned = {n for n in finalists[0]["options"] if n.split("+")[0] in weights}
+    if len(planned) == 1:  # the plan kept the fewest itself: no second finalist of them
+        assert not fewest
+    else:
+        assert finalists[1]["algorithm"] == "espresso/fewest-buckets"
+        assert len(fewest[0]["iteration_ms"]) == 2 and fewest[0]["measured_ms"] > 0
+        assert len({n for n in fewest[0]["options"] if n.split("+")[0] in weights}) == 1
+
+
+@pytest.mark.timeout(200)
 def test_the_kept_strategy_is_checked_and_every_rank_trains_on_the_one_that_stayed(
         tmp_path, cluster):
     """2 profiled steps, no trials, then the check's 3 iterations (one a warm-up) of the plan:

@@ -6,12 +6,13 @@ iterations), ``espresso-trials`` (the same, with every alternative a finalist of
 measured trials, however slow its prediction), ``espresso-traffic`` (the same on a wider
 model whose profiled push/pulls price the PS path instead of the large PS probe),
 ``espresso-warmup`` (dgc with a sparsity warm-up of WARMUP iterations, every alternative a
-finalist: the trials wait for the warm-up to end) or ``dgc`` (DGC's recipe: the optimizer's
-momentum moves before communication). Each rank's
-batches are drawn from a generator seeded by (rank, step, pass), so the test recomputes
-them. After every step the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy
-(no pickle); at the end the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt
-and its Options to OUT_DIR/options_RANK.json.
+finalist: the trials wait for the warm-up to end), ``espresso-fewest`` (espresso-trials on a
+model of 1.25 MiB of gradients: the fewest buckets are another layout) or ``dgc`` (DGC's
+recipe: the optimizer's momentum moves before communication). Each rank's batches are drawn
+from a generator seeded by (rank, step, pass), so the test recomputes them. After every step
+the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle); at the end
+the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt and its Options to
+OUT_DIR/options_RANK.json.
 """
 
 import json
@@ -27,6 +28,9 @@ import byteps_espresso.torch as bps
 
 WIDE = 8192
 WARMUP = 6  # espresso-warmup's sparsity warm-up, in iterations
+# espresso-fewest's hidden width: the first layer's weight alone is 1 MiB, so DDP's 1 MiB first
+# bucket splits the weights in two and the fewest buckets hold them in one.
+FEWEST_WIDTH = 1 << 15
 
 
 def batch(rank: int, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,14 +55,16 @@ def main() -> None:
         wide = compression == "espresso-traffic"
         if wide:
             profiler._TRAFFIC_MIN = 1 << 15
-        net = model(WIDE if wide else 33)
+        net = model(WIDE if wide else FEWEST_WIDTH if compression == "espresso-fewest" else 33)
         if bps.rank() != 0:  # different local init: broadcast_parameters must fix it
             with torch.no_grad():
                 for p in net.parameters():
                     p.add_(0.5)
         bps.broadcast_parameters(net.state_dict(), root_rank=0)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        if compression in ("espresso-trials", "espresso-warmup"):
+        # the wide layers of espresso-fewest diverge at the others' rate
+        lr = 1e-4 if compression == "espresso-fewest" else 0.1
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+        if compression in ("espresso-trials", "espresso-warmup", "espresso-fewest"):
             profiler._TRIAL_WITHIN = float("inf")  # every alternative a finalist, however slow
         if compression == "espresso-warmup":
             spec = bps.Compression.espresso("dgc", ratio=0.5, warmup_steps=WARMUP)
