@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from byteps_espresso.strategy.workload import TensorProfile, Workload
 
 __all__ = ["CANDIDATE_CAPS", "DEFAULT_CAP_BYTES", "DEFAULT_FIRST_CAP_BYTES", "Bucket",
-           "BucketError", "MiB", "check_layout", "fuse", "layout", "layout_apart", "plan_fused",
-           "reorder", "singletons"]
+           "BucketError", "MiB", "check_layout", "fewest", "fuse", "layout", "layout_apart",
+           "plan_fused", "reorder", "singletons"]
 
 MiB = 1 << 20
 # DDP's defaults (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and the
@@ -130,6 +130,13 @@ def layout_apart(tensors: Sequence[tuple[str, int]], cap_bytes: int,
     kept = layout([t for t in tensors if t[0] not in apart], cap_bytes, first_cap_bytes)
     alone = layout([t for t in tensors if t[0] in apart], cap_bytes, first_cap_bytes)
     return tuple(sorted(kept + alone, key=lambda b: position[b.tensors[-1]]))
+
+
+def fewest(tensors: Sequence[tuple[str, int]], caps: Sequence[int],
+           apart: frozenset[str] = frozenset()) -> tuple[Bucket, ...]:
+    """The layout with the fewest buckets of ``caps``: the largest cap for every bucket, the
+    first too (:func:`layout_apart`)."""
+    return layout_apart(tensors, max(caps), None, apart)
 
 
 def reorder(workload: Workload, order: Sequence[str]) -> Workload:
@@ -233,10 +240,9 @@ def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],
         planned first (more buckets, more overlap).
     """
     tensors = [(t.name, t.numel) for t in workload.tensors]
-    top = max(caps)
     candidates = [(cap, layout_apart(tensors, cap, min(first_cap_bytes, cap) if cap else None,
                                      apart)) for cap in sorted(caps)]
-    candidates.append((top, layout_apart(tensors, top, None, apart)))
+    candidates.append((max(caps), fewest(tensors, caps, apart)))
     seen: dict[tuple[Bucket, ...], float] = {}
     tried: list[tuple[int, int, float]] = []
     best: tuple[Bucket, ...] | None = None

@@ -20,8 +20,8 @@ from byteps_espresso.strategy.buckets import (
     CANDIDATE_CAPS,
     DEFAULT_FIRST_CAP_BYTES,
     Bucket,
+    fewest,
     fuse,
-    layout_apart,
     plan_fused,
     reorder,
 )
@@ -269,12 +269,11 @@ def plan_fewest_buckets(workload: Workload, cluster: Cluster, compressor: str = 
                         caps: Sequence[int] = CANDIDATE_CAPS,
                         apart: frozenset[str] = frozenset()) \
         -> tuple[tuple[Bucket, ...], Strategy]:
-    """``algorithm`` alone (no baselines) on the layout with the fewest buckets: the largest
-    of ``caps`` for every bucket, without the small first one
-    (:func:`~byteps_espresso.strategy.buckets.layout_apart`; the gradients in ``apart`` fused
-    only with each other, their buckets uncompressed). Its Strategy describes the fused
-    workload, is named ``<algorithm>/fewest-buckets`` (:data:`FEWEST_BUCKETS`) and records
-    the layout.
+    """``algorithm`` alone (no baselines) on the layout with the fewest buckets
+    (:func:`~byteps_espresso.strategy.buckets.fewest`: the largest of ``caps`` for every
+    bucket, without the small first one; the gradients in ``apart`` fused only with each
+    other, their buckets uncompressed). Its Strategy describes the fused workload, is named
+    ``<algorithm>/fewest-buckets`` (:data:`FEWEST_BUCKETS`) and records the layout.
 
     A trial finalist beside the planned layout (``worker/profiler.py``): each bucket's Option
     adds its collectives, and where the workers share a host's cores every collective waits
@@ -283,8 +282,7 @@ def plan_fewest_buckets(workload: Workload, cluster: Cluster, compressor: str = 
     buckets were predicted at 21.3 ms and measured 32.6, these two at 21.2 and 25.9
     (BENCHMARKS.md, "Fewer buckets, measured")."""
     base = constraints or Constraints()
-    cap = max(caps)
-    buckets = layout_apart([(t.name, t.numel) for t in workload.tensors], cap, None, apart)
+    buckets = fewest([(t.name, t.numel) for t in workload.tensors], caps, apart)
     ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart else workload
     fused = fuse(ordered, buckets)
     strategy, _ = plan_alone(fused, cluster, compressor, params, algorithm=algorithm,
