@@ -75,14 +75,16 @@ def table(rows: Sequence[tuple[str, float, float | None]], kept: str,
     """The trials as text: (algorithm, predicted ms, measured ms or None) per finalist;
     ``stopped``: the finalists that lost the race and stopped early; ``profiled``: those the
     profiled iterations measured; None: one the start-up budget left unmeasured."""
-    lines = [f"{'finalist':<16} {'predicted':>10} {'measured':>9}"]
+    # at least the 16 columns the table always had, wider for a longer name
+    width = max([16, *(len(algorithm) for algorithm, _, _ in rows)])
+    lines = [f"{'finalist':<{width}} {'predicted':>10} {'measured':>9}"]
     for algorithm, predicted, measured in rows:
         mark = ("  <- kept" if algorithm == kept else "")
         mark += ("  (stopped early)" if algorithm in stopped
                  else "  (the profiled iterations)" if algorithm in profiled
                  else "  (not measured: start-up budget)" if measured is None else "")
         ms = "-" if measured is None else f"{measured:.2f}ms"
-        lines.append(f"{algorithm:<16} {predicted:>8.2f}ms {ms:>9}{mark}")
+        lines.append(f"{algorithm:<{width}} {predicted:>8.2f}ms {ms:>9}{mark}")
     return "\n".join(lines)
 
 
