@@ -1237,6 +1237,7 @@ class EspressoSpec(CompressionSpec):
         ranks layouts by their overlap with the backward pass and misses what each bucket's
         collectives wait for on shared cores, so the trials measure both; second, so that
         the start-up budget reaches it."""
+        from byteps_espresso.strategy.buckets import fewest
         from byteps_espresso.strategy.planner import plan_fewest_buckets
 
         kept = tuple(planned_layout) if any(b.fused for b in planned_layout) else ()
@@ -1248,13 +1249,15 @@ class EspressoSpec(CompressionSpec):
             # those, so that they measure it (worker/trials.py).
             finalists = [self._on_layout(s, workload, cluster, costs, profile.layout)
                          if s.algorithm == "fp32" else s for s in finalists]
-        layout, fewest = plan_fewest_buckets(
+        if fewest([(t.name, t.numel) for t in workload.tensors], caps, apart) \
+                == tuple(planned_layout):
+            return finalists  # the plan is on the fewest buckets already: nothing to plan
+        _, on_fewest = plan_fewest_buckets(
             workload, cluster, self.compressor, dict(self.params), algorithm=self.algorithm,
             constraints=self.constraints, costs=costs, caps=caps, apart=apart)
-        if layout == tuple(planned_layout) or \
-                fewest.predicted_ms > finalists[0].predicted_ms * _TRIAL_WITHIN:
+        if on_fewest.predicted_ms > finalists[0].predicted_ms * _TRIAL_WITHIN:
             return finalists
-        return [finalists[0], fewest, *finalists[1:]]
+        return [finalists[0], on_fewest, *finalists[1:]]
 
     def _trials(self, session: Session) -> bool:
         return self.algorithm == "espresso" and session.runtime.cfg.trial_steps >= 2
