@@ -220,7 +220,8 @@ def _check(profile: Path) -> dict | None:
     data = json.loads(path.read_text())
     entry = ("algorithm", "predicted_ms", "measured_ms")
     return {**{k: data.get(k) for k in ("start", "factors", "kept_refitted_ms",
-                                         "replanned_predicted_ms", "replan_ms", "stayed")},
+                                         "replanned_predicted_ms", "replan_ms", "fp32_ms",
+                                         "stayed")},
             "kept": {k: data["kept"][k] for k in entry},
             "replanned": None if data["replanned"] is None
             else {k: data["replanned"][k] for k in entry}}

@@ -23,7 +23,9 @@ timed alone, and in training they share their cores), prices the kept strategy a
 re-plans on the refitted model (:meth:`CompressionSpec.replan`). A plan predicted at least
 ``REPLAN_GAIN`` faster than the kept one runs the same number of checked iterations and
 stays only if its measured median beats the kept one's; otherwise the kept strategy comes
-back. One re-plan per job: a second would chase the noise of a shared host. With
+back. Where the profiled fp32 iterations measured more than ``REPLAN_GAIN`` faster than the
+kept strategy's check, the fp32 path is checked next instead (measured beats predicted) and
+stays by the same rule. One re-plan per job: a second would chase the noise of a shared host. With
 ``ESPRESSO_PROFILE_OUT`` rank 0 writes ``check.json``: the factors, each strategy's
 prediction (as planned, refitted) against its measured median, and which one stayed (and
 ``strategy.json`` again where the re-planned one stayed).
@@ -169,9 +171,11 @@ def _entry(check: Check) -> dict[str, Any]:
 
 def check_record(kept: Check, replanned: Check | None, stayed: str) -> dict[str, Any]:
     """What the check found (``check.json``): the kept check's ``info`` (the factors, the
-    kept strategy's refitted prediction, the re-plan's prediction and time); iteration
-    times are this rank's, medians the slowest rank's; ``stayed``: ``kept`` or
-    ``replanned``, the strategy that trains on."""
+    kept strategy's refitted prediction, the re-plan's prediction and time; ``fp32_ms``
+    where the profiled fp32 iterations measured faster); ``replanned``: the strategy checked
+    after the kept one (the re-plan, or the fp32 path: its ``algorithm`` says which);
+    iteration times are this rank's, medians the slowest rank's; ``stayed``: ``kept``,
+    ``replanned`` or ``fp32``, the strategy that trains on."""
     return {"steps": kept.steps, "start": kept.start, **kept.info, "kept": _entry(kept),
             "replanned": None if replanned is None else _entry(replanned), "stayed": stayed}
 
@@ -190,14 +194,19 @@ def check_text(record: Mapping[str, Any]) -> str:
             f"{_off(kept['predicted_ms'], kept['measured_ms'])}")
     factors = record.get("factors")
     if not factors:
-        return text + "; no step timed alike on every rank, nothing refitted"
-    compute = record.get("compute_factors") or {}
-    text += ("; latency refitted to its steps: " + ", ".join(
-        f"{kind} x{f:.2f}" for kind, f in factors.items())
-        + f" (kinds it does not run x{record['others_factor']:.2f})"
-        + "".join(f", compute on {device} x{f:.2f}" for device, f in compute.items())
-        + f" -> predicted {_off(record['kept_refitted_ms'], kept['measured_ms'])}; "
-        f"re-planned in {record['replan_ms']:.0f} ms: {record['replanned_predicted_ms']:.1f} ms")
+        text += "; no step timed alike on every rank, nothing refitted"
+    else:
+        compute = record.get("compute_factors") or {}
+        text += ("; latency refitted to its steps: " + ", ".join(
+            f"{kind} x{f:.2f}" for kind, f in factors.items())
+            + f" (kinds it does not run x{record['others_factor']:.2f})"
+            + "".join(f", compute on {device} x{f:.2f}" for device, f in compute.items())
+            + f" -> predicted {_off(record['kept_refitted_ms'], kept['measured_ms'])}; "
+            f"re-planned in {record['replan_ms']:.0f} ms: "
+            f"{record['replanned_predicted_ms']:.1f} ms")
+    if record.get("fp32_ms") is not None:
+        text += (f"; the profiled fp32 iterations measured {record['fp32_ms']:.1f} ms, "
+                 "the fp32 path is checked next")
     again = record["replanned"]
     if again is None:
         return text + f" (a switch needs {REPLAN_GAIN:.0%} less), the kept strategy stays"

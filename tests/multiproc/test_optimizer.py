@@ -269,6 +269,44 @@ def test_the_kept_strategy_is_checked_and_every_rank_trains_on_the_one_that_stay
 
 
 @pytest.mark.timeout(200)
+def test_a_kept_strategy_measured_slower_than_the_profiled_fp32_path_gives_way_to_it(
+        tmp_path, cluster):
+    """No trial runs (a start-up budget of 0), so the check is the kept strategy's first
+    measurement; its 3 iterations sleep (the worker's SLOWED steps), so they measure slower
+    than the profiled fp32 iterations by far more than REPLAN_GAIN. The fp32 finalist is
+    checked next instead of a re-plan, measures faster (no sleep) and trains on, on every
+    rank, with the parameters bit-identical through the switch."""
+    out = tmp_path / "profile"
+    env = {"ESPRESSO_PROFILE_STEPS": "4", "ESPRESSO_STARTUP_BUDGET": "0",
+           "ESPRESSO_CHECK_STEPS": "3", "ESPRESSO_PROFILE_OUT": str(out)}
+    steps = 4 + 3 + 3 + 2
+    with cluster.ps_job(servers=1) as root:
+        cluster.run_workers("optimizer_worker.py",
+                            [str(tmp_path), "espresso-slowed", "1", str(steps)],
+                            root_port=root, servers=1, timeout=150, extra_env=env)
+    for step in range(steps):
+        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
+        for r in range(1, WORLD):
+            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+    trials = json.loads((out / "trials.json").read_text())
+    assert trials["kept"] == "espresso"
+    assert all(f["measured_ms"] is None for f in trials["finalists"] if not f["profiled"])
+    check = json.loads((out / "check.json").read_text())
+    kept, again = check["kept"], check["replanned"]
+    assert kept["algorithm"] == "espresso" and kept["measured_ms"] > worker.SLOW_S * 1e3
+    assert check["fp32_ms"] < kept["measured_ms"] * (1 - REPLAN_GAIN)
+    assert again["algorithm"] == "fp32" and len(again["iteration_ms"]) == 3
+    assert again["measured_ms"] < kept["measured_ms"] and check["stayed"] == "fp32"
+    fp32 = next(f for f in trials["finalists"] if f["algorithm"] == "fp32")
+    assert again["options"] == fp32["options"]
+    for r in range(WORLD):
+        assert (tmp_path / f"kept_{r}.txt").read_text() == "fp32"
+        assert json.loads((tmp_path / f"options_{r}.json").read_text()) == fp32["options"]
+    saved = Strategy.load(out / "strategy.json")  # what ESPRESSO_STRATEGY would reuse
+    assert saved.algorithm == "fp32"
+
+
+@pytest.mark.timeout(200)
 def test_trials_wait_for_the_compressors_warm_up(tmp_path, cluster):
     """dgc with a sparsity warm-up of worker.WARMUP iterations, planned after 2 profiled steps:
     the plan trains through the warm-up and the trials begin where the payloads reach the

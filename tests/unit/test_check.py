@@ -139,6 +139,23 @@ def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
     assert alone.endswith(f"(a switch needs {REPLAN_GAIN:.0%} less), the kept strategy stays")
 
 
+def test_the_log_line_says_the_fp32_path_measured_faster_and_was_checked_next():
+    kept_strategy = SimpleNamespace(algorithm="espresso", predicted_ms=97.0,
+                                    options={"a": HIER})
+    fp32_strategy = SimpleNamespace(algorithm="fp32", predicted_ms=113.8,
+                                    options={"a": PUSH_PULL})
+    # no step timed alike on every rank: nothing refitted, the fp32 path still checked
+    kept = Check(kept_strategy, 3, 4, [], times_ms=[212.0, 206.0, 190.0], measured_ms=206.0,
+                 info={"fp32_ms": 131.3})
+    fp32 = Check(fp32_strategy, 3, 7, [], against=kept, times_ms=[140.0, 128.0, 127.0],
+                 measured_ms=128.0)
+    record = check_record(kept, fp32, "fp32")
+    assert (record["fp32_ms"], record["replanned"]["algorithm"]) == (131.3, "fp32")
+    text = check_text(record)
+    assert "nothing refitted; the profiled fp32 iterations measured 131.3 ms" in text
+    assert text.endswith("measured 128.0 ms: the fp32 strategy stays")
+
+
 def _with_option(strategy, option):
     return SimpleNamespace(**{**vars(strategy), "options": {"a": option}})
 

@@ -7,8 +7,10 @@ measured trials, however slow its prediction), ``espresso-traffic`` (the same on
 model whose profiled push/pulls price the PS path instead of the large PS probe),
 ``espresso-warmup`` (dgc with a sparsity warm-up of WARMUP iterations, every alternative a
 finalist: the trials wait for the warm-up to end), ``espresso-fewest`` (espresso-trials on a
-model of 1.25 MiB of gradients: the fewest buckets are another layout) or ``dgc`` (DGC's
-recipe: the optimizer's momentum moves before communication). Each rank's batches are drawn
+model of 1.25 MiB of gradients: the fewest buckets are another layout), ``espresso-slowed``
+(espresso-trials whose steps SLOWED sleep SLOW_S each: the iterations the check times of
+the kept strategy measure slower than the profiled fp32 ones) or ``dgc`` (DGC's recipe: the
+optimizer's momentum moves before communication). Each rank's batches are drawn
 from a generator seeded by (rank, step, pass), so the test recomputes them. After every step
 the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle); at the end
 the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt and its Options to
@@ -31,6 +33,11 @@ WARMUP = 6  # espresso-warmup's sparsity warm-up, in iterations
 # espresso-fewest's hidden width: the first layer's weight alone is 1 MiB, so DDP's 1 MiB first
 # bucket splits the weights in two and the fewest buckets hold them in one.
 FEWEST_WIDTH = 1 << 15
+# espresso-slowed: after 4 profiled steps and no trials, the check's 3 iterations of the kept
+# strategy (steps 4-6) each sleep SLOW_S, s; the iterations of the fp32 path checked next
+# (steps 7-9) do not.
+SLOWED = range(4, 7)
+SLOW_S = 0.3
 
 
 def batch(rank: int, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,16 +62,18 @@ def main() -> None:
         wide = compression == "espresso-traffic"
         if wide:
             profiler._TRAFFIC_MIN = 1 << 15
-        net = model(WIDE if wide else FEWEST_WIDTH if compression == "espresso-fewest" else 33)
+        net = model(WIDE if wide else FEWEST_WIDTH
+                    if compression in ("espresso-fewest", "espresso-slowed") else 33)
         if bps.rank() != 0:  # different local init: broadcast_parameters must fix it
             with torch.no_grad():
                 for p in net.parameters():
                     p.add_(0.5)
         bps.broadcast_parameters(net.state_dict(), root_rank=0)
         # the wide layers of espresso-fewest diverge at the others' rate
-        lr = 1e-4 if compression == "espresso-fewest" else 0.1
+        lr = 1e-4 if compression in ("espresso-fewest", "espresso-slowed") else 0.1
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-        if compression in ("espresso-trials", "espresso-warmup", "espresso-fewest"):
+        if compression in ("espresso-trials", "espresso-warmup", "espresso-fewest",
+                           "espresso-slowed"):
             profiler._TRIAL_WITHIN = float("inf")  # every alternative a finalist, however slow
         if compression == "espresso-warmup":
             spec = bps.Compression.espresso("dgc", ratio=0.5, warmup_steps=WARMUP)
@@ -79,6 +88,8 @@ def main() -> None:
                                        backward_passes_per_step=passes)
         bps.broadcast_optimizer_state(opt, root_rank=0)
         for step in range(steps):
+            if compression == "espresso-slowed" and step in SLOWED:
+                time.sleep(SLOW_S)
             opt.zero_grad()
             for k in range(passes):
                 x, y = batch(bps.rank(), step, k)
