@@ -24,11 +24,12 @@ re-plans on the refitted model (:meth:`CompressionSpec.replan`). A plan predicte
 ``REPLAN_GAIN`` faster than the kept one runs the same number of checked iterations and
 stays only if its measured median beats the kept one's; otherwise the kept strategy comes
 back. Where the profiled fp32 iterations measured more than ``REPLAN_GAIN`` faster than the
-kept strategy's check, the fp32 path is checked next instead (measured beats predicted) and
-stays by the same rule. One re-plan per job: a second would chase the noise of a shared host. With
-``ESPRESSO_PROFILE_OUT`` rank 0 writes ``check.json``: the factors, each strategy's
-prediction (as planned, refitted) against its measured median, and which one stayed (and
-``strategy.json`` again where the re-planned one stayed).
+kept strategy's check, the fp32 path is checked next instead (measured beats predicted;
+nothing refitted, nothing re-planned) and stays by the same rule. One re-plan per job: a
+second would chase the noise of a shared host. With ``ESPRESSO_PROFILE_OUT`` rank 0 writes
+``check.json``: the factors, each strategy's prediction (as planned, refitted) against its
+measured median, and which one stayed (and ``strategy.json`` again where the re-planned one
+or the fp32 path stayed).
 """
 
 from __future__ import annotations
@@ -193,8 +194,11 @@ def check_text(record: Mapping[str, Any]) -> str:
             f"iterations: measured {kept['measured_ms']:.1f} ms, predicted "
             f"{_off(kept['predicted_ms'], kept['measured_ms'])}")
     factors = record.get("factors")
-    if not factors:
-        text += "; no step timed alike on every rank, nothing refitted"
+    if record.get("fp32_ms") is not None:
+        text += (f"; the profiled fp32 iterations measured {record['fp32_ms']:.1f} ms: "
+                 "the fp32 path is checked next, nothing refitted")
+    elif not factors:
+        return text + "; no step timed alike on every rank, nothing refitted"
     else:
         compute = record.get("compute_factors") or {}
         text += ("; latency refitted to its steps: " + ", ".join(
@@ -204,9 +208,6 @@ def check_text(record: Mapping[str, Any]) -> str:
             + f" -> predicted {_off(record['kept_refitted_ms'], kept['measured_ms'])}; "
             f"re-planned in {record['replan_ms']:.0f} ms: "
             f"{record['replanned_predicted_ms']:.1f} ms")
-    if record.get("fp32_ms") is not None:
-        text += (f"; the profiled fp32 iterations measured {record['fp32_ms']:.1f} ms, "
-                 "the fp32 path is checked next")
     again = record["replanned"]
     if again is None:
         return text + f" (a switch needs {REPLAN_GAIN:.0%} less), the kept strategy stays"

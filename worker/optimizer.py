@@ -1022,11 +1022,12 @@ class _Sync:
                 stayed = "kept"
             self._end_check(kept, check, stayed)
             return
-        new, check.info = (self.compression.replan(self.session, check.strategy, runs)
-                           if runs else (None, {}))
         fp32 = self._fp32_faster(check)
-        if fp32 is not None:
-            new, check.info["fp32_ms"] = fp32
+        if fp32 is not None:  # measured beats predicted: no re-plan of the same model
+            new, check.info = fp32[0], {"fp32_ms": fp32[1]}
+        else:
+            new, check.info = (self.compression.replan(self.session, check.strategy, runs)
+                               if runs else (None, {}))
         if new is None:
             self._end_check(check, None, "kept")
             return
@@ -1043,8 +1044,9 @@ class _Sync:
         start-up budget had no room for one) the check is the first measurement of the planned
         strategy, and on a host whose cores the workers share a plan of many small steps can
         run well over its prediction (an fp16 transformer on loopback: predicted 97 ms,
-        measured 206, the fp32 path 131). It is checked next instead of a re-plan of the same
-        model."""
+        measured 206, the fp32 path 131). It is checked next, and the model is neither
+        refitted nor planned again: the re-plan would rank on the model just measured wrong
+        (and took 2.8 s once, on the same transformer)."""
         if self._fp32 is None or check.strategy.algorithm == "fp32":
             return None
         assert check.measured_ms is not None
