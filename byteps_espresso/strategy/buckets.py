@@ -213,7 +213,7 @@ def _member_shapes(members: Sequence[TensorProfile]) -> tuple[tuple[int, ...], .
     return tuple(s for t in members for s in t.shapes)  # type: ignore[union-attr]
 
 
-def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],
+def plan_fused(workload: Workload, plan_one: Callable[[Workload, float | None], float],
                caps: Sequence[int] = CANDIDATE_CAPS,
                first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES,
                apart: frozenset[str] = frozenset()) \
@@ -227,33 +227,35 @@ def plan_fused(workload: Workload, plan_one: Callable[[Workload], float],
     workers on 2 cores: its greedy three buckets measured 32.6 ms an iteration, the fewest,
     two, 25.9; BENCHMARKS.md, "Fewer buckets, measured").
 
+    The layouts are planned from the fewest buckets to the most: the fewer the buckets, the
+    faster their plan, and each later one is planned against the best predicted so far
+    (``plan_one``'s second argument; the planner's :attr:`PlanContext.incumbent_us`), which
+    spares the search of the slow layouts (the unfused ones, with the most gradients).
+
     Args:
         workload: the per-gradient profile (backward order).
-        plan_one: plans a fused workload, returning its predicted iteration time.
+        plan_one: plans a fused workload, given the best predicted time of the layouts
+            planned before it (None for the first), returning its predicted iteration time.
         caps: bucket caps to try (bytes); layouts that two caps produce alike are planned once.
         first_cap_bytes: the first bucket's cap, for every ``cap`` above it.
         apart: gradients fused only with each other (:func:`layout_apart`).
 
     Returns:
-        (the kept layout, [(cap, buckets, predicted) for each distinct layout planned, in the
-        order planned: the greedy ones by cap, then the fewest]); a tie keeps the layout
-        planned first (more buckets, more overlap).
+        (the kept layout, [(cap, buckets, predicted) for each distinct layout: the greedy
+        ones by cap, then the fewest]); a tie keeps the earlier of that list (more buckets,
+        more overlap).
     """
     tensors = [(t.name, t.numel) for t in workload.tensors]
     candidates = [(cap, layout_apart(tensors, cap, min(first_cap_bytes, cap) if cap else None,
                                      apart)) for cap in sorted(caps)]
     candidates.append((max(caps), fewest(tensors, caps, apart)))
-    seen: dict[tuple[Bucket, ...], float] = {}
-    tried: list[tuple[int, int, float]] = []
-    best: tuple[Bucket, ...] | None = None
-    for cap, buckets in candidates:
-        if buckets in seen:
-            continue
+    distinct = {buckets: cap for cap, buckets in reversed(candidates)}  # the first cap of each
+    predicted: dict[tuple[Bucket, ...], float] = {}
+    for buckets in sorted(distinct, key=len):
         ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart \
             else workload
-        seen[buckets] = predicted = plan_one(fuse(ordered, buckets))
-        tried.append((cap, len(buckets), predicted))
-        if best is None or predicted < seen[best]:
-            best = buckets
-    assert best is not None
-    return best, tried
+        predicted[buckets] = plan_one(fuse(ordered, buckets), min(predicted.values(),
+                                                                  default=None))
+    listed = list(dict.fromkeys(buckets for _, buckets in candidates))
+    best = min(listed, key=lambda b: (predicted[b], listed.index(b)))
+    return best, [(distinct[b], len(b), predicted[b]) for b in listed]

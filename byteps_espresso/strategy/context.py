@@ -317,6 +317,10 @@ class PlanContext:
     constraints: Constraints = field(default_factory=Constraints)
     sizes: CompressedSizes | None = None
     free_compression: bool = False
+    # An iteration time (us) another candidate of the same choice already reaches (another
+    # bucket layout's plan, buckets.plan_fused): Algorithm 2 searches only for offloads
+    # below it (search.cpu_offload). None: no such candidate.
+    incumbent_us: float | None = None
 
     def __post_init__(self) -> None:
         if self.costs is None:

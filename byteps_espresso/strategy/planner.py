@@ -87,10 +87,12 @@ def _pin(solution: baselines.Solution, pinned: frozenset[str]) -> baselines.Solu
 
 def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str, Any] | None,
          *, algorithm: str, constraints: Constraints | None, costs: CompressorCosts | None,
-         baseline_names: tuple[str, ...], pinned: frozenset[str] = frozenset()) \
+         baseline_names: tuple[str, ...], pinned: frozenset[str] = frozenset(),
+         incumbent_us: float | None = None) \
         -> tuple[Strategy, baselines.Solution, dict[str, baselines.Solution]]:
     """The algorithm's Strategy and Solution, and the Solution of every available baseline;
-    the tensors in ``pinned`` uncompressed in all of them (:func:`_pin`)."""
+    the tensors in ``pinned`` uncompressed in all of them (:func:`_pin`); ``incumbent_us``:
+    :attr:`PlanContext.incumbent_us`."""
     params = dict(params or {})
     algo = baselines.get(algorithm)
     # plan time: the model build (tree, prices, catalogue) and the search; search time: the
@@ -99,7 +101,7 @@ def _run(workload: Workload, cluster: Cluster, compressor: str, params: dict[str
     with search.gc_paused():  # the model build allocates many small objects too
         t_plan = time.perf_counter()
         ctx = PlanContext(workload, cluster, compressor, params, costs,
-                          constraints or Constraints())
+                          constraints or Constraints(), incumbent_us=incumbent_us)
         ctx.prepare()
         t0 = time.perf_counter()
         solution = _pin(algo.run(ctx), pinned)
@@ -204,12 +206,14 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
 def plan_alone(workload: Workload, cluster: Cluster, compressor: str = "randomk",
                params: dict[str, Any] | None = None, *, algorithm: str = "espresso",
                constraints: Constraints | None = None, costs: CompressorCosts | None = None,
-               pinned: frozenset[str] = frozenset()) -> tuple[Strategy, baselines.Solution]:
+               pinned: frozenset[str] = frozenset(), incumbent_us: float | None = None) \
+        -> tuple[Strategy, baselines.Solution]:
     """Like :func:`plan` without the baselines (the Strategy reports none): the algorithm's
-    strategy, timed as ``plan`` times it, and its Solution."""
+    strategy, timed as ``plan`` times it, and its Solution. ``incumbent_us``: an iteration
+    time another candidate reaches (:attr:`PlanContext.incumbent_us`)."""
     strategy, solution, _ = _run(workload, cluster, compressor, params, algorithm=algorithm,
                                  constraints=constraints, costs=costs, baseline_names=(),
-                                 pinned=pinned)
+                                 pinned=pinned, incumbent_us=incumbent_us)
     return strategy, solution
 
 
@@ -245,10 +249,11 @@ def plan_bucketed(workload: Workload, cluster: Cluster, compressor: str = "rando
     """
     base = constraints or Constraints()
 
-    def predicted_ms(fused: Workload) -> float:
+    def predicted_ms(fused: Workload, best_ms: float | None) -> float:
         return plan_alone(fused, cluster, compressor, params, algorithm=algorithm,
-                          constraints=base, costs=costs,
-                          pinned=_pinned_buckets(fused, apart))[0].predicted_ms
+                          constraints=base, costs=costs, pinned=_pinned_buckets(fused, apart),
+                          incumbent_us=None if best_ms is None else best_ms * 1e3
+                          )[0].predicted_ms
 
     buckets, tried = plan_fused(workload, predicted_ms, caps, first_cap_bytes, apart)
     ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart else workload

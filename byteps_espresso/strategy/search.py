@@ -59,9 +59,9 @@ import numpy as np
 from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.options import Device
 
-__all__ = ["GREEDY_PASSES", "OFFLOAD_NODE_LIMIT", "OPTIMALITY_GAP", "OffloadUnits", "cpu_offload",
-           "espresso", "gc_paused", "gpu_greedy", "offload_exhaustive", "offload_units",
-           "stop_us", "uniform_best"]
+__all__ = ["GREEDY_PASSES", "INCUMBENT_AFTER", "OFFLOAD_NODE_LIMIT", "OPTIMALITY_GAP",
+           "OffloadUnits", "cpu_offload", "espresso", "gc_paused", "gpu_greedy",
+           "offload_exhaustive", "offload_units", "stop_us", "uniform_best"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,14 @@ log = logging.getLogger(__name__)
 # 35,138 there, BERT on PCIe + 25 Gbit/s with efsignsgd and 2 lanes, measured 2026-12-02);
 # a stop is logged.
 OFFLOAD_NODE_LIMIT = 2_000_000
+# Nodes after which Algorithm 2, planning one of several bucket layouts, looks only for
+# offloads below the best other layout's time (PlanContext.incumbent_us). Above the 35,138
+# nodes the 8 x 8 workloads need at most, so that each layout's search stays exact where it is
+# cheap. Without the cut, on layouts whose offloads all end within about 1% of each other
+# (communication-bound iterations: ResNet50, BERT or the LSTM on 2 x 2 workers at 1 Gbit/s,
+# fp16 or efsignsgd) a layout's search ran to OFFLOAD_NODE_LIMIT, 1.4-4.5 s each, for a gain
+# of at most 0.01% (benchmarks/results/plan_layouts.json).
+INCUMBENT_AFTER = 50_000
 # Per-tensor passes of Algorithm 1. With the group moves one pass found the same or better
 # strategies than two on the 24 workload settings and 100 random instances of
 # benchmarks/plan.py (measured 2026-11-30), in less time.
@@ -262,14 +270,31 @@ def offload_units(ctx: PlanContext, choice: np.ndarray, per_step: bool = False) 
 def cpu_offload(ctx: PlanContext, choice: np.ndarray, per_step: bool = False) -> np.ndarray:
     """Algorithm 2 on ``choice`` (modified copy returned): the optimum of the traversal of
     per-unit offload counts (:func:`offload_units`), found by branch and bound
-    (:meth:`Evaluator.best_offload`) instead of simulating every combination."""
+    (:meth:`Evaluator.best_offload`) instead of simulating every combination.
+
+    With ``ctx.incumbent_us`` (another bucket layout's plan) a search that has not ended
+    after :data:`INCUMBENT_AFTER` nodes starts again, looking only below the better of its
+    best so far and that time: it then cuts against the other layout from its first node.
+    Within that many nodes it is the search without one, exact: a layout whose offloads
+    alone do not beat the other may still win after the refinements that follow (BERT,
+    2 x 2 workers at 10 Gbit/s, efsignsgd: cut from the first node, the 17 buckets that win
+    at 106.69 ms lost to 199 at 107.17)."""
     units = offload_units(ctx, choice, per_step)
     if not units.members:
         return choice.copy()
     current = ctx.iteration_us(choice)
-    best, _, nodes, complete = ctx.evaluator.best_offload(
+    incumbent = ctx.incumbent_us
+    best, t, nodes, complete = ctx.evaluator.best_offload(
         choice, units.tunit, units.tbits, table=units.table, n_units=len(units.members),
-        current=current, node_limit=OFFLOAD_NODE_LIMIT)
+        current=current,
+        node_limit=OFFLOAD_NODE_LIMIT if incumbent is None else INCUMBENT_AFTER)
+    if not complete and incumbent is not None:
+        below, t_below, more, complete = ctx.evaluator.best_offload(
+            choice, units.tunit, units.tbits, table=units.table, n_units=len(units.members),
+            current=min(t, incumbent), node_limit=OFFLOAD_NODE_LIMIT - nodes)
+        nodes += more
+        if t_below < t:
+            best = below
     if not complete:
         log.warning("Algorithm 2 stopped after %d nodes (OFFLOAD_NODE_LIMIT): its strategy is "
                     "the best found, not proven optimal", nodes)

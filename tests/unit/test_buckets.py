@@ -76,25 +76,31 @@ def test_plan_fused_keeps_the_fastest_layout_and_plans_each_layout_once():
     wl = Workload(tuple(TensorProfile(f"t{i}", 1000, 10.0) for i in range(8)))
     calls = []
 
-    def predicted(fused):  # fewer buckets are faster here, by construction
-        calls.append(len(fused.tensors))
+    def predicted(fused, best_ms):  # fewer buckets are faster here, by construction
+        calls.append((len(fused.tensors), best_ms))
         return float(len(fused.tensors))
 
-    # 4,000-byte tensors: caps 0 and 1 KiB both give singletons (planned once).
+    # 4,000-byte tensors: caps 0 and 1 KiB both give singletons (planned once). The fewest
+    # buckets are planned first, each later layout against the best predicted before it.
     best, tried = plan_fused(wl, predicted, caps=(0, KB, 8 * KB, 64 * KB), first_cap_bytes=64 * KB)
-    assert calls == [8, 4, 1] and [(c, n) for c, n, _ in tried] == [(0, 8), (8 * KB, 4),
-                                                                     (64 * KB, 1)]
+    assert calls == [(1, None), (4, 1.0), (8, 1.0)]
+    assert [(c, n) for c, n, _ in tried] == [(0, 8), (8 * KB, 4), (64 * KB, 1)]
     assert len(best) == 1 and best[0].tensors == tuple(wl.names)
     # A tie keeps the smaller cap: more buckets, more overlap.
-    best, _ = plan_fused(wl, lambda fused: 1.0, caps=(0, 64 * KB))
+    best, _ = plan_fused(wl, lambda fused, best_ms: 1.0, caps=(0, 64 * KB))
     assert best == singletons(wl.names)
     # With a small first bucket the greedy layouts keep two buckets at least; the layout of
-    # the fewest (the largest cap for the first bucket too) is planned last.
+    # the fewest (the largest cap for the first bucket too) is listed last.
     calls.clear()
     best, tried = plan_fused(wl, predicted, caps=(0, 64 * KB), first_cap_bytes=8 * KB)
-    assert calls == [8, 2, 1] and [(c, n) for c, n, _ in tried] == [(0, 8), (64 * KB, 2),
-                                                                     (64 * KB, 1)]
+    assert calls == [(1, None), (2, 1.0), (8, 1.0)]
+    assert [(c, n) for c, n, _ in tried] == [(0, 8), (64 * KB, 2), (64 * KB, 1)]
     assert best == (Bucket.of(wl.names),)
+    # The best so far is the least of those planned, whichever layout it was.
+    calls.clear()
+    plan_fused(wl, lambda fused, best_ms: calls.append(best_ms) or 10.0 - len(fused.tensors),
+               caps=(0, 8 * KB, 64 * KB), first_cap_bytes=64 * KB)
+    assert calls == [None, 9.0, 6.0]
 
 
 def _many_small_tensors() -> Workload:
@@ -110,7 +116,7 @@ def test_the_planner_prices_fusion_on_a_latency_bound_link(machines, gpus, algor
     wl = _many_small_tensors()
     cluster = Cluster.preset(machines, gpus, "pcie", 25)
 
-    def predicted(w):
+    def predicted(w, best_ms=None):
         return plan(w, cluster, "randomk", {"ratio": 0.01}, algorithm=algorithm).predicted_ms
 
     unfused = predicted(wl)
@@ -186,8 +192,9 @@ def test_pinned_tensors_stay_uncompressed_and_the_plan_is_priced_so():
 def test_plan_bucketed_equals_planning_every_layout_in_full(monkeypatch, within):
     """The start-up path picks the layout by the algorithm's plan alone and builds the
     finalists (or the plan with its baselines) for the kept layout only; the answer is the
-    same as planning every layout in full and keeping the one whose plan is fastest (the
-    finalists' first may then be faster still: a restricted run's options)."""
+    same as planning every layout in full (each against the best layout planned before it,
+    as plan_fused hands it over) and keeping the one whose plan is fastest (the finalists'
+    first may then be faster still: a restricted run's options)."""
     from byteps_espresso.strategy import planner
 
     wl = _many_small_tensors()
@@ -195,11 +202,12 @@ def test_plan_bucketed_equals_planning_every_layout_in_full(monkeypatch, within)
     params = {"ratio": 0.01}
     full = {}
 
-    def plan_fully(fused):
+    def plan_fully(fused, best_ms):
         out = (planner.plan_finalists(fused, cluster, "randomk", params, within=within)
                if within is not None else [plan(fused, cluster, "randomk", params)])
         full[tuple(fused.names)] = out
-        alone = planner.plan_alone(fused, cluster, "randomk", params)[0]
+        alone = planner.plan_alone(fused, cluster, "randomk", params, incumbent_us=None
+                                   if best_ms is None else best_ms * 1e3)[0]
         assert out[0].predicted_ms <= alone.predicted_ms + 1e-9
         return alone.predicted_ms
 

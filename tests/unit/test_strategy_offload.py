@@ -73,6 +73,31 @@ def test_branch_and_bound_is_the_exhaustive_traversal(seed, per_step, lanes):
     assert want <= ctx.iteration_us(choice) + 1e-9
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_an_incumbent_cuts_a_long_search_at_another_layout_s_time(seed, monkeypatch):
+    """With PlanContext.incumbent_us a search still open after INCUMBENT_AFTER nodes looks
+    only below it: above the traversal's optimum that changes nothing; at it the choice
+    stays, found in fewer nodes. A search that ends within INCUMBENT_AFTER nodes is exact
+    whatever the incumbent."""
+    ctx, choice = _grouped_problem(seed, lanes=2)
+    units = search.offload_units(ctx, choice, per_step=True)
+    _, want = search.offload_exhaustive(ctx, choice, per_step=True)
+    current = ctx.iteration_us(choice)
+    assert want < current  # offloading pays here: the cut is what keeps it
+    ctx.incumbent_us = want
+    assert ctx.iteration_us(search.cpu_offload(ctx, choice, True)) == pytest.approx(want,
+                                                                                    abs=1e-6)
+    monkeypatch.setattr(search, "INCUMBENT_AFTER", 1)
+    assert np.array_equal(search.cpu_offload(ctx, choice, True), choice)
+    ctx.incumbent_us = want + 1.0
+    assert ctx.iteration_us(search.cpu_offload(ctx, choice, True)) == pytest.approx(want,
+                                                                                    abs=1e-6)
+    nodes = [ctx.evaluator.best_offload(choice, units.tunit, units.tbits, table=units.table,
+                                        n_units=len(units.members), current=at)[2]
+             for at in (current, want)]
+    assert nodes[1] < nodes[0]
+
+
 def test_offload_on_lstm_8x8_matches_the_traversal():
     ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(8, 8, "pcie", 25), COMPRESSOR,
                       PARAMS)
