@@ -28,6 +28,14 @@
     it, then at least the time alone of the tree's fastest Option at its size); a plan equal
     to it is optimal under the model.
 
+(g) with --layouts only: what ``Compression.espresso`` plans at start-up
+    (``planner.plan_bucketed`` with the trials' finalists, as worker/profiler.py calls it) on
+    the runtime's cluster shape, 2 machines x 2 workers, 2 servers, 2 lanes, PCIe, at 1 and
+    10 Gbit/s, for the built-in workloads and the three compressors: each cell planned with
+    Algorithm 2 cut at the best layout so far (``search.INCUMBENT_AFTER``, the default) and
+    without the cut (every search to ``OFFLOAD_NODE_LIMIT``), side by side; the strategies
+    and predictions compared, the wall time of each.
+
 Prints the tables and writes benchmarks/results/plan.json (--startup: plan_startup.json).
 
     .venv/bin/python benchmarks/plan.py [--instances 200] [--runs 5]
@@ -35,6 +43,7 @@ Prints the tables and writes benchmarks/results/plan.json (--startup: plan_start
     .venv/bin/python benchmarks/plan.py --time-only [--runs 5]   # (c) alone: plan_time.json
     .venv/bin/python benchmarks/plan.py --startup [--runs 5] [--cold-runs 1]
     .venv/bin/python benchmarks/plan.py --bound   # (f) alone: plan_bound.json
+    .venv/bin/python benchmarks/plan.py --layouts   # (g) alone: plan_layouts.json
 """
 
 from __future__ import annotations
@@ -53,9 +62,9 @@ from pathlib import Path
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Workload, baselines, search
 from byteps_espresso.strategy.cli import RUNTIME_LANES
-from byteps_espresso.strategy.context import PlanContext, clear_model_cache
+from byteps_espresso.strategy.context import PlanContext, clear_model_cache, load_kernels
 from byteps_espresso.strategy.instances import random_instance
-from byteps_espresso.strategy.planner import REPORTED_BASELINES, plan_alone
+from byteps_espresso.strategy.planner import REPORTED_BASELINES, plan_alone, plan_bucketed
 
 SETTINGS = {
     "nvlink-100G": dict(intra="nvlink", inter_gbps=100.0),
@@ -83,6 +92,13 @@ OFFLOAD_RESULTS = RESULTS.with_name("plan_offload.json")
 TIME_RESULTS = RESULTS.with_name("plan_time.json")
 STARTUP_RESULTS = RESULTS.with_name("plan_startup.json")
 BOUND_RESULTS = RESULTS.with_name("plan_bound.json")
+LAYOUTS_RESULTS = RESULTS.with_name("plan_layouts.json")
+# (g): the workloads (the LSTM to UGATIT: GPT-2's and ResNet101's plans at 2 x 2 add minutes
+# and no other kind of case) and the link speeds, Gbit/s.
+LAYOUT_WORKLOADS = ("lstm", "vgg16", "resnet50", "bert", "ugatit")
+LAYOUT_GBPS = (1.0, 10.0)
+# The trials' `within` (worker/trials.py MODEL_ERROR, what worker/profiler.py passes).
+LAYOUT_WITHIN = 2.5
 # The main job's measured profile (workload, cluster, costs) and what its trials keep
 # (worker/profiler.py's _TRIAL_WITHIN: finalists predicted within 2.5x of the plan).
 PROFILE = RESULTS.with_name("calibrate.json")
@@ -407,6 +423,75 @@ def print_startup(rows: list[dict]) -> None:
               f"{', '.join(f'{a} {ms:.2f}' for a, ms in r['finalists'])}")
 
 
+def _plan_layouts(workload: Workload, cluster: Cluster, compressor: str, params: dict,
+                  cut: bool) -> dict:
+    """(g) one cell, with or without Algorithm 2's cut at the best layout so far."""
+    saved = search.INCUMBENT_AFTER
+    search.INCUMBENT_AFTER = saved if cut else search.OFFLOAD_NODE_LIMIT
+    clear_model_cache()  # each run prices its models, as a job's start-up does
+    try:
+        t0 = time.perf_counter()
+        buckets, tried, finalists = plan_bucketed(workload, cluster, compressor, params,
+                                                  within=LAYOUT_WITHIN)
+        ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        search.INCUMBENT_AFTER = saved
+    return {"plan_ms": ms, "buckets": len(buckets), "layouts": tried,
+            "finalists": [(s.algorithm, s.predicted_ms,
+                           sorted((n, str(o)) for n, o in s.options.items()))
+                          for s in finalists]}
+
+
+def layouts_only() -> list[dict]:
+    """(g): every cell planned with the cut, then without it."""
+    load_kernels()  # loaded once per process, before the clocks (as the runtime does)
+    # ... and what the first plans of each compressor still load or specialize (0.1-0.8 s,
+    # which would land on the first cell's plan with the cut): one untimed plan each.
+    for compressor, params in COMPRESSORS.items():
+        for gbps in LAYOUT_GBPS:
+            plan_bucketed(Workload.builtin("lstm"), Cluster.preset(2, 2, "pcie", gbps,
+                                                                   servers=2, lanes=2),
+                          compressor, dict(params), within=LAYOUT_WITHIN)
+    rows = []
+    for model in LAYOUT_WORKLOADS:
+        workload = Workload.builtin(model)
+        for gbps in LAYOUT_GBPS:
+            cluster = Cluster.preset(2, 2, "pcie", gbps, servers=2, lanes=2)
+            for compressor, params in COMPRESSORS.items():
+                cut = _plan_layouts(workload, cluster, compressor, dict(params), cut=True)
+                full = _plan_layouts(workload, cluster, compressor, dict(params), cut=False)
+                rows.append({"workload": model, "gbps": gbps, "compressor": compressor,
+                             "cut": cut, "uncut": full, "plans": _compared(cut, full)})
+                print(f"{model:9} {gbps:>4g} {compressor:10} cut {cut['plan_ms']:8.0f} ms, "
+                      f"without {full['plan_ms']:8.0f} ms, predicted "
+                      f"{cut['finalists'][0][1]:.3f} / {full['finalists'][0][1]:.3f} ms: "
+                      f"{rows[-1]['plans']}", flush=True)
+    return rows
+
+
+def _compared(cut: dict, full: dict) -> str:
+    """``same`` (the same layout and finalists, each predicted alike), else whether the
+    plan with the cut is predicted ``faster`` or ``slower`` than the one without."""
+    if cut["finalists"] == full["finalists"] and cut["buckets"] == full["buckets"]:
+        return "same"
+    return "faster" if cut["finalists"][0][1] < full["finalists"][0][1] else "slower"
+
+
+def print_layouts(rows: list[dict]) -> None:
+    print("\n(g) start-up plans on 2 x 2 workers, 2 servers, 2 lanes (layouts and finalists), "
+          "with and without Algorithm 2's cut at the best layout so far")
+    print(f"{'workload':9} {'Gbit/s':>6} {'compressor':10} {'buckets':>7} {'predicted':>9} "
+          f"{'uncut':>9} {'cut ms':>8} {'uncut ms':>8} {'ratio':>6} plan with the cut")
+    for r in rows:
+        cut, full = r["cut"], r["uncut"]
+        print(f"{r['workload']:9} {r['gbps']:>6g} {r['compressor']:10} {cut['buckets']:>7} "
+              f"{cut['finalists'][0][1]:>9.3f} {full['finalists'][0][1]:>9.3f} "
+              f"{cut['plan_ms']:>8.0f} {full['plan_ms']:>8.0f} "
+              f"{full['plan_ms'] / cut['plan_ms']:>5.1f}x {r['plans']}")
+    print(", ".join(f"{sum(r['plans'] == k for r in rows)}/{len(rows)} {k}"
+                    for k in ("same", "faster", "slower")))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--instances", type=int, default=200)
@@ -422,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bound", action="store_true",
                         help="only (f): each cell's plan against a lower bound of every "
                              "strategy")
+    parser.add_argument("--layouts", action="store_true",
+                        help="only (g): start-up plans on the runtime's 2 x 2 cluster, with "
+                             "and without Algorithm 2's cut at the best layout so far")
     parser.add_argument("--startup-child", metavar="COMPRESSOR", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -432,10 +520,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.startup:
         return _only(lambda: startup(args.runs, args.cold_runs), print_startup,
                      args.out or str(STARTUP_RESULTS), command, key="startup")
-    if args.bound:
-        return _only(bound_only, print_bound, args.out or str(BOUND_RESULTS), command)
-    if args.offload_only:
-        return _only(offload_only, print_offload, args.out or str(OFFLOAD_RESULTS), command)
+    # one table alone: (rows, printer, default output)
+    alone = {"bound": (bound_only, print_bound, BOUND_RESULTS),
+             "offload_only": (offload_only, print_offload, OFFLOAD_RESULTS),
+             "layouts": (layouts_only, print_layouts, LAYOUTS_RESULTS)}
+    for flag, (rows_of, printer, default) in alone.items():
+        if getattr(args, flag):
+            return _only(rows_of, printer, args.out or str(default), command)
     t0 = time.time()
     warm = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2), "randomk",
                        {"ratio": 0.01})

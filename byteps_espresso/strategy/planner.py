@@ -128,14 +128,16 @@ def plan_with_timelines(workload: Workload, cluster: Cluster, compressor: str = 
                         constraints: Constraints | None = None,
                         costs: CompressorCosts | None = None,
                         baseline_names: tuple[str, ...] = REPORTED_BASELINES,
-                        pinned: frozenset[str] = frozenset(), bound: bool = False) \
+                        pinned: frozenset[str] = frozenset(), bound: bool = False,
+                        incumbent_us: float | None = None) \
         -> tuple[Strategy, dict[str, Timeline]]:
     """Like :func:`plan`, also returning the timelines of the chosen strategy ("chosen") and
     of the fp32 baseline ("fp32", when available); ``bound``: report the lower bound of every
     strategy (``Strategy.lower_bound_ms``)."""
     strategy, solution, others = _run(workload, cluster, compressor, params,
                                       algorithm=algorithm, constraints=constraints, costs=costs,
-                                      baseline_names=baseline_names, pinned=pinned)
+                                      baseline_names=baseline_names, pinned=pinned,
+                                      incumbent_us=incumbent_us)
     if bound:  # outside the plan's clock: the search prices it only where it does not stop
         # at the floor first (pinned tensors only raise the optimum above it)
         strategy = replace(strategy, lower_bound_ms=solution.ctx.bound_us / 1e3)
@@ -151,7 +153,8 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
                    params: dict[str, Any] | None = None, *, within: float,
                    algorithm: str = "espresso", constraints: Constraints | None = None,
                    costs: CompressorCosts | None = None,
-                   pinned: frozenset[str] = frozenset()) -> list[Strategy]:
+                   pinned: frozenset[str] = frozenset(),
+                   incumbent_us: float | None = None) -> list[Strategy]:
     """The planned strategy first, then the alternatives predicted within ``within`` times
     its iteration time, fastest first, each option set once. The planned strategy is the
     algorithm's, or the options of a restricted run of it where that predicts faster (a
@@ -162,11 +165,14 @@ def plan_finalists(workload: Workload, cluster: Cluster, compressor: str = "rand
     (``worker.trials``): where the model's error may exceed the gap between strategies,
     running the finalists for a few iterations decides between them. Each finalist is a
     Strategy of its own (``algorithm`` names it) with the plan's reported baselines.
+    ``incumbent_us``: an iteration time the plan is known to reach
+    (:attr:`PlanContext.incumbent_us`; not the restricted runs', which may be slower).
     """
     base = constraints or Constraints()
     strategy, _, others = _run(workload, cluster, compressor, params, algorithm=algorithm,
                                constraints=base, costs=costs,
-                               baseline_names=REPORTED_BASELINES, pinned=pinned)
+                               baseline_names=REPORTED_BASELINES, pinned=pinned,
+                               incumbent_us=incumbent_us)
     alternatives = [(name, _options(workload, sol),
                      sol.iteration_us / 1e3, base)
                     for name, sol in others.items() if name in RUNNABLE_BASELINES]
@@ -259,12 +265,17 @@ def plan_bucketed(workload: Workload, cluster: Cluster, compressor: str = "rando
     ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart else workload
     fused = fuse(ordered, buckets)
     pinned = _pinned_buckets(fused, apart)
+    # The kept layout's plan again, with its baselines or finalists: it reaches the time its
+    # plan above did, so a long search of Algorithm 2 cuts there.
+    reached_us = min(ms for _, _, ms in tried) * 1e3
     if within is not None:
         return buckets, tried, plan_finalists(fused, cluster, compressor, params, within=within,
                                               algorithm=algorithm, constraints=base,
-                                              costs=costs, pinned=pinned)
+                                              costs=costs, pinned=pinned,
+                                              incumbent_us=reached_us)
     return buckets, tried, [plan(fused, cluster, compressor, params, algorithm=algorithm,
-                                 constraints=base, costs=costs, pinned=pinned)]
+                                 constraints=base, costs=costs, pinned=pinned,
+                                 incumbent_us=reached_us)]
 
 
 def plan_fewest_buckets(workload: Workload, cluster: Cluster, compressor: str = "randomk",
@@ -300,7 +311,7 @@ def plan_fewest_buckets(workload: Workload, cluster: Cluster, compressor: str = 
 def plan(workload: Workload, cluster: Cluster, compressor: str = "randomk",
          params: dict[str, Any] | None = None, *, algorithm: str = "espresso",
          constraints: Constraints | None = None, costs: CompressorCosts | None = None,
-         pinned: frozenset[str] = frozenset()) -> Strategy:
+         pinned: frozenset[str] = frozenset(), incumbent_us: float | None = None) -> Strategy:
     """Plan a per-tensor strategy.
 
     Args:
@@ -311,6 +322,8 @@ def plan(workload: Workload, cluster: Cluster, compressor: str = "randomk",
         constraints: prune the decision tree.
         costs: compression cost profile (default: the shipped, measured one).
         pinned: tensors kept uncompressed (``Compression.espresso(exclude=...)``).
+        incumbent_us: an iteration time known to be reachable (another plan's):
+            :attr:`PlanContext.incumbent_us`.
 
     Returns:
         The Strategy with its predicted iteration time and the baselines' times.
@@ -321,5 +334,5 @@ def plan(workload: Workload, cluster: Cluster, compressor: str = "randomk",
     """
     strategy, _ = plan_with_timelines(workload, cluster, compressor, params,
                                       algorithm=algorithm, constraints=constraints, costs=costs,
-                                      pinned=pinned)
+                                      pinned=pinned, incumbent_us=incumbent_us)
     return strategy

@@ -59,9 +59,9 @@ import numpy as np
 from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.options import Device
 
-__all__ = ["GREEDY_PASSES", "INCUMBENT_AFTER", "OFFLOAD_NODE_LIMIT", "OPTIMALITY_GAP",
-           "OffloadUnits", "cpu_offload", "espresso", "gc_paused", "gpu_greedy",
-           "offload_exhaustive", "offload_units", "stop_us", "uniform_best"]
+__all__ = ["GREEDY_PASSES", "INCUMBENT_AFTER", "INCUMBENT_NODES", "OFFLOAD_NODE_LIMIT",
+           "OPTIMALITY_GAP", "OffloadUnits", "cpu_offload", "espresso", "gc_paused",
+           "gpu_greedy", "offload_exhaustive", "offload_units", "stop_us", "uniform_best"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,11 @@ OFFLOAD_NODE_LIMIT = 2_000_000
 # fp16 or efsignsgd) a layout's search ran to OFFLOAD_NODE_LIMIT, 1.4-4.5 s each, for a gain
 # of at most 0.01% (benchmarks/results/plan_layouts.json).
 INCUMBENT_AFTER = 50_000
+# The nodes of that second search at most (a stop is logged, as OFFLOAD_NODE_LIMIT's): on the
+# 30 layouts-and-finalists plans of benchmarks/plan.py --layouts it changed no strategy and
+# no predicted time against OFFLOAD_NODE_LIMIT, and the slowest of them planned in 1.7-3.0 s
+# instead of 13-15 s (2026-12-05).
+INCUMBENT_NODES = 200_000
 # Per-tensor passes of Algorithm 1. With the group moves one pass found the same or better
 # strategies than two on the 24 workload settings and 100 random instances of
 # benchmarks/plan.py (measured 2026-11-30), in less time.
@@ -291,13 +296,14 @@ def cpu_offload(ctx: PlanContext, choice: np.ndarray, per_step: bool = False) ->
     if not complete and incumbent is not None:
         below, t_below, more, complete = ctx.evaluator.best_offload(
             choice, units.tunit, units.tbits, table=units.table, n_units=len(units.members),
-            current=min(t, incumbent), node_limit=OFFLOAD_NODE_LIMIT - nodes)
+            current=min(t, incumbent), node_limit=INCUMBENT_NODES)
         nodes += more
         if t_below < t:
             best = below
     if not complete:
-        log.warning("Algorithm 2 stopped after %d nodes (OFFLOAD_NODE_LIMIT): its strategy is "
-                    "the best found, not proven optimal", nodes)
+        log.warning("Algorithm 2 stopped after %d nodes (%s): its strategy is the best found, "
+                    "not proven optimal", nodes,
+                    "OFFLOAD_NODE_LIMIT" if incumbent is None else "INCUMBENT_NODES")
     return best
 
 
