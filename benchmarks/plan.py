@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -436,10 +437,10 @@ def _plan_layouts(workload: Workload, cluster: Cluster, compressor: str, params:
         ms = (time.perf_counter() - t0) * 1e3
     finally:
         search.INCUMBENT_AFTER = saved
+    # each finalist's Options as a checksum: the comparison needs no more, the JSON stays small
     return {"plan_ms": ms, "buckets": len(buckets), "layouts": tried,
-            "finalists": [(s.algorithm, s.predicted_ms,
-                           sorted((n, str(o)) for n, o in s.options.items()))
-                          for s in finalists]}
+            "finalists": [(s.algorithm, s.predicted_ms, zlib.crc32(repr(sorted(
+                (n, str(o)) for n, o in s.options.items())).encode())) for s in finalists]}
 
 
 def layouts_only() -> list[dict]:

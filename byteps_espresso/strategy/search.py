@@ -75,14 +75,17 @@ OFFLOAD_NODE_LIMIT = 2_000_000
 # offloads below the best other layout's time (PlanContext.incumbent_us). Above the 35,138
 # nodes the 8 x 8 workloads need at most, so that each layout's search stays exact where it is
 # cheap. Without the cut, on layouts whose offloads all end within about 1% of each other
-# (communication-bound iterations: ResNet50, BERT or the LSTM on 2 x 2 workers at 1 Gbit/s,
-# fp16 or efsignsgd) a layout's search ran to OFFLOAD_NODE_LIMIT, 1.4-4.5 s each, for a gain
-# of at most 0.01% (benchmarks/results/plan_layouts.json).
+# (communication-bound iterations: ResNet50, BERT or UGATIT on 2 x 2 workers with lanes at
+# 1 Gbit/s) a layout's search ran to OFFLOAD_NODE_LIMIT, 1.4-4.5 s each; ResNet50 with fp16
+# gained 0.01% from its offloads on the one such layout whose search ended
+# (BENCHMARKS.md, "Bucket layouts planned against the best so far").
 INCUMBENT_AFTER = 50_000
-# The nodes of that second search at most (a stop is logged, as OFFLOAD_NODE_LIMIT's): on the
-# 30 layouts-and-finalists plans of benchmarks/plan.py --layouts it changed no strategy and
-# no predicted time against OFFLOAD_NODE_LIMIT, and the slowest of them planned in 1.7-3.0 s
-# instead of 13-15 s (2026-12-05).
+# The nodes of that second search at most (a stop is logged, as OFFLOAD_NODE_LIMIT's): on 30
+# start-up plans (LSTM, VGG16, ResNet50, BERT, UGATIT x 1 and 10 Gbit/s x fp16, efsignsgd,
+# random-k; 2 x 2 workers with lanes) it changed no strategy and no predicted time against
+# OFFLOAD_NODE_LIMIT there, and the slowest (fp16 at 1 Gbit/s) planned in 1.8-3.0 s instead
+# of 12.9-14.9 s (2026-12-05; BENCHMARKS.md, "Bucket layouts planned against the best so
+# far").
 INCUMBENT_NODES = 200_000
 # Per-tensor passes of Algorithm 1. With the group moves one pass found the same or better
 # strategies than two on the 24 workload settings and 100 random instances of
