@@ -62,24 +62,20 @@ def test_workers_stay_identical_and_match_single_process(tmp_path, cluster, case
     else:  # no scheduler: rank 0 hosts the store
         cluster.run_workers("optimizer_worker.py", args, root_port=cluster.free_port_pair(),
                             timeout=150)
-    expected = _expected(passes, steps)
-    for step in range(steps):
-        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
-        for r in range(1, WORLD):
-            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
-        np.testing.assert_allclose(got[0], expected[step], rtol=rtol, atol=rtol)
+    _ranks_identical(tmp_path, steps)
+    for step, want in enumerate(_expected(passes, steps)):
+        np.testing.assert_allclose(np.load(tmp_path / f"params_{step}_0.npy"), want, rtol=rtol,
+                                   atol=rtol)
     for r in range(WORLD):
         assert np.array_equal(np.load(tmp_path / f"ranks_{r}.npy"), np.full(5, 6.0, np.float32))
 
 
 def _check_exact(out: Path, steps: int, width: int = 33) -> None:
     """Every rank's parameters after every step are identical and match _expected."""
-    expected = _expected(1, steps, width)
-    for step in range(steps):
-        got = [np.load(out / f"params_{step}_{r}.npy") for r in range(WORLD)]
-        for r in range(1, WORLD):
-            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
-        np.testing.assert_allclose(got[0], expected[step], rtol=1e-5, atol=1e-5)
+    _ranks_identical(out, steps)
+    for step, want in enumerate(_expected(1, steps, width)):
+        np.testing.assert_allclose(np.load(out / f"params_{step}_0.npy"), want, rtol=1e-5,
+                                   atol=1e-5)
 
 
 @pytest.mark.timeout(200)
@@ -88,9 +84,7 @@ def test_dgc_recipe_moves_momentum_before_communication_exactly(tmp_path, cluste
     velocity and SGD steps without momentum, which is SGD with momentum on the average."""
     steps = 4
     env = {"ESPRESSO_PROFILE_STEPS": str(steps + 1)}
-    with cluster.ps_job(servers=1) as root:
-        cluster.run_workers("optimizer_worker.py", [str(tmp_path), "dgc", "1", str(steps)],
-                            root_port=root, servers=1, timeout=150, extra_env=env)
+    _train(tmp_path, cluster, "dgc", steps, env)
     # the optimizer stepped without momentum: the workers' velocities carried it
     assert {(tmp_path / f"momentum_{r}.txt").read_text() for r in range(WORLD)} == {"0.0"}
     _check_exact(tmp_path, steps)
@@ -110,9 +104,7 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
     exact, and the plan after the last step uses the probes."""
     out = tmp_path / "profile"
     env = {"ESPRESSO_PROFILE_STEPS": str(steps), "ESPRESSO_PROFILE_OUT": str(out)}
-    with cluster.ps_job(servers=1) as root:
-        cluster.run_workers("optimizer_worker.py", [str(tmp_path), compression, "1", str(steps)],
-                            root_port=root, servers=1, timeout=150, extra_env=env)
+    _train(tmp_path, cluster, compression, steps, env)
     wide = compression == "espresso-traffic"
     _check_exact(tmp_path, steps, worker.WIDE if wide else 33)
     if steps > 1:  # what the PS path was inverted from
@@ -153,14 +145,27 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
     assert all(t["ready_gap_us"] >= 0 for t in workload["tensors"])
 
 
-def _run_trials(tmp_path, cluster, compression, steps):
-    """2 profiled steps, then trials of 2 steps per finalist; files under tmp_path/profile."""
-    env = {"ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "2",
-           "ESPRESSO_PROFILE_OUT": str(tmp_path / "profile")}
+def _train(tmp_path, cluster, compression, steps, env):
+    """The workers train ``steps`` steps of ``compression`` with one server."""
     with cluster.ps_job(servers=1) as root:
         cluster.run_workers("optimizer_worker.py",
                             [str(tmp_path), compression, "1", str(steps)],
                             root_port=root, servers=1, timeout=150, extra_env=env)
+
+
+def _ranks_identical(out: Path, steps: int) -> None:
+    """Every rank's parameters after every step are bit-identical to rank 0's."""
+    for step in range(steps):
+        got = [np.load(out / f"params_{step}_{r}.npy") for r in range(WORLD)]
+        for r in range(1, WORLD):
+            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+
+
+def _run_trials(tmp_path, cluster, compression, steps):
+    """2 profiled steps, then trials of 2 steps per finalist; files under tmp_path/profile."""
+    _train(tmp_path, cluster, compression, steps,
+           {"ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "2",
+            "ESPRESSO_PROFILE_OUT": str(tmp_path / "profile")})
 
 
 @pytest.mark.timeout(200)
@@ -173,13 +178,10 @@ def test_trials_switch_strategies_in_step_and_every_rank_keeps_the_same(tmp_path
     out = tmp_path / "profile"
     steps = 2 + 2 * 7 + 2
     _run_trials(tmp_path, cluster, "espresso-trials", steps)
-    expected = _expected(1, 2)
-    for step in range(steps):
-        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
-        for r in range(1, WORLD):
-            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
-        if step < 2:
-            np.testing.assert_allclose(got[0], expected[step], rtol=1e-5, atol=1e-5)
+    _ranks_identical(tmp_path, steps)
+    for step, want in enumerate(_expected(1, 2)):  # the profiled steps
+        np.testing.assert_allclose(np.load(tmp_path / f"params_{step}_0.npy"), want, rtol=1e-5,
+                                   atol=1e-5)
     trials = json.loads((out / "trials.json").read_text())
     finalists = trials["finalists"]
     assert finalists[0]["algorithm"] == "espresso" and len(finalists) >= 2
@@ -197,10 +199,7 @@ def test_the_fewest_buckets_are_a_layout_the_trials_measure(tmp_path, cluster):
     out = tmp_path / "profile"
     steps = 2 + 2 * 7 + 2
     _run_trials(tmp_path, cluster, "espresso-fewest", steps)
-    for step in range(steps):
-        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
-        for r in range(1, WORLD):
-            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+    _ranks_identical(tmp_path, steps)
     finalists = json.loads((out / "trials.json").read_text())["finalists"]
     fewest = [f for f in finalists if f["algorithm"] == "espresso/fewest-buckets"]
     # The two weight matrices share a bucket only on the fewest buckets.
@@ -226,13 +225,8 @@ def test_the_kept_strategy_is_checked_and_every_rank_trains_on_the_one_that_stay
     env = {"ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "0",
            "ESPRESSO_CHECK_STEPS": "3", "ESPRESSO_PROFILE_OUT": str(out)}
     steps = 2 + 3 + 3 + 2
-    with cluster.ps_job(servers=1) as root:
-        cluster.run_workers("optimizer_worker.py", [str(tmp_path), "espresso", "1", str(steps)],
-                            root_port=root, servers=1, timeout=150, extra_env=env)
-    for step in range(steps):
-        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
-        for r in range(1, WORLD):
-            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+    _train(tmp_path, cluster, "espresso", steps, env)
+    _ranks_identical(tmp_path, steps)
     check = json.loads((out / "check.json").read_text())
     kept = check["kept"]
     assert (check["start"], check["steps"], len(kept["iteration_ms"])) == (2, 3, 3)
@@ -280,14 +274,8 @@ def test_a_kept_strategy_measured_slower_than_the_profiled_fp32_path_gives_way_t
     env = {"ESPRESSO_PROFILE_STEPS": "4", "ESPRESSO_STARTUP_BUDGET": "0",
            "ESPRESSO_CHECK_STEPS": "3", "ESPRESSO_PROFILE_OUT": str(out)}
     steps = 4 + 3 + 3 + 2
-    with cluster.ps_job(servers=1) as root:
-        cluster.run_workers("optimizer_worker.py",
-                            [str(tmp_path), "espresso-slowed", "1", str(steps)],
-                            root_port=root, servers=1, timeout=150, extra_env=env)
-    for step in range(steps):
-        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
-        for r in range(1, WORLD):
-            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+    _train(tmp_path, cluster, "espresso-slowed", steps, env)
+    _ranks_identical(tmp_path, steps)
     trials = json.loads((out / "trials.json").read_text())
     assert trials["kept"] == "espresso"
     assert all(f["measured_ms"] is None for f in trials["finalists"] if not f["profiled"])
@@ -315,10 +303,7 @@ def test_trials_wait_for_the_compressors_warm_up(tmp_path, cluster):
     out = tmp_path / "profile"
     steps = worker.WARMUP + 2 * 7 + 2
     _run_trials(tmp_path, cluster, "espresso-warmup", steps)
-    for step in range(steps):
-        got = [np.load(tmp_path / f"params_{step}_{r}.npy") for r in range(WORLD)]
-        for r in range(1, WORLD):
-            assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
+    _ranks_identical(tmp_path, steps)
     trials = json.loads((out / "trials.json").read_text())
     assert trials["start"] == worker.WARMUP
     measured = [f for f in trials["finalists"] if not f["profiled"]]
