@@ -7,6 +7,7 @@ interpreter exit). At the end each rank writes OUT_DIR/api_RANK.json with digest
 optimizer state and parameters after the resume pattern, for the test to compare.
 """
 
+import gc
 import hashlib
 import json
 import sys
@@ -187,6 +188,7 @@ def resume(r: int, out: Path) -> dict:
 def main() -> None:
     out = Path(sys.argv[1])
     bps.init()
+    assert gc.get_freeze_count() > 0  # the imports are out of the cyclic collector's reach
     r, world = bps.rank(), bps.size()
     total = float(sum(k + 1 for k in range(world)))
     assert bps.is_initialized()
