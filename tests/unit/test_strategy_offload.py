@@ -1,6 +1,8 @@
 """Algorithm 2 and device placements: priced like the walk, exact against the traversal,
 and every Option of the tree reachable."""
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -74,7 +76,7 @@ def test_branch_and_bound_is_the_exhaustive_traversal(seed, per_step, lanes):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_an_incumbent_cuts_a_long_search_at_another_layout_s_time(seed, monkeypatch):
+def test_an_incumbent_cuts_a_long_search_at_another_layout_s_time(seed, monkeypatch, caplog):
     """With PlanContext.incumbent_us a search still open after INCUMBENT_AFTER nodes looks
     only below it: above the traversal's optimum that changes nothing; at it the choice
     stays, found in fewer nodes. A search that ends within INCUMBENT_AFTER nodes is exact
@@ -89,6 +91,14 @@ def test_an_incumbent_cuts_a_long_search_at_another_layout_s_time(seed, monkeypa
                                                                                     abs=1e-6)
     monkeypatch.setattr(search, "INCUMBENT_AFTER", 1)
     assert np.array_equal(search.cpu_offload(ctx, choice, True), choice)
+    # a stop of the cut search is logged at INFO: it is bounded by design
+    nodes_cut = search.INCUMBENT_NODES
+    monkeypatch.setattr(search, "INCUMBENT_NODES", 1)
+    with caplog.at_level(logging.INFO, logger=search.__name__):
+        search.cpu_offload(ctx, choice, True)
+    assert [r.levelno for r in caplog.records if "INCUMBENT_NODES" in r.message] == \
+        [logging.INFO]
+    monkeypatch.setattr(search, "INCUMBENT_NODES", nodes_cut)
     ctx.incumbent_us = want + 1.0
     assert ctx.iteration_us(search.cpu_offload(ctx, choice, True)) == pytest.approx(want,
                                                                                     abs=1e-6)
