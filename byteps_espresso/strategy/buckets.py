@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from byteps_espresso.strategy.workload import TensorProfile, Workload
 
 __all__ = ["CANDIDATE_CAPS", "DEFAULT_CAP_BYTES", "DEFAULT_FIRST_CAP_BYTES", "Bucket",
-           "BucketError", "MiB", "check_layout", "fewest", "fuse", "layout", "layout_apart",
+           "BucketError", "MiB", "check_layout", "fewest", "fuse", "fuse_apart", "layout",
+           "layout_apart",
            "plan_fused", "reorder", "singletons"]
 
 MiB = 1 << 20
@@ -206,6 +207,16 @@ def fuse(workload: Workload, buckets: Sequence[Bucket]) -> Workload:
     return Workload(tensors, workload.forward_us, workload.model, workload.source)
 
 
+def fuse_apart(workload: Workload, buckets: Sequence[Bucket],
+               apart: frozenset[str] = frozenset()) -> Workload:
+    """The workload the planner sees for a layout of :func:`layout_apart` with ``apart``: the
+    gradients submitted in the layout's order where ``apart`` moved some (:func:`reorder`),
+    then fused (:func:`fuse`)."""
+    if apart:
+        workload = reorder(workload, [n for b in buckets for n in b.tensors])
+    return fuse(workload, buckets)
+
+
 def _member_shapes(members: Sequence[TensorProfile]) -> tuple[tuple[int, ...], ...] | None:
     """The shapes of a bucket's members in buffer order (None when one is unknown)."""
     if any(t.shapes is None for t in members):
@@ -252,10 +263,8 @@ def plan_fused(workload: Workload, plan_one: Callable[[Workload, float | None], 
     distinct = {buckets: cap for cap, buckets in reversed(candidates)}  # the first cap of each
     predicted: dict[tuple[Bucket, ...], float] = {}
     for buckets in sorted(distinct, key=len):
-        ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart \
-            else workload
-        predicted[buckets] = plan_one(fuse(ordered, buckets), min(predicted.values(),
-                                                                  default=None))
+        predicted[buckets] = plan_one(fuse_apart(workload, buckets, apart),
+                                      min(predicted.values(), default=None))
     listed = list(dict.fromkeys(buckets for _, buckets in candidates))
-    best = min(listed, key=lambda b: (predicted[b], listed.index(b)))
+    best = min(listed, key=predicted.__getitem__)  # the first of equals: more buckets
     return best, [(distinct[b], len(b), predicted[b]) for b in listed]

@@ -21,9 +21,8 @@ from byteps_espresso.strategy.buckets import (
     DEFAULT_FIRST_CAP_BYTES,
     Bucket,
     fewest,
-    fuse,
+    fuse_apart,
     plan_fused,
-    reorder,
 )
 from byteps_espresso.strategy.cluster import Cluster
 from byteps_espresso.strategy.compressor_costs import CompressorCosts
@@ -262,8 +261,7 @@ def plan_bucketed(workload: Workload, cluster: Cluster, compressor: str = "rando
                           )[0].predicted_ms
 
     buckets, tried = plan_fused(workload, predicted_ms, caps, first_cap_bytes, apart)
-    ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart else workload
-    fused = fuse(ordered, buckets)
+    fused = fuse_apart(workload, buckets, apart)
     pinned = _pinned_buckets(fused, apart)
     # The kept layout's plan again, with its baselines or finalists: it reaches the time its
     # plan above did, so a long search of Algorithm 2 cuts there.
@@ -299,8 +297,7 @@ def plan_fewest_buckets(workload: Workload, cluster: Cluster, compressor: str = 
     (BENCHMARKS.md, "Fewer buckets, measured")."""
     base = constraints or Constraints()
     buckets = fewest([(t.name, t.numel) for t in workload.tensors], caps, apart)
-    ordered = reorder(workload, [n for b in buckets for n in b.tensors]) if apart else workload
-    fused = fuse(ordered, buckets)
+    fused = fuse_apart(workload, buckets, apart)
     strategy, _ = plan_alone(fused, cluster, compressor, params, algorithm=algorithm,
                              constraints=base, costs=costs,
                              pinned=_pinned_buckets(fused, apart))

@@ -48,6 +48,7 @@ size. A tensor that took another option then tries its placements.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -290,16 +291,16 @@ def cpu_offload(ctx: PlanContext, choice: np.ndarray, per_step: bool = False) ->
     units = offload_units(ctx, choice, per_step)
     if not units.members:
         return choice.copy()
-    current = ctx.iteration_us(choice)
+    search_below = functools.partial(ctx.evaluator.best_offload, choice, units.tunit,
+                                     units.tbits, table=units.table,
+                                     n_units=len(units.members))
     incumbent = ctx.incumbent_us
-    best, t, nodes, complete = ctx.evaluator.best_offload(
-        choice, units.tunit, units.tbits, table=units.table, n_units=len(units.members),
-        current=current,
+    best, t, nodes, complete = search_below(
+        current=ctx.iteration_us(choice),
         node_limit=OFFLOAD_NODE_LIMIT if incumbent is None else INCUMBENT_AFTER)
     if not complete and incumbent is not None:
-        below, t_below, more, complete = ctx.evaluator.best_offload(
-            choice, units.tunit, units.tbits, table=units.table, n_units=len(units.members),
-            current=min(t, incumbent), node_limit=INCUMBENT_NODES)
+        below, t_below, more, complete = search_below(current=min(t, incumbent),
+                                                      node_limit=INCUMBENT_NODES)
         nodes += more
         if t_below < t:
             best = below
