@@ -1231,12 +1231,14 @@ class EspressoSpec(CompressionSpec):
                   apart: frozenset[str], caps: Sequence[int]) -> list[Any]:
         """The finalists of ``plan_bucketed`` (on ``planned_layout``) with their buckets
         recorded. Where there are trials: the fp32 finalist on the profiled iterations'
-        buckets, and second the plan on the fewest buckets
+        buckets (added where the plan is the fp32 path on other buckets), and second the plan
+        on the fewest buckets
         (:func:`~byteps_espresso.strategy.planner.plan_fewest_buckets`), where that layout is
         not the planned one and is predicted within ``_TRIAL_WITHIN`` of the plan. The model
         ranks layouts by their overlap with the backward pass and misses what each bucket's
         collectives wait for on shared cores, so the trials measure both; second, so that
         the start-up budget reaches it."""
+        from byteps_espresso.strategy.baselines import fp32_option
         from byteps_espresso.strategy.buckets import fewest
         from byteps_espresso.strategy.planner import plan_fewest_buckets
 
@@ -1246,7 +1248,16 @@ class EspressoSpec(CompressionSpec):
             return finalists
         if profile is not None and profile.layout:
             # The profiled iterations ran fp32 on their own buckets: the fp32 finalist keeps
-            # those, so that they measure it (worker/trials.py).
+            # those, so that they measure it (worker/trials.py). Where the plan is the fp32
+            # path on other buckets, plan_finalists left fp32 out as its duplicate; on the
+            # profiled buckets it is another strategy, measured already, and what the check
+            # falls back to (optimizer._Sync._fp32_faster).
+            path = fp32_option(cluster.machines, cluster.gpus_per_machine, cluster.servers,
+                               cluster.shared_host)
+            if tuple(profile.layout) != tuple(planned_layout) and all(
+                    s.algorithm != "fp32" for s in finalists) and all(
+                    o == path for o in finalists[0].options.values()):
+                finalists.append(replace(finalists[0], algorithm="fp32"))
             finalists = [self._on_layout(s, workload, cluster, costs, profile.layout)
                          if s.algorithm == "fp32" else s for s in finalists]
         if fewest([(t.name, t.numel) for t in workload.tensors], caps, apart) \

@@ -433,3 +433,43 @@ def test_fit_latency_gives_the_kinds_no_step_ran_the_largest_factor():
     assert factors == pytest.approx({"rooted": 4.0, "ps": 1.5})
     assert fitted.exchange_latency == pytest.approx(4.0)
     assert fit_latency(probed, runs, **kwargs)[0].exchange_latency == 1.0
+
+
+def test_a_plan_on_the_fp32_path_keeps_an_fp32_finalist_on_the_profiled_buckets():
+    """plan_finalists drops fp32 where the plan is the fp32 path on the planned buckets (its
+    duplicate); on the profiled iterations' buckets it is another strategy, so the finalists
+    keep it there, for the trials and the check's fall-back."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from byteps_espresso.worker.profiler import EspressoSpec
+
+    from byteps_espresso.strategy import Cluster, CompressorCosts, TensorProfile, Workload
+    from byteps_espresso.strategy.baselines import fp32_option
+    from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, Bucket, singletons
+    from byteps_espresso.strategy.planner import plan_bucketed
+
+    workload = Workload(tuple(TensorProfile(f"t{i}", 100_000, 50.0) for i in range(6)),
+                        forward_us=1000.0)
+    cluster = Cluster.preset(2, 2, "pcie", 10.0, servers=1, shared_host=True)
+    costs = CompressorCosts.default()
+    planned, _, finalists = plan_bucketed(workload, cluster, "randomk", {"ratio": 0.01},
+                                          within=float("inf"), costs=costs)
+    # the profiled iterations' buckets: others than the plan's
+    one = (Bucket.of(workload.names),)
+    profiled = one if planned != one else singletons(workload.names)
+    path = fp32_option(2, 2, 1, shared_host=True)
+    on_path = replace(finalists[0], options=dict.fromkeys(finalists[0].options, path))
+    others = [s for s in finalists[1:] if s.algorithm != "fp32"]
+    spec = EspressoSpec("randomk", {"ratio": 0.01})
+    got = spec._laid_out([on_path, *others], planned, profile=SimpleNamespace(layout=profiled),
+                         workload=workload, cluster=cluster, costs=costs,
+                         apart=frozenset(), caps=CANDIDATE_CAPS)
+    fp32 = [s for s in got if s.algorithm == "fp32"]
+    assert len(fp32) == 1 and fp32[0].layout == profiled
+    assert set(fp32[0].options.values()) == {path}
+    # with an fp32 finalist already there, none is added
+    again = spec._laid_out(got, planned, profile=SimpleNamespace(layout=profiled),
+                           workload=workload, cluster=cluster, costs=costs, apart=frozenset(),
+                           caps=CANDIDATE_CAPS)
+    assert [s.algorithm for s in again].count("fp32") == 1
