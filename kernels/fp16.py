@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from byteps_espresso.kernels.base import Compressor, Ctx, Payload
+from byteps_espresso.kernels.base import Capabilities, Compressor, Ctx, Payload
 from byteps_espresso.kernels.registry import register
 from numba import njit, prange
 
@@ -54,6 +54,10 @@ class _Fp16(Compressor):
     name = "fp16"
     wire_id = WIRE_ID
     payload_dtypes: ClassVar = (np.dtype(np.float16),)
+    # Payloads sum in half precision, each addition rounded (an AllreduceC of the casts, as
+    # DDP's fp16_compress_hook all-reduces them): the sum of casts decodes to the sum of the
+    # inputs up to that rounding.
+    capabilities: ClassVar = Capabilities(linear=True)
 
     def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
         return 2 * numel

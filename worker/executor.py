@@ -70,6 +70,7 @@ from byteps_espresso.strategy.program import (
     compile_option,
     payload_count,
 )
+from byteps_espresso.strategy.tree import sums_payloads
 
 __all__ = ["Engine", "ExecutionError", "Executor", "Handle"]
 
@@ -366,6 +367,14 @@ class Executor:
             if op.takes is Form.SUM:
                 b.fwd = payload_count(op.forwards, self.topo.size)
 
+    def _bind_allreduce_c(self, b: _Bound, name: str) -> None:
+        self._bind_payload_comm(b, name)
+        assert b.codec is not None
+        if not sums_payloads(b.codec.name):
+            raise ExecutionError(f"AllreduceC sums payloads inside the collective, and "
+                                 f"{b.codec.name}'s payloads do not sum; use AllgatherC "
+                                 "(plans for this compressor never hold AllreduceC)")
+
     def _bind_push_pull(self, b: _Bound, name: str) -> None:
         ps = self._need_ps()
         if b.ext.numel == 0:  # an empty shard: no key, nothing to push
@@ -466,6 +475,12 @@ class Executor:
                                                else None, self._spec(b))
         return self._received(b, got)
 
+    def _allreduce_c(self, b: _Bound, value: list, name: str, step: int) -> list:
+        codec, parts = b.codec, b.parts
+        assert codec is not None and parts is not None
+        return parts.unflatten(self.transport.allreduce_payload(b.op.scope,
+                                                                codec.flatten(value)))
+
     def _allgather_c(self, b: _Bound, value: list, name: str, step: int) -> list:
         codec = b.codec
         assert codec is not None
@@ -540,6 +555,7 @@ _HANDLERS: dict[Kind, Callable[..., Any]] = {
     Kind.REDUCE: Executor._reduce,
     Kind.BROADCAST: Executor._broadcast,
     Kind.BROADCAST_C: Executor._broadcast_c,
+    Kind.ALLREDUCE_C: Executor._allreduce_c,
     Kind.ALLGATHER_C: Executor._allgather_c,
     Kind.ALLTOALL_C: Executor._alltoall_c,
     Kind.GATHER_C: Executor._gather_c,
@@ -553,6 +569,7 @@ _BINDERS: dict[Kind, Callable[..., None]] = {
     Kind.REDUCE_SCATTER: Executor._bind_split,
     Kind.ALLGATHER: Executor._bind_split,
     Kind.BROADCAST_C: Executor._bind_payload_comm,
+    Kind.ALLREDUCE_C: Executor._bind_allreduce_c,
     Kind.ALLGATHER_C: Executor._bind_payload_comm,
     Kind.ALLTOALL_C: Executor._bind_payload_comm,
     Kind.GATHER_C: Executor._bind_payload_comm,

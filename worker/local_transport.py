@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from byteps_espresso.worker.topology import Topology
 from byteps_espresso.worker.transport import PayloadSpec, pack, packed_nbytes
@@ -230,6 +231,17 @@ class LocalTransport:
         values, me = self._all(scope, None if x is None else x.detach().clone())
         self._count("broadcast", scope, me, "tree", numel * FLOAT32_BYTES)
         return values[0].clone()
+
+    def allreduce_payload(self, scope: Scope, payload: tuple) -> tuple:
+        arrays = tuple(a.detach().clone() if isinstance(a, torch.Tensor)
+                       else torch.from_numpy(np.array(a, copy=True)) for a in payload)
+        values, me = self._all(scope, arrays)
+        # DistTransport: one ring all-reduce per array, of its own bytes (not packed)
+        p = self.topology.size(scope)
+        for a in arrays:
+            self._count("allreduce_payload", scope, me, "ring",
+                        a.numel() * a.element_size() / p, rounds=2 * (p - 1))
+        return tuple(_sum([v[j] for v in values]) for j in range(len(arrays)))
 
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]:

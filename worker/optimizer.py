@@ -18,7 +18,8 @@ each before one is kept (``worker.trials``, ``ESPRESSO_TRIAL_STEPS``).
 
 Compression choices:
     ``Compression.none``     uncompressed, hierarchical like BytePS (``fp32_option``).
-    ``Compression.fp16``     every gradient as float16 payloads.
+    ``Compression.fp16``     every gradient as float16 payloads: all-reduced as casts (DDP's
+        fp16 hook, ``AllreduceC``), or pushed and pulled where PS servers run.
     ``Compression.powersgd(rank=1, ...)``  PowerSGD on every bucket (``worker.lowrank``).
     ``Compression.espresso(compressor="randomk", ratio=0.01, ...)``  profile the first
         ``ESPRESSO_PROFILE_STEPS`` iterations uncompressed, then plan per tensor.
@@ -68,6 +69,7 @@ from byteps_espresso.strategy.costs import dense_us
 from byteps_espresso.strategy.lowrank import inner as low_rank_inner
 from byteps_espresso.strategy.lowrank import wrap
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope
+from byteps_espresso.strategy.tree import sums_payloads
 
 __all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "NonFiniteGradientError",
            "Plan", "StartupProfile", "first_step_at"]
@@ -217,6 +219,8 @@ class _Uniform(CompressionSpec):
         topo = session.runtime.topology
         if session.runtime.cfg.num_servers > 0:
             return Option.parse("Comp(gpu) -> PushPullC(flat) -> Decomp(gpu)")
+        if sums_payloads(self.compressor):  # cast, all-reduce the casts: DDP's fp16 hook
+            return Option.parse("Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)")
         if topo.local_size > 1 and topo.machines > 1:
             return Option.parse("Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(gpu) -> "
                                 "AllgatherC(inter) -> Decomp(gpu) -> Comp(gpu) -> "

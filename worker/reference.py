@@ -14,6 +14,9 @@ Decisions where the Option docstring leaves room (the executor makes the same on
   each partition with its key name and the iteration (= PS round) as ctx; the servers'
   aggregate keeps that layout, may travel on (``AllgatherC``/``BroadcastC``) and is decoded
   piece by piece by ``Decomp``.
+- ``AllreduceC(s)`` sums the members' payloads piece by piece and array by array in the
+  arrays' own dtype, in group-rank order (gloo's ring sums in ring order: the executor's sums
+  equal these bit for bit where every partial sum is exact, as for dense float32 sums).
 - ``AllgatherC(s)`` that follows a divisible step of scope ``s`` (``ReduceScatter`` or
   ``AlltoallC``) gathers *shards*: the next ``Decomp`` decodes each and concatenates them
   (undoing the split), exactly as ``Allgather`` does for dense shards. Otherwise every member
@@ -303,6 +306,17 @@ class Reference:
             w.form, w.extent, w.origin = root.form, root.extent, root.origin
             w.value = root.value.clone() if root.form == DENSE else list(root.value)
 
+    def _allreduce_c(self, ws: list[_Worker], at: At) -> None:
+        st, i = at.st, at.i
+        self._need(ws, PAYLOAD, st, i)
+        self._same_extent(ws, st, i)
+        # piece by piece, array by array, in the payload's dtype and group-rank order
+        total = [tuple(_rank_sum([_as_tensor(w.value[j][a]) for w in ws])
+                       for a in range(len(piece)))
+                 for j, piece in enumerate(ws[0].value)]
+        for w in ws:
+            w.value = [tuple(a.clone() for a in piece) for piece in total]
+
     def _allgather_c(self, ws: list[_Worker], at: At) -> None:
         st, i = at.st, at.i
         undo = at.op is not None and at.op.closes is not None
@@ -371,6 +385,10 @@ class Reference:
             w.value = list(out)
 
 
+def _as_tensor(array: Any) -> torch.Tensor:
+    return array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
+
+
 def _rank_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
     total = values[0].clone()
     for v in values[1:]:
@@ -385,6 +403,7 @@ _COMM: dict[Kind, Callable[..., None]] = {
     Kind.REDUCE: Reference._reduce,
     Kind.BROADCAST: Reference._broadcast,
     Kind.BROADCAST_C: Reference._broadcast,
+    Kind.ALLREDUCE_C: Reference._allreduce_c,
     Kind.ALLGATHER_C: Reference._allgather_c,
     Kind.ALLTOALL_C: Reference._alltoall_c,
     Kind.GATHER_C: Reference._gather_c,

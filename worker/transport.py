@@ -80,6 +80,7 @@ class Transport(Protocol):
                         sizes: Sequence[int]) -> Callable[[], torch.Tensor]: ...
     def reduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor | None: ...
     def broadcast(self, scope: Scope, x: torch.Tensor | None, numel: int) -> torch.Tensor: ...
+    def allreduce_payload(self, scope: Scope, payload: tuple) -> tuple: ...
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]: ...
     def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
@@ -303,6 +304,22 @@ class DistTransport:
         return buf
 
     # payloads -------------------------------------------------------------------------------
+    def allreduce_payload(self, scope: Scope, payload: tuple) -> tuple:
+        """The members' payloads summed array by array in each array's own dtype (a linear
+        compressor's: ``AllreduceC``); the arrays are the caller's and are summed in place
+        where they already sit on the communication device."""
+        import torch.distributed as dist
+
+        group, members, _ = self._ctx(scope)
+        bufs = [a.detach().to(self.comm_device).contiguous() if isinstance(a, torch.Tensor)
+                else torch.from_numpy(np.ascontiguousarray(a)).to(self.comm_device)
+                for a in payload]
+        if len(members) > 1:
+            works = [dist.all_reduce(b, group=group, async_op=True) for b in bufs if b.numel()]
+            for work in works:
+                work.wait()
+        return tuple(bufs)
+
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]:
         import torch.distributed as dist

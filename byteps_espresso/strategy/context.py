@@ -54,6 +54,7 @@ from byteps_espresso.strategy.tree import (
     enumerate_options,
     option_forms,
     option_set,
+    sums_payloads,
 )
 from byteps_espresso.strategy.workload import Workload
 
@@ -328,8 +329,10 @@ class PlanContext:
         # The distinct sizes the prices are vectors over: element counts, and for a low-rank
         # compressor (element count, Factors) pairs, since its sums depend on the shapes.
         self.low_rank = lowrank.is_lowrank(self.compressor)
-        # what the tree depends on besides the cluster and constraints (tree.enumerate_options)
-        self._tree = self.compressor if self.low_rank else None
+        # what the tree depends on besides the cluster and constraints (tree.enumerate_options):
+        # the compressor where its capabilities change the tree
+        self._tree = self.compressor if self.low_rank or sums_payloads(self.compressor) \
+            else None
         if self.low_rank:  # its parameters checked as the runtime will (no payload sizes to)
             from byteps_espresso.kernels import create_collective
 

@@ -105,8 +105,8 @@ RESOURCES = ("gpu", "cpu", "intra", "inter", "server")
 FLOAT32_BYTES = 4
 # Collectives in which every member sends and receives: Cluster.exchange_latency applies
 # (Cluster.rooted_latency to the other collectives).
-EXCHANGES = frozenset({Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.ALLGATHER, Kind.ALLGATHER_C,
-                       Kind.ALLTOALL_C})
+EXCHANGES = frozenset({Kind.ALLREDUCE, Kind.ALLREDUCE_C, Kind.REDUCE_SCATTER, Kind.ALLGATHER,
+                       Kind.ALLGATHER_C, Kind.ALLTOALL_C})
 _ONE_HOT = np.eye(len(RESOURCES))
 
 
@@ -790,6 +790,11 @@ def _allreduce(pr: Pricer, c: _Comm) -> list[_Task]:
     return c.task(2 * (c.p - 1), 2 * (c.p - 1) / c.p * c.dense)
 
 
+def _allreduce_c(pr: Pricer, c: _Comm) -> list[_Task]:
+    # the ring all-reduce of the payload's arrays in their own dtype (sums inside the ring)
+    return c.task(2 * (c.p - 1), 2 * (c.p - 1) / c.p * c.sizes(c.e))
+
+
 def _reduce_scatter(pr: Pricer, c: _Comm) -> list[_Task]:
     # all-to-all of padded shards: p-1 messages of one shard each
     return c.task(c.p - 1, (c.p - 1) * _ceil_div(c.e, c.p) * FLOAT32_BYTES)
@@ -896,6 +901,7 @@ _CODES: dict[Step, int] = _Codes()
 
 _COMM_MODELS = {
     Kind.ALLREDUCE: _allreduce,
+    Kind.ALLREDUCE_C: _allreduce_c,
     Kind.REDUCE_SCATTER: _reduce_scatter,
     Kind.ALLGATHER: _allgather,
     Kind.ALLGATHER_C: _allgather_c,

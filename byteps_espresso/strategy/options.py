@@ -39,6 +39,10 @@ of the group owns chunk ``i``.
 - ``Reduce(s)``         dense -> group sum on the group root (rank 0 of the group); other
   members hold nothing until the matching ``Broadcast``/``BroadcastC``.
 - ``Broadcast(s)``      the root's dense -> every member.
+- ``AllreduceC(s)``     payload -> the sum of the members' payloads, as a payload, summed
+  inside the collective in the payload's own dtype (each addition rounded to it). Only for a
+  compressor whose payloads sum (``Capabilities.linear``: fp16, the cast DDP's
+  ``fp16_compress_hook`` all-reduces); ``Decomp`` then decodes one payload.
 - ``AllgatherC(s)``     payload -> every member's payload (a list, in group-rank order).
   When it closes a ``ReduceScatter(s)``/``AlltoallC(s)`` of the same scope (the second half
   of a divisible scheme) the payloads are *shards*: the next ``Decomp`` decodes each and
@@ -89,6 +93,7 @@ class Kind(str, enum.Enum):
     COMP = "Comp"
     DECOMP = "Decomp"
     ALLREDUCE = "Allreduce"
+    ALLREDUCE_C = "AllreduceC"
     REDUCE_SCATTER = "ReduceScatter"
     ALLGATHER = "Allgather"
     REDUCE = "Reduce"
@@ -115,8 +120,8 @@ class Kind(str, enum.Enum):
         return self in (Kind.ALLGATHER_C, Kind.ALLTOALL_C, Kind.GATHER_C)
 
 
-_COMPRESSED = frozenset({Kind.ALLGATHER_C, Kind.ALLTOALL_C, Kind.GATHER_C, Kind.BROADCAST_C,
-                         Kind.PUSH_PULL_C})
+_COMPRESSED = frozenset({Kind.ALLREDUCE_C, Kind.ALLGATHER_C, Kind.ALLTOALL_C, Kind.GATHER_C,
+                         Kind.BROADCAST_C, Kind.PUSH_PULL_C})
 COLLECTIVES = tuple(k for k in Kind if not k.is_compute)
 
 _STEP_RE = re.compile(r"^\s*([A-Za-z]+)\(\s*([a-z]+)\s*(?:,\s*([a-z][a-z0-9_]*)\s*)?\)\s*$")

@@ -32,6 +32,7 @@ them and sums them in that order. What stays illegal, rule by rule (:func:`refus
 - *shards are concatenated one payload each*: a closing ``AllgatherC`` (CONCAT) takes one
   payload per member; a SUM there would make a list of lists per shard, a form no step takes;
 - *the servers sum one payload per pusher*: ``PushPullC`` takes one payload;
+- *a payload all-reduce sums one payload per member*: ``AllreduceC`` takes one payload;
 - *a split compresses dense chunks*: ``AlltoallC`` takes the chunks of a ``Comp``;
 - *shards decode before they move*: CONCAT is decoded by the step right after it.
 
@@ -111,6 +112,8 @@ RULES: dict[Kind, Rule] = {
     Kind.COMP: Rule(_D, Form.PAYLOAD),
     Kind.DECOMP: Rule(frozenset({Form.PAYLOAD, Form.SUM, Form.CONCAT}), Form.DENSE),
     Kind.ALLREDUCE: Rule(_D, Form.DENSE),
+    # sums one payload per member inside the collective (a linear compressor's: tree.py)
+    Kind.ALLREDUCE_C: Rule(_P, Form.PAYLOAD),
     Kind.REDUCE_SCATTER: Rule(_D, Form.DENSE, opens=Pairing.DIVISIBLE),
     Kind.ALLGATHER: Rule(_D, Form.DENSE, closes=Pairing.DIVISIBLE),
     Kind.REDUCE: Rule(_D, Form.DENSE, opens=Pairing.ROOTED),
@@ -150,6 +153,9 @@ def refusal(kind: Kind, form: Form, closing: bool = False) -> str:
     if form is Form.SUM and kind is Kind.PUSH_PULL_C:
         return ("the servers sum one payload per pusher and cannot take gathered payloads; "
                 "add Decomp -> Comp before PushPullC")
+    if form is Form.SUM and kind is Kind.ALLREDUCE_C:
+        return ("AllreduceC sums one payload per member and cannot take gathered payloads; "
+                "add Decomp -> Comp before it, or forward them with AllgatherC")
     if form is Form.SUM:
         return (f"{kind.value} cannot forward gathered payloads (only a summing AllgatherC, "
                 "GatherC or BroadcastC can); add Decomp before it")

@@ -12,6 +12,7 @@ Path grammar (scopes)
 
 Families (dense kind, compressed kind) -- the form of the tensor picks the kind:
     allreduce  Allreduce / AllgatherC        ps         PushPull / PushPullC
+               (and AllreduceC for a compressor whose payloads sum, :func:`sums_payloads`)
     scatter    ReduceScatter / AlltoallC     gather     Allgather / AllgatherC (closes scatter)
     reduce     Reduce / GatherC              broadcast  Broadcast / BroadcastC
 
@@ -39,6 +40,12 @@ Low-rank compressors (PowerSGD, ``lowrank.is_lowrank``): the uncompressed Option
 wrapped as ``Comp(gpu) -> S -> Decomp(gpu)`` (their sums of ``P`` and ``Q`` run ``S``); pass
 ``compressor=`` to :func:`enumerate_options` and :func:`validate` (docs in ``lowrank.py``).
 
+Payloads that sum (:func:`sums_payloads`: fp16, whose half-precision values add inside the
+collective as DDP's fp16 hook all-reduces them): the ``allreduce`` family has a second
+compressed kind, ``AllreduceC`` (one payload per member, summed; ``Decomp`` decodes one), beside
+``AllgatherC``; pass ``compressor=`` as for low-rank ones. For any other compressor
+:func:`validate` refuses ``AllreduceC``.
+
 Count (no constraints, hierarchical cluster with servers): 7,576, of which 2,776 with the
 job's compressor alone, see :func:`count_decomposition` and docs/strategy.md (2,641 of those
 without the ``ps`` family ours adds; the paper counts 4,341 for its vocabulary and path
@@ -64,7 +71,7 @@ from byteps_espresso.strategy.program import RULES, Form, Pairing, closes, compi
 
 __all__ = ["FAMILIES", "ConstraintError", "Constraints", "Placements", "canonical_options",
            "count_decomposition", "enumerate_options", "option_forms", "option_set", "path_of",
-           "validate"]
+           "sums_payloads", "validate"]
 
 
 class ConstraintError(ValueError):
@@ -99,6 +106,7 @@ PARTNER = "fp16"
 _PAIRING = {"scatter": Pairing.DIVISIBLE, "reduce": Pairing.ROOTED}
 assert all(RULES[FAMILIES[f][i]].opens is _PAIRING[f] for f in PAIRS for i in (0, 1))
 _INDIVISIBLE_KINDS = {FAMILIES[f][i]: f for f in INDIVISIBLE for i in (0, 1)}
+_INDIVISIBLE_KINDS[Kind.ALLREDUCE_C] = "allreduce"
 
 
 # ---- constraints --------------------------------------------------------------------------------
@@ -334,16 +342,45 @@ def path_of(option: Option) -> tuple[str, str]:
                       "scheme, intra-close; got " + " -> ".join(str(s) for _, s in comm))
 
 
+@functools.cache
+def _tree_kind(compressor: str | None) -> str | None:
+    """How ``compressor``'s capabilities change the tree: ``lowrank`` (``lowrank.py``),
+    ``summing`` (:func:`sums_payloads`) or None (the elementwise codecs' tree; unknown names
+    too, which the kernels registry names elsewhere)."""
+    if compressor is None:
+        return None
+    from byteps_espresso.kernels import capabilities
+
+    try:
+        caps = capabilities(compressor)
+    except ValueError:
+        return None
+    if not caps.linear:
+        return None
+    return "summing" if caps.elementwise else "lowrank"
+
+
+def sums_payloads(compressor: str | None) -> bool:
+    """Whether ``compressor``'s payloads of any range sum element by element inside a
+    collective (``AllreduceC``): a linear elementwise codec (fp16)."""
+    return _tree_kind(compressor) == "summing"
+
+
 def validate(option: Option, cluster: Cluster | None = None,
              compressor: str | None = None) -> None:
     """Check ``option`` against every rule (and the cluster's shape, when given), for the job's
-    ``compressor`` where its capabilities change the rules (a low-rank one: ``lowrank.py``).
+    ``compressor`` where its capabilities change the rules (a low-rank one: ``lowrank.py``;
+    ``AllreduceC`` only for one whose payloads sum, :func:`sums_payloads`).
 
     Raises:
         OptionError: the first broken rule, in words.
     """
-    if compressor is not None and lowrank.is_lowrank(compressor):
-        _validate_lowrank(option, cluster, compressor)
+    if not sums_payloads(compressor) and any(s.kind is Kind.ALLREDUCE_C for s in option.steps):
+        raise OptionError("AllreduceC sums payloads inside the collective, which only a "
+                          "compressor whose payloads sum can (fp16); use AllgatherC, or name "
+                          "that compressor")
+    if _tree_kind(compressor) == "lowrank":
+        _validate_lowrank(option, cluster, compressor)  # type: ignore[arg-type]
     else:
         _validate_codec(option, cluster)
 
@@ -444,12 +481,20 @@ def _skeletons(hierarchical: bool, servers: bool) -> Iterator[list[tuple[str, Sc
 _CLOSING_FAMILIES = frozenset(PAIRS.values())
 
 
-def _forms(skeleton: list[tuple[str, Scope]], partner: str | None) \
+def _forms(skeleton: list[tuple[str, Scope]], partner: str | None, summing: bool = False) \
         -> Iterator[list[Step | tuple[Kind, str | None]]]:
     """Every placement of Comp/Decomp along a skeleton; compute steps as (kind, compressor)
     markers (None: the job's compressor). The form after each step is the program's
     (:func:`program.leaves`). A ``partner`` compresses only for intra steps, and its
-    payloads move only on intra steps: the job's compressor is the one between machines."""
+    payloads move only on intra steps: the job's compressor is the one between machines.
+    ``summing``: the job's payloads may also be summed by an ``AllreduceC``."""
+
+    def kinds(fam: str, held: Form, held_codec: str | None) -> tuple[Kind, ...]:
+        if held is Form.DENSE:
+            return (FAMILIES[fam][0],)
+        if summing and fam == "allreduce" and held_codec is None:
+            return (FAMILIES[fam][1], Kind.ALLREDUCE_C)
+        return (FAMILIES[fam][1],)
 
     def walk(k: int, form: Form, codec: str | None, recomp_ok: bool, acc: list) \
             -> Iterator[list]:
@@ -465,25 +510,28 @@ def _forms(skeleton: list[tuple[str, Scope]], partner: str | None) \
         for held, held_codec, pre in starts:
             if held_codec is not None and scope is not Scope.INTRA:
                 continue  # a partner's payloads stay inside the machine
-            kind = FAMILIES[fam][0 if held is Form.DENSE else 1]
-            # a Comp before AlltoallC compresses one chunk per destination
-            found = Form.CHUNKS if pre and kind is Kind.ALLTOALL_C else held
-            makes = leaves(kind, found, fam in _CLOSING_FAMILIES)
-            if makes is None:
-                continue
-            step = _step(kind, scope=scope)
-            if makes is Form.DENSE:
-                yield from walk(k + 1, Form.DENSE, None, True, [*acc, *pre, step])
-                continue
-            if k + 1 == len(skeleton):  # the final Decomp
-                yield from walk(k + 1, makes, held_codec, True, [*acc, *pre, step])
-                continue
-            # decode now (re-compressing next only if the Decomp sums or concatenates) ...
-            yield from walk(k + 1, Form.DENSE, None, makes is not Form.PAYLOAD,
-                            [*acc, *pre, step, (Kind.DECOMP, held_codec)])
-            # ... or keep the payload(s) for the next step, which may refuse them
-            if makes is not Form.CONCAT:
-                yield from walk(k + 1, makes, held_codec, True, [*acc, *pre, step])
+            for kind in kinds(fam, held, held_codec):
+                # a Comp before AlltoallC compresses one chunk per destination
+                found = Form.CHUNKS if pre and kind is Kind.ALLTOALL_C else held
+                makes = leaves(kind, found, fam in _CLOSING_FAMILIES)
+                if makes is None:
+                    continue
+                yield from after(k, makes, held_codec, [*acc, *pre, _step(kind, scope=scope)])
+
+    def after(k: int, makes: Form, codec: str | None, acc: list) -> Iterator[list]:
+        """The ways on after skeleton step ``k`` left ``makes``."""
+        if makes is Form.DENSE:
+            yield from walk(k + 1, Form.DENSE, None, True, acc)
+            return
+        if k + 1 == len(skeleton):  # the final Decomp
+            yield from walk(k + 1, makes, codec, True, acc)
+            return
+        # decode now (re-compressing next only if the Decomp sums or concatenates) ...
+        yield from walk(k + 1, Form.DENSE, None, makes is not Form.PAYLOAD,
+                        [*acc, (Kind.DECOMP, codec)])
+        # ... or keep the payload(s) for the next step, which may refuse them
+        if makes is not Form.CONCAT:
+            yield from walk(k + 1, makes, codec, True, acc)
 
     yield from walk(0, Form.DENSE, None, True, [])
 
@@ -506,12 +554,12 @@ class Placements(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _enumerate_forms(hierarchical: bool, servers: bool, constraints: Constraints) \
-        -> tuple[Placements, ...]:
+def _enumerate_forms(hierarchical: bool, servers: bool, constraints: Constraints,
+                     summing: bool = False) -> tuple[Placements, ...]:
     out: list[Placements] = []
     devices = constraints.devices
     for skeleton in _skeletons(hierarchical, servers):
-        for form in _forms(skeleton, constraints.partner):
+        for form in _forms(skeleton, constraints.partner, summing):
             markers = [i for i, s in enumerate(form) if isinstance(s, tuple)]
             if (markers and not devices) or not _pairs_job_compressor(form[i] for i in markers):
                 continue
@@ -532,8 +580,9 @@ def _enumerate_forms(hierarchical: bool, servers: bool, constraints: Constraints
 
 
 @functools.lru_cache(maxsize=64)
-def _enumerate(hierarchical: bool, servers: bool, constraints: Constraints) -> tuple[Option, ...]:
-    return tuple(o for group in _enumerate_forms(hierarchical, servers, constraints)
+def _enumerate(hierarchical: bool, servers: bool, constraints: Constraints,
+               summing: bool = False) -> tuple[Option, ...]:
+    return tuple(o for group in _enumerate_forms(hierarchical, servers, constraints, summing)
                  for o in group.options)
 
 
@@ -547,16 +596,18 @@ def _enumerate_lowrank(hierarchical: bool, servers: bool, constraints: Constrain
 
 
 def _key(cluster: Cluster, constraints: Constraints | None, compressor: str | None) \
-        -> tuple[bool, bool, Constraints, bool]:
-    """What a tree depends on: its path shapes, the constraints and whether the compressor is
-    a low-rank one."""
+        -> tuple[bool, bool, Constraints, str | None]:
+    """What a tree depends on: its path shapes, the constraints and how the compressor's
+    capabilities change it (:func:`_tree_kind`)."""
     return (cluster.hierarchical, cluster.servers > 0, constraints or Constraints(),
-            compressor is not None and lowrank.is_lowrank(compressor))
+            _tree_kind(compressor))
 
 
 def _options(hierarchical: bool, servers: bool, constraints: Constraints,
-             low_rank: bool) -> tuple[Option, ...]:
-    return (_enumerate_lowrank if low_rank else _enumerate)(hierarchical, servers, constraints)
+             kind: str | None) -> tuple[Option, ...]:
+    if kind == "lowrank":
+        return _enumerate_lowrank(hierarchical, servers, constraints)
+    return _enumerate(hierarchical, servers, constraints, kind == "summing")
 
 
 def enumerate_options(cluster: Cluster, constraints: Constraints | None = None,
@@ -567,7 +618,8 @@ def enumerate_options(cluster: Cluster, constraints: Constraints | None = None,
         cluster: decides whether hierarchical paths and PushPull steps exist.
         constraints: prunes the tree (default: none).
         compressor: the job's compressor, where its capabilities change the tree (a low-rank
-            one, see ``lowrank.py``); None or any elementwise codec: the tree above.
+            one, see ``lowrank.py``; one whose payloads sum, :func:`sums_payloads`); None or
+            any other elementwise codec: the tree above.
 
     Returns:
         The options, uncompressed ones first within each path (a new list).
@@ -585,8 +637,10 @@ def option_forms(cluster: Cluster, constraints: Constraints | None = None,
     """The options of :func:`enumerate_options`, in that order, grouped by form with their
     placements (cached: the same object for the same tree); None for a low-rank
     compressor's tree (its Options are wrapped, not placed)."""
-    hierarchical, servers, constraints, low_rank = _key(cluster, constraints, compressor)
-    return None if low_rank else _enumerate_forms(hierarchical, servers, constraints)
+    hierarchical, servers, constraints, kind = _key(cluster, constraints, compressor)
+    if kind == "lowrank":
+        return None
+    return _enumerate_forms(hierarchical, servers, constraints, kind == "summing")
 
 
 def option_set(cluster: Cluster, constraints: Constraints | None = None,

@@ -49,9 +49,11 @@ def _expected(passes: int, steps: int, width: int = 33) -> list[np.ndarray]:
 
 
 @pytest.mark.timeout(200)
+# fp16 without servers all-reduces the casts in half precision (AllreduceC(flat))
 @pytest.mark.parametrize("case", [("none", 1, 4, 1e-5, 1), ("none", 2, 3, 1e-5, 0),
-                                  ("fp16", 1, 3, 2e-3, 1)],
-                         ids=["none-ps", "none-2passes-collectives", "fp16-ps"])
+                                  ("fp16", 1, 3, 2e-3, 1), ("fp16", 1, 3, 2e-3, 0)],
+                         ids=["none-ps", "none-2passes-collectives", "fp16-ps",
+                              "fp16-collectives"])
 def test_workers_stay_identical_and_match_single_process(tmp_path, cluster, case):
     compression, passes, steps, rtol, servers = case
     args = [str(tmp_path), compression, str(passes), str(steps)]

@@ -38,6 +38,10 @@ OPTIONS = [
     "Comp(gpu) -> GatherC(intra) -> GatherC(inter) -> BroadcastC(inter) -> BroadcastC(intra) "
     "-> Decomp(gpu)",
     "Comp(gpu) -> GatherC(intra) -> AllgatherC(inter) -> BroadcastC(intra) -> Decomp(cpu)",
+    # fp16's payloads summed inside the collective
+    "Comp(gpu) -> AllreduceC(flat) -> Decomp(cpu)",
+    "ReduceScatter(intra) -> Comp(cpu) -> AllreduceC(inter) -> AllgatherC(intra) -> Decomp(gpu)",
+    "Reduce(intra) -> Comp(gpu) -> AllreduceC(inter) -> BroadcastC(intra) -> Decomp(gpu)",
 ]
 
 
@@ -149,6 +153,11 @@ def test_errors_name_tensor_and_step():
                name="w", step=0)
     with pytest.raises(ExecutionError, match="servers"):
         ex.run(Option.parse("PushPull(flat)"), torch.ones(3), name="w", step=0)
+    topk = Executor(hub.transport(0), CodecPair("topk"))
+    with pytest.raises(ExecutionError, match=r"step 1 AllreduceC\(flat\).*topk's payloads do "
+                                             "not sum; use AllgatherC"):
+        topk.run(Option.parse("Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)"), torch.ones(3),
+                 name="w", step=0)
 
 
 def _tree():

@@ -224,6 +224,7 @@ def test_capabilities_and_registry():
         c = capabilities(name)
         assert c.elementwise and not c.needs_shape and c.collective_rounds == 0
         assert c.backends == K.BACKENDS
+        assert c.linear == (name == "fp16")  # only the half-precision cast sums as a payload
     assert K.collective_names() == ["powersgd"]
     assert "powersgd" not in K.names()
     assert isinstance(create_collective("powersgd", rank=4), PowerSGD)

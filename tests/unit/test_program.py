@@ -44,6 +44,9 @@ OPTIONS = [
     "ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)",
     "Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(cpu) -> PushPullC(inter) "
     "-> Decomp(cpu) -> Allgather(intra)",
+    # a payload all-reduce (the interpreters run fp16, whose payloads sum)
+    "Comp(cpu) -> AllreduceC(flat) -> Decomp(gpu)",
+    "ReduceScatter(intra) -> Comp(gpu) -> AllreduceC(inter) -> AllgatherC(intra) -> Decomp(cpu)",
 ]
 # Gathered payloads forwarded undecoded through the next compressed step(s): every step kind
 # that forwards (summing AllgatherC, GatherC, BroadcastC), once and twice in a row.

@@ -16,6 +16,7 @@ from byteps_espresso.strategy import (
     enumerate_options,
     validate,
 )
+from byteps_espresso.strategy.options import Scope
 from byteps_espresso.strategy.tree import option_forms
 
 BIG = Cluster.preset(8, 8, "nvlink", 100)  # hierarchical, with servers
@@ -231,6 +232,47 @@ def test_forwarding_adds_options_that_decode_once():
     assert len(enumerate_options(BIG, once)) == 196  # 144 without forwarding
     assert Option.parse("Comp(gpu) -> GatherC(intra) -> AllgatherC(inter) -> BroadcastC(intra) "
                         "-> Decomp(gpu)") in enumerate_options(BIG, once)
+
+
+def test_a_compressor_whose_payloads_sum_adds_the_payload_allreduce():
+    """fp16 (``Capabilities.linear``): the allreduce family gains AllreduceC beside
+    AllgatherC, in the flat and the inter scheme; every other Option stays as it is."""
+    summing = enumerate_options(BIG, ONE_COMPRESSOR, "fp16")
+    plain = enumerate_options(BIG, ONE_COMPRESSOR)
+    added = [o for o in summing if any(s.kind is Kind.ALLREDUCE_C for s in o.steps)]
+    assert [o for o in summing if o not in set(added)] == plain
+    parts, base = (count_decomposition(BIG, ONE_COMPRESSOR, c) for c in ("fp16", None))
+    # flat: Comp(d) -> AllreduceC(flat) -> Decomp(d'), 4 placements
+    assert parts["flat allreduce(flat)"] - base["flat allreduce(flat)"] == 4
+    assert parts["hierarchical allreduce(inter)"] - base["hierarchical allreduce(inter)"] == 80
+    assert len(added) == 84 and {k for k in parts if parts[k] != base[k]} == {
+        "flat allreduce(flat)", "hierarchical allreduce(inter)", "total"}
+    for option in added:
+        validate(option, BIG, "fp16")
+        assert all(s.scope is not Scope.INTRA for s in option.steps
+                   if s.kind is Kind.ALLREDUCE_C)
+        with pytest.raises(OptionError, match="only a compressor whose payloads sum"):
+            validate(option, BIG, "randomk")
+    for text in ("Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)",
+                 "ReduceScatter(intra) -> Comp(gpu) -> AllreduceC(inter) -> Decomp(gpu) "
+                 "-> Allgather(intra)",
+                 "ReduceScatter(intra) -> Comp(gpu) -> AllreduceC(inter) -> AllgatherC(intra) "
+                 "-> Decomp(gpu)"):
+        assert Option.parse(text) in set(added)
+    assert enumerate_options(BIG, ONE_COMPRESSOR, "randomk") == plain
+
+
+@pytest.mark.parametrize("text, why", [
+    ("Comp(gpu) -> AlltoallC(intra) -> AllreduceC(inter) -> Decomp(gpu) -> Allgather(intra)",
+     "AllreduceC sums one payload per member"),
+    ("Comp(gpu) -> AllreduceC(intra) -> Decomp(gpu)", "one flat scheme, or intra-open"),
+    # the decoded sum is the payload's own values: encoding them again changes nothing
+    ("ReduceScatter(intra) -> Comp(gpu) -> AllreduceC(inter) -> Decomp(gpu) -> Comp(gpu) "
+     "-> AllgatherC(intra) -> Decomp(gpu)", "re-compression only after"),
+])
+def test_misplaced_payload_allreduces_are_refused(text, why):
+    with pytest.raises(OptionError, match=why):
+        validate(Option.parse(text), BIG, "fp16")
 
 
 def test_no_duplicates_and_every_option_validates():

@@ -32,12 +32,14 @@ OPTIONS = [
     # the broadcast forwards the p payloads the gather left: p times the bytes
     "Comp(gpu) -> GatherC(flat) -> BroadcastC(flat) -> Decomp(gpu)",
 ]
+# Only a compressor whose payloads sum (fp16) runs it: its own test below.
+PAYLOAD_ALLREDUCE = "Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)"
 # PushPull/PushPullC go through the PS, not the transport (their model is the servers').
 TRANSPORT_KINDS = {k for k in Kind if not k.is_compute} - {Kind.PUSH_PULL, Kind.PUSH_PULL_C}
 
 
 def test_the_cases_cover_every_collective_of_the_transport():
-    assert {s.kind for o in OPTIONS for s in Option.parse(o).steps
+    assert {s.kind for o in [*OPTIONS, PAYLOAD_ALLREDUCE] for s in Option.parse(o).steps
             if not s.kind.is_compute} == TRANSPORT_KINDS
 
 
@@ -71,6 +73,24 @@ def test_the_model_charges_the_messages_and_bytes_the_transport_sends(text, p, n
         assert got.members == p
         np.testing.assert_array_equal(np.broadcast_to(msgs, (1,)), [got.msgs], err_msg=where)
         np.testing.assert_allclose(nbytes, [got.nbytes], rtol=1e-12, err_msg=where)
+
+
+@pytest.mark.parametrize("numel", [1000, 4099, 20000])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_a_payload_allreduce_is_charged_the_ring_of_its_own_bytes(p, numel):
+    """AllreduceC all-reduces the payload's arrays as they are, not packed: the model's own
+    payload sizes (2 bytes an element for fp16) in a ring of 2 (p - 1) messages."""
+    option = Option.parse(PAYLOAD_ALLREDUCE)
+    sent = _sent(option, p, numel, "fp16")
+    cluster = Cluster(machines=1, gpus_per_machine=p, intra_gbps=10.0, intra_latency_us=5.0,
+                      inter_gbps=10.0, servers=0)
+    charged = Pricer(cluster, "fp16", CompressedSizes("fp16"), CompressorCosts.default(),
+                     [numel]).wire(option)
+    assert [(t.collective, t.msgs) for t in sent] == [("allreduce_payload", 2 * (p - 1))]
+    (_, msgs, nbytes), = charged
+    assert msgs == 2 * (p - 1)
+    np.testing.assert_allclose(nbytes, [sent[0].nbytes], rtol=1e-12)
+    np.testing.assert_allclose(nbytes, [2 * (p - 1) / p * 2 * numel], rtol=1e-12)
 
 
 MIXED = [
