@@ -43,6 +43,7 @@ OPTIONS = [
     "PushPull(flat)",
     "Reduce(intra) -> PushPull(inter) -> Broadcast(intra)",
     "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
+    "Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)",
     "Comp(gpu) -> AlltoallC(intra) -> Decomp(gpu) -> Comp(gpu) -> AllgatherC(inter) "
     "-> Decomp(gpu) -> Allgather(intra)",
     "Comp(gpu) -> GatherC(flat) -> Decomp(gpu) -> Comp(gpu) -> BroadcastC(flat) -> Decomp(gpu)",

@@ -68,7 +68,7 @@ from byteps_espresso.strategy.buckets import (
 from byteps_espresso.strategy.costs import dense_us
 from byteps_espresso.strategy.lowrank import inner as low_rank_inner
 from byteps_espresso.strategy.lowrank import wrap
-from byteps_espresso.strategy.options import Device, Kind, Option, Scope
+from byteps_espresso.strategy.options import ROUNDING, Device, Kind, Option, Scope
 from byteps_espresso.strategy.tree import sums_payloads
 
 __all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "NonFiniteGradientError",
@@ -686,8 +686,9 @@ class _Sync:
             flat[-1] = 1.0 if self.bad else 0.0
         self.handles.append((bucket, self._start(bucket, flat, option)))
         if bucket.flagged and not self._flag_survives(option):
-            # Every bucket of this rank has been checked: the ranks compare notes now, on
-            # another lane than the bucket's, beside its Option. Issued after it, behind
+            # Every bucket of this rank has been checked and a lossy compressor may drop the
+            # flag: the ranks compare notes now, on another lane than the bucket's, beside
+            # its Option. Issued after it, behind
             # the lanes, this 1-element all-gather took 1-31 ms (median about 4) of each
             # iteration of a compressed LSTM plan at 1 Gbit/s, waiting for the slowest rank
             # after every sum was done (BENCHMARKS.md, "Checking the kept strategy").
@@ -863,8 +864,9 @@ class _Sync:
         Every bucket's input was checked in :meth:`_submit`. The last bucket carries one more
         element, 1 where this rank found a non-finite gradient in any bucket: when its Option
         is uncompressed the sum of these flags reaches every rank with the gradients, and only
-        when it is not zero do the ranks all-gather which gradient was bad. When the last
-        bucket is compressed the flag may not survive, so the ranks compare notes every
+        when it is not zero do the ranks all-gather which gradient was bad (so too through
+        fp16's casts and PowerSGD, :meth:`_flag_survives`). When a lossy compressor carries
+        the last bucket the flag may not survive, so the ranks compare notes every
         iteration: one 1-element all-gather per rank, issued with the last bucket
         (:meth:`_submit`).
         """
@@ -900,9 +902,14 @@ class _Sync:
 
     def _flag_survives(self, option: Option) -> bool:
         """Whether the sum of the non-finite flags reaches every rank with the last bucket:
-        an uncompressed Option sums it exactly, and PowerSGD sends what follows its members
-        (the flag) in the dense part of its first sum."""
-        return not option.is_compressed or self.lowrank is not None
+        an uncompressed Option sums it exactly, PowerSGD sends what follows its members (the
+        flag) in the dense part of its first sum, and a cast to half precision keeps it
+        exact through every step (0 and 1, and sums of up to 2048 of them, are fp16 values;
+        the servers and the decoders sum in float32)."""
+        if not option.is_compressed or self.lowrank is not None:
+            return True
+        job = self.codec.name if self.codec is not None else None
+        return all((s.codec or job) in ROUNDING for s in option.steps if s.kind is Kind.COMP)
 
     # ---- compression error ----------------------------------------------------------------
     def _compression_errors(self, timeout: float) -> None:

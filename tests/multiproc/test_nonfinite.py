@@ -27,8 +27,9 @@ def _run(tmp_path, cluster, compression: str, mode: str, env: dict | None = None
 
 
 @pytest.mark.timeout(200)
-# fp16: the ranks compare notes beside the last bucket; powersgd: the flag rides its first sum
-@pytest.mark.parametrize("compression", ["none", "fp16", "powersgd"])
+# onebit: the ranks compare notes beside the last bucket; fp16: the flag survives the casts;
+# powersgd: the flag rides its first sum
+@pytest.mark.parametrize("compression", ["none", "fp16", "onebit", "powersgd"])
 def test_every_rank_stops_naming_tensor_rank_and_iteration(tmp_path, cluster, compression):
     _run(tmp_path, cluster, compression, "error")
     errors = [(tmp_path / f"error_{r}.txt").read_text() for r in range(WORLD)]
@@ -43,7 +44,8 @@ def test_every_rank_stops_naming_tensor_rank_and_iteration(tmp_path, cluster, co
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("compression", "env"), [
-    ("fp16", {}),  # compressed: the ranks compare notes every iteration
+    ("fp16", {}),  # compressed: the flag survives the casts
+    ("onebit", {}),  # compressed by a codec that drops the flag: notes every iteration
     # PowerSGD's error must stay finite past the skipped step (the 9 x 6 weight compressed)
     ("powersgd", {}),
     # uncompressed through the server, one bucket per tensor: the flag rides in the last one

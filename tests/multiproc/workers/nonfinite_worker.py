@@ -1,7 +1,8 @@
 """Worker of test_nonfinite: rank 1's loss turns NaN at step 2; what does every rank do?
 
-Usage: nonfinite_worker.py OUT_DIR COMPRESSION STEPS (``none``, ``fp16`` or ``powersgd``:
-rank 1 from the first step). With
+Usage: nonfinite_worker.py OUT_DIR COMPRESSION STEPS (``none``, ``fp16``, ``onebit``: every
+bucket one-bit compressed, a codec that drops the flag, or ``powersgd``: rank 1 from the first
+step). With
 ESPRESSO_NONFINITE=error each rank writes the error it raised to OUT_DIR/error_RANK.txt and
 stops training; with ``skip`` it trains on, saving its flattened parameters after every step
 (OUT_DIR/params_STEP_RANK.npy, no pickle) and the skipped count to OUT_DIR/skipped_RANK.txt.
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from byteps_espresso.worker.optimizer import NonFiniteGradientError
+from byteps_espresso.worker.optimizer import NonFiniteGradientError, _Uniform
 
 import byteps_espresso.torch as bps
 
@@ -26,6 +27,7 @@ def main() -> None:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1))
         spec = (bps.Compression.powersgd(1, start_iter=0) if compression == "powersgd"
+                else _Uniform("onebit") if compression == "onebit"
                 else getattr(bps.Compression, compression))
         opt = bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                        named_parameters=net.named_parameters(),
