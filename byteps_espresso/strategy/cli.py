@@ -266,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
     except _FAILURES as exc:
         return _failing("plan", exc)
     if args.json:
-        report = _json_report(strategy, len(enumerate_options(cluster, constraints)))
+        report = _json_report(strategy, len(enumerate_options(cluster, constraints,
+                                                              strategy.compressor)))
         print(json.dumps(report))
         return 0
     print(_table(strategy))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from byteps_espresso.cli import main
-from byteps_espresso.strategy import Strategy, Workload
+from byteps_espresso.strategy import Cluster, Constraints, Strategy, Workload, enumerate_options
 from byteps_espresso.strategy.cli import strategy_timelines
 from byteps_espresso.strategy.workload import BUILTIN_WORKLOADS
 
@@ -43,6 +43,19 @@ def test_plan_writes_strategy_and_timeline(tmp_path, capsys):
     assert strategy.lower_bound_ms == pytest.approx(report["lower_bound_ms"], rel=1e-4)
     assert "lower bound of every strategy" in strategy.summary()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_reported_tree_is_the_compressors(capsys):
+    """fp16's payloads sum: its tree holds the AllreduceC Options too (tree.sums_payloads)."""
+    counts = {}
+    for compressor in ("randomk", "fp16"):
+        argv = [*BASE[:-4], "--compressor", compressor, "--workload", "lstm", "--json"]
+        assert main(argv) == 0
+        counts[compressor] = json.loads(capsys.readouterr().out)["options_per_tensor"]
+    cluster = Cluster.preset(4, 2, "pcie", 25)
+    assert counts == {c: len(enumerate_options(cluster, Constraints(), c))
+                      for c in counts}
+    assert counts["fp16"] > counts["randomk"]
 
 
 def test_table_output_and_baseline_algorithm(tmp_path, capsys):
