@@ -67,6 +67,7 @@ from byteps_espresso.strategy.program import (
     RULES,
     Form,
     Op,
+    Program,
     compile_option,
     payload_count,
 )
@@ -122,7 +123,9 @@ class _Bound:
     root: bool = False  # group rank 0 of the step's scope
     k: int = 1  # members of the step's group
     me: int = 0  # this rank's index in it
-    tail: Callable[..., Any] | None = None  # the last step: issue it, return a waiting call
+    # the last communication step, followed by compute steps only: issue it, return a call
+    # that waits for it and runs them
+    tail: Callable[..., Any] | None = None
     ext: Extent = _EMPTY  # the extent the step finds
     after: Extent = _EMPTY  # the extent it leaves (a closer: the restored parent)
     exts: list[Extent] | None = None  # Comp before AlltoallC: the chunks' extents
@@ -175,6 +178,7 @@ class Executor:
         self.trace: Callable[[int, Any], None] | None = None
         # (Option, tensor name, size, the codec's schedule stage) -> its bound steps
         self._bound: dict[tuple[Option, str, int, int | None], list[_Bound]] = {}
+        self._at_once: dict[Option, bool] = {}  # issues_at_once's answer per Option
 
     # ---- entry point -------------------------------------------------------------------------
     def run(self, option: Option, tensor: torch.Tensor, *, name: str, step: int) -> torch.Tensor:
@@ -194,11 +198,12 @@ class Executor:
 
     def start(self, option: Option, tensor: torch.Tensor, *, name: str,
               step: int) -> Callable[[], torch.Tensor]:
-        """Run ``option`` up to its last step and issue that one; returns the call that
-        waits for it and gives the result (as :meth:`run`). An ``Allreduce`` or ``Allgather``
-        as the last step stays in flight (``async_op``) until that call, so a lane can issue
-        the next Option's collectives meanwhile; other last steps and profiled runs
-        (``timings`` set) complete before this returns.
+        """Run ``option`` up to its last communication step and issue that one; returns the
+        call that waits for it and gives the result (as :meth:`run`). An ``Allreduce``,
+        ``Allgather`` or ``AllreduceC`` as the last communication step stays in flight
+        (``async_op``) until that call, which then runs the compute steps after it (a
+        ``Decomp``), so a lane can issue the next Option's collectives meanwhile; other
+        last steps and profiled runs (``timings`` set) complete before this returns.
 
         Raises:
             ExecutionError: as :meth:`run` (the returned call raises it for the last step).
@@ -220,12 +225,13 @@ class Executor:
         logged = log.isEnabledFor(logging.DEBUG)
         timed = logged or record is not None
         times: list[str] = []
-        last = bound[-1]
-        for b in bound:
+        for i, b in enumerate(bound):
             t0 = time.perf_counter() if timed else 0.0
-            if b is last and last.tail is not None and not timed and trace is None:
-                wait = _named(option, b, name, last.tail, self, b, value)
-                return lambda: _named(option, b, name, wait).reshape(tensor.shape)
+            if b.tail is not None and not timed and trace is None and not b.asleep:
+                wait = _named(option, b, name, b.tail, self, b, value)
+                rest = bound[i + 1:]
+                return lambda: self._finish(option, rest, name, step,
+                                            _named(option, b, name, wait)).reshape(tensor.shape)
             if not b.asleep:
                 value = _named(option, b, name, b.fn, self, b, value, name, step)
             if trace is not None:
@@ -241,6 +247,31 @@ class Executor:
             log.debug("%s step %d ms: %s", name, step, ", ".join(times))
         out = value.reshape(tensor.shape)
         return lambda: out
+
+    def _finish(self, option: Option, rest: Sequence[_Bound], name: str, step: int,
+                value: Any) -> Any:
+        """The compute steps after an Option's last collective, on the waiting thread."""
+        for b in rest:
+            if not b.asleep:
+                value = _named(option, b, name, b.fn, self, b, value, name, step)
+        return value
+
+    def issues_at_once(self, option: Option) -> bool:
+        """Whether :meth:`start` of ``option`` returns as soon as its one collective is
+        issued: nothing before the collective but compression on the training device (what
+        DDP's communication hooks run on the backward thread), ``async_op`` issue, and no
+        profiled run (``timings``, ``trace``) to time each step through."""
+        if self.timings is not None or self.trace is not None or \
+                log.isEnabledFor(logging.DEBUG) or \
+                not getattr(self.transport, "issues_async", False):
+            return False
+        got = self._at_once.get(option)
+        if got is None:
+            prog = compile_option(option)
+            t = _tail_index(prog)
+            got = self._at_once[option] = t is not None and all(
+                op.kind is Kind.COMP and op.device is Device.GPU for op in prog.ops[:t])
+        return got
 
     # ---- binding: everything a run would otherwise recompute ---------------------------------
     def _bind(self, option: Option, name: str, numel: int,
@@ -268,7 +299,9 @@ class Executor:
                                      f"[{option}]: {exc}") from None
             out.append(b)
             ext = after
-        out[-1].tail = _TAILS.get(out[-1].op.kind)
+        t = _tail_index(prog)
+        if t is not None:
+            out[t].tail = _TAILS[prog.ops[t].kind]
         return out
 
     def _asleep(self, op: Op) -> bool:
@@ -481,6 +514,12 @@ class Executor:
         return parts.unflatten(self.transport.allreduce_payload(b.op.scope,
                                                                 codec.flatten(value)))
 
+    def _allreduce_c_tail(self, b: _Bound, value: list) -> Callable[[], list]:
+        codec, parts = b.codec, b.parts
+        assert codec is not None and parts is not None
+        wait = self.transport.allreduce_payload_start(b.op.scope, codec.flatten(value))
+        return lambda: parts.unflatten(wait())
+
     def _allgather_c(self, b: _Bound, value: list, name: str, step: int) -> list:
         codec = b.codec
         assert codec is not None
@@ -542,7 +581,19 @@ def _named(option: Option, b: _Bound, name: str, fn: Callable[..., Any], *args: 
 
 
 _TAILS: dict[Kind, Callable[..., Any]] = {Kind.ALLREDUCE: Executor._allreduce_tail,
-                                          Kind.ALLGATHER: Executor._allgather_tail}
+                                          Kind.ALLGATHER: Executor._allgather_tail,
+                                          Kind.ALLREDUCE_C: Executor._allreduce_c_tail}
+
+
+def _tail_index(prog: Program) -> int | None:
+    """The step :meth:`Executor.start` leaves in flight: the last communication step, when
+    it can be issued ``async_op`` and only compute steps follow it; else None."""
+    last = max((op.index for op in prog.ops if not op.kind.is_compute), default=None)
+    if last is None or prog.ops[last].kind not in _TAILS:
+        return None
+    return last
+
+
 _COMPUTE: dict[Kind, Callable[..., Any]] = {Kind.COMP: Executor._comp,
                                             Kind.DECOMP: Executor._decomp}
 # One handler per step kind (program.RULES has one row per kind; asserted below).
@@ -626,6 +677,16 @@ _STOP = object()
 class Engine:
     """Runs Options asynchronously: one thread per lane, each in submission order.
 
+    An Option that only issues one collective (:meth:`Executor.issues_at_once`, e.g.
+    ``Allreduce(flat)`` or ``Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)``) submitted to an
+    idle lane is issued on the submitting thread instead, as DDP issues a bucket from its
+    gradient hook, and the compute steps after the collective run in the waiting call: on
+    4 workers sharing 2 cores, handing each bucket to a lane's thread cost the LSTM 2.3 ms
+    an iteration (benchmarks/issue_thread.py), and its hook-like fp16 plan went from 28.3
+    to 24.0 ms (BENCHMARKS.md, "fp16 summed inside the collective"). The lane stays in
+    order: nothing is queued or running on it when this happens, and its lock is held for
+    the issue.
+
     Args:
         executors: one :class:`Executor` per lane (each over its own process groups).
         timeout_s: how long :meth:`Handle.wait` callers should wait (``ESPRESSO_TIMEOUT``).
@@ -645,6 +706,11 @@ class Engine:
         # (PS rounds and random draws move on) when its Options change engine after planning.
         self._steps: dict[str, int] = counters if counters is not None else {}
         self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in self.executors]
+        # Per lane: the items queued or running (under _lock), and the lock held while one
+        # runs, on the lane's thread or the submitting one.
+        self._lock = threading.Lock()
+        self._pending = [0] * len(self.executors)
+        self._running = [threading.Lock() for _ in self.executors]
         self._thread_init = thread_init
         self._threads = [threading.Thread(target=self._loop, args=(lane,), daemon=True,
                                           name=f"espresso-lane-{lane}")
@@ -678,11 +744,43 @@ class Engine:
         """
         if step is None:
             step = self.next_step(name)
-        lane = self.lane_of(name) if lane is None else lane
+        lane = (self.lane_of(name) if lane is None else lane) % self.lanes
         handle = Handle(name, deferred=True)
-        self._queues[lane % self.lanes].put(
-            (handle, lambda ex: ex.start(option, tensor, name=name, step=step)))
+
+        def work(ex: Executor) -> Callable[[], torch.Tensor]:
+            return ex.start(option, tensor, name=name, step=step)
+
+        if not (self.executors[lane].issues_at_once(option) and self._inline(lane, handle, work)):
+            self._put(lane, handle, work)
         return handle
+
+    def _inline(self, lane: int, handle: Handle, fn: Callable[[Executor], Any]) -> bool:
+        """Run ``fn`` on this thread if the lane has nothing queued or running."""
+        with self._lock:
+            if self._pending[lane]:
+                return False
+            self._pending[lane] += 1
+        try:
+            self._run(lane, handle, fn)
+        finally:
+            with self._lock:
+                self._pending[lane] -= 1
+        return True
+
+    def _put(self, lane: int, handle: Handle, fn: Callable[[Executor], Any]) -> None:
+        with self._lock:
+            self._pending[lane] += 1
+        self._queues[lane].put((handle, fn))
+
+    def _run(self, lane: int, handle: Handle, fn: Callable[[Executor], Any]) -> None:
+        with self._running[lane]:
+            if not handle._future.set_running_or_notify_cancel():
+                return
+            try:
+                handle._future.set_result(fn(self.executors[lane]))
+            except BaseException as exc:
+                log.error("%s", exc)
+                handle._future.set_exception(exc)
 
     def next_step(self, name: str, at_least: int = 0) -> int:
         """Tensor ``name``'s iteration counter, raised to ``at_least`` first, then counted one
@@ -704,25 +802,21 @@ class Engine:
         ``fn`` that issues collectives must be queued at the same point on every rank.
         """
         handle = Handle(name)
-        self._queues[lane % self.lanes].put((handle, fn))
+        self._put(lane % self.lanes, handle, fn)
         return handle
 
     def _loop(self, lane: int) -> None:
         if self._thread_init is not None:
             self._thread_init()
-        executor = self.executors[lane]
         while True:
             item = self._queues[lane].get()
             if item is _STOP:
                 return
-            handle, fn = item
-            if not handle._future.set_running_or_notify_cancel():
-                continue
             try:
-                handle._future.set_result(fn(executor))
-            except BaseException as exc:
-                log.error("%s", exc)
-                handle._future.set_exception(exc)
+                self._run(lane, *item)
+            finally:
+                with self._lock:
+                    self._pending[lane] -= 1
 
     def close(self) -> None:
         """Stop the lane threads after the work already submitted, waiting at most

@@ -159,6 +159,10 @@ def _sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
 class LocalTransport:
     """One rank's view of a :class:`LocalHub`; implements the Transport interface."""
 
+    # Every collective is a blocking exchange, ``*_start`` ones too: an Option never runs on
+    # the submitting thread (it would wait there for ranks the same thread submits later).
+    issues_async = False
+
     def __init__(self, hub: LocalHub, topology: Topology, lane: int = 0) -> None:
         self.hub = hub
         self.topology = topology
@@ -231,6 +235,10 @@ class LocalTransport:
         values, me = self._all(scope, None if x is None else x.detach().clone())
         self._count("broadcast", scope, me, "tree", numel * FLOAT32_BYTES)
         return values[0].clone()
+
+    def allreduce_payload_start(self, scope: Scope, payload: tuple) -> Callable[[], tuple]:
+        out = self.allreduce_payload(scope, payload)
+        return lambda: out
 
     def allreduce_payload(self, scope: Scope, payload: tuple) -> tuple:
         arrays = tuple(a.detach().clone() if isinstance(a, torch.Tensor)

@@ -81,6 +81,8 @@ class Transport(Protocol):
     def reduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor | None: ...
     def broadcast(self, scope: Scope, x: torch.Tensor | None, numel: int) -> torch.Tensor: ...
     def allreduce_payload(self, scope: Scope, payload: tuple) -> tuple: ...
+    def allreduce_payload_start(self, scope: Scope,
+                                payload: tuple) -> Callable[[], tuple]: ...
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]: ...
     def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
@@ -160,6 +162,10 @@ class DistTransport:
         groups: this rank's process group per scope (``None`` for the default world group).
         comm_device: where tensors must be for these groups (CPU for gloo, CUDA for NCCL).
     """
+
+    # The ``*_start`` calls return as soon as the collective is issued (``async_op``), so
+    # the engine may issue an Option from the submitting thread (Engine.submit).
+    issues_async = True
 
     def __init__(self, topology: Topology, groups: dict[Scope, Any],
                  comm_device: torch.device | str = "cpu") -> None:
@@ -308,17 +314,24 @@ class DistTransport:
         """The members' payloads summed array by array in each array's own dtype (a linear
         compressor's: ``AllreduceC``); the arrays are the caller's and are summed in place
         where they already sit on the communication device."""
+        return self.allreduce_payload_start(scope, payload)()
+
+    def allreduce_payload_start(self, scope: Scope, payload: tuple) -> Callable[[], tuple]:
+        """Issue :meth:`allreduce_payload` (``async_op``); the returned call waits."""
         import torch.distributed as dist
 
         group, members, _ = self._ctx(scope)
-        bufs = [a.detach().to(self.comm_device).contiguous() if isinstance(a, torch.Tensor)
-                else torch.from_numpy(np.ascontiguousarray(a)).to(self.comm_device)
-                for a in payload]
-        if len(members) > 1:
-            works = [dist.all_reduce(b, group=group, async_op=True) for b in bufs if b.numel()]
+        bufs = tuple(a.detach().to(self.comm_device).contiguous() if isinstance(a, torch.Tensor)
+                     else torch.from_numpy(np.ascontiguousarray(a)).to(self.comm_device)
+                     for a in payload)
+        works = [dist.all_reduce(b, group=group, async_op=True) for b in bufs
+                 if b.numel()] if len(members) > 1 else []
+
+        def finish() -> tuple:
             for work in works:
                 work.wait()
-        return tuple(bufs)
+            return bufs
+        return finish
 
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]:

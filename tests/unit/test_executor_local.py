@@ -160,6 +160,26 @@ def test_errors_name_tensor_and_step():
                  name="w", step=0)
 
 
+def test_only_options_that_issue_one_collective_may_run_on_the_submitting_thread():
+    """Engine.submit issues an Option on its own thread (the lane idle) only when start()
+    returns as soon as the Option's one collective is issued: compression on the training
+    device before it, an async_op kind, an asynchronous transport, no timed run."""
+    hub = LocalHub(1, 2)
+    ex = Executor(hub.transport(0), CodecPair("fp16"))
+    assert not ex.issues_at_once(Option.parse("Allreduce(flat)"))  # in-memory: blocking
+    ex.transport.issues_async = True  # as DistTransport's
+    for text in ("Allreduce(flat)", "Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)",
+                 "Comp(gpu) -> AllreduceC(flat) -> Decomp(cpu)"):
+        assert ex.issues_at_once(Option.parse(text)), text
+    for text in ("Comp(cpu) -> AllreduceC(flat) -> Decomp(gpu)",  # the host pool first
+                 "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",  # a blocking gather
+                 "ReduceScatter(flat) -> Allgather(flat)",  # two collectives
+                 "PushPull(flat)"):  # the PS client's own thread
+        assert not ex.issues_at_once(Option.parse(text)), text
+    ex.timings = []  # a profiled run times every step, on the lane
+    assert not ex.issues_at_once(Option.parse("Allreduce(flat)"))
+
+
 def _tree():
     from byteps_espresso.strategy import Cluster, enumerate_options
 
