@@ -27,6 +27,7 @@ Usage: python benchmarks/issue_thread.py [--rounds 2] [--iters 200]
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -104,15 +105,23 @@ class _Sync:
                 offset += p.numel()
 
 
+def _ddp_worker():  # type: ignore[no-untyped-def]
+    """benchmarks/ddp_worker.py as a module: its model and task, as benchmarks/ddp.py runs."""
+    spec = importlib.util.spec_from_file_location("espresso_ddp_worker",
+                                                  ROOT / "benchmarks" / "ddp_worker.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _rank(rank: int, mode: str, run: tuple[int, int, int, str]) -> None:
     """One rank of one mode; ``run``: (port, warm-up iterations, measured ones, result file)."""
     port, warmup, iters, out = run
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import ddp_worker
-
+    ddp_worker = _ddp_worker()
     task, model = ddp_worker.Task("lstm", 0), ddp_worker.build("lstm")
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.1)

@@ -681,9 +681,9 @@ class Engine:
     ``Allreduce(flat)`` or ``Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)``) submitted to an
     idle lane is issued on the submitting thread instead, as DDP issues a bucket from its
     gradient hook, and the compute steps after the collective run in the waiting call: on
-    4 workers sharing 2 cores, handing each bucket to a lane's thread cost the LSTM 2.3 ms
-    an iteration (benchmarks/issue_thread.py), and its hook-like fp16 plan went from 28.3
-    to 24.0 ms (BENCHMARKS.md, "fp16 summed inside the collective"). The lane stays in
+    4 workers sharing 2 cores, handing each bucket to a lane's thread cost the LSTM 2.3-3.2
+    ms an iteration (benchmarks/issue_thread.py), and its hook-like fp16 plan went from 28.3
+    to 22.7-24.0 ms (BENCHMARKS.md, "Issued on the submitting thread"). The lane stays in
     order: nothing is queued or running on it when this happens, and its lock is held for
     the issue.
 
