@@ -224,10 +224,11 @@ class Executor:
             self.timed_runs[name] = (option, numel)
         logged = log.isEnabledFor(logging.DEBUG)
         timed = logged or record is not None
+        through = self._every_step_here()
         times: list[str] = []
         for i, b in enumerate(bound):
             t0 = time.perf_counter() if timed else 0.0
-            if b.tail is not None and not timed and trace is None and not b.asleep:
+            if b.tail is not None and not through and not b.asleep:
                 wait = _named(option, b, name, b.tail, self, b, value)
                 rest = bound[i + 1:]
                 return lambda: self._finish(option, rest, name, step,
@@ -256,14 +257,18 @@ class Executor:
                 value = _named(option, b, name, b.fn, self, b, value, name, step)
         return value
 
+    def _every_step_here(self) -> bool:
+        """Whether :meth:`start` completes every step itself, no collective left in flight:
+        profiled runs (``timings``) and debug logs time each step, ``trace`` sees each."""
+        return (self.timings is not None or self.trace is not None
+                or log.isEnabledFor(logging.DEBUG))
+
     def issues_at_once(self, option: Option) -> bool:
         """Whether :meth:`start` of ``option`` returns as soon as its one collective is
         issued: nothing before the collective but compression on the training device (what
         DDP's communication hooks run on the backward thread), ``async_op`` issue, and no
         profiled run (``timings``, ``trace``) to time each step through."""
-        if self.timings is not None or self.trace is not None or \
-                log.isEnabledFor(logging.DEBUG) or \
-                not getattr(self.transport, "issues_async", False):
+        if self._every_step_here() or not getattr(self.transport, "issues_async", False):
             return False
         got = self._at_once.get(option)
         if got is None:
@@ -509,10 +514,7 @@ class Executor:
         return self._received(b, got)
 
     def _allreduce_c(self, b: _Bound, value: list, name: str, step: int) -> list:
-        codec, parts = b.codec, b.parts
-        assert codec is not None and parts is not None
-        return parts.unflatten(self.transport.allreduce_payload(b.op.scope,
-                                                                codec.flatten(value)))
+        return self._allreduce_c_tail(b, value)()
 
     def _allreduce_c_tail(self, b: _Bound, value: list) -> Callable[[], list]:
         codec, parts = b.codec, b.parts

@@ -688,10 +688,10 @@ class _Sync:
         if bucket.flagged and not self._flag_survives(option):
             # Every bucket of this rank has been checked and a lossy compressor may drop the
             # flag: the ranks compare notes now, on another lane than the bucket's, beside
-            # its Option. Issued after it, behind
-            # the lanes, this 1-element all-gather took 1-31 ms (median about 4) of each
-            # iteration of a compressed LSTM plan at 1 Gbit/s, waiting for the slowest rank
-            # after every sum was done (BENCHMARKS.md, "Checking the kept strategy").
+            # its Option. Issued after it, behind the lanes, this 1-element all-gather took
+            # 1-31 ms (median about 4) of each iteration of a compressed LSTM plan at
+            # 1 Gbit/s, waiting for the slowest rank after every sum was done (BENCHMARKS.md,
+            # "Checking the kept strategy").
             first = float(min(self.bad)) if self.bad else -1.0
             self._flags = self.engine.call(
                 self.engine.lane_of(bucket.name) + 1, lambda ex: ex.transport.allgather(

@@ -46,7 +46,8 @@ from typing import Any
 
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Step
 
-__all__ = ["COMP", "DECOMP", "Factors", "factors", "inner", "is_lowrank", "wrap"]
+__all__ = ["COMP", "DECOMP", "Factors", "capabilities_of", "factors", "inner", "is_lowrank",
+           "wrap"]
 
 COMP = Step(Kind.COMP, device=Device.GPU)
 DECOMP = Step(Kind.DECOMP, device=Device.GPU)
@@ -56,13 +57,19 @@ DECOMP = Step(Kind.DECOMP, device=Device.GPU)
 def is_lowrank(compressor: str) -> bool:
     """Whether ``compressor`` compresses by sums of low-rank factors (PowerSGD): linear,
     not elementwise. Unknown names are not (the kernels registry names them elsewhere)."""
+    caps = capabilities_of(compressor)
+    return caps is not None and caps.linear and not caps.elementwise
+
+
+def capabilities_of(compressor: str) -> Any | None:
+    """The kernels registry's ``Capabilities`` of ``compressor``, None for an unknown name
+    (the registry names it where the compressor is built)."""
     from byteps_espresso.kernels import capabilities
 
     try:
-        caps = capabilities(compressor)
+        return capabilities(compressor)
     except ValueError:
-        return False
-    return caps.linear and not caps.elementwise
+        return None
 
 
 def wrap(option: Option) -> Option:

@@ -347,15 +347,8 @@ def _tree_kind(compressor: str | None) -> str | None:
     """How ``compressor``'s capabilities change the tree: ``lowrank`` (``lowrank.py``),
     ``summing`` (:func:`sums_payloads`) or None (the elementwise codecs' tree; unknown names
     too, which the kernels registry names elsewhere)."""
-    if compressor is None:
-        return None
-    from byteps_espresso.kernels import capabilities
-
-    try:
-        caps = capabilities(compressor)
-    except ValueError:
-        return None
-    if not caps.linear:
+    caps = None if compressor is None else lowrank.capabilities_of(compressor)
+    if caps is None or not caps.linear:
         return None
     return "summing" if caps.elementwise else "lowrank"
 
