@@ -93,13 +93,13 @@ def _median_of(values: list) -> float | None:
 def _refitted_ms(check: Path) -> float | None:
     """The refitted model's prediction of the strategy that trains on after the check (the
     kept one, refitted to its own timed iterations, or the re-planned one, planned on the
-    refitted model); None where no check ran, nothing was refitted, or the fp32 path stayed."""
+    refitted model); None where no check ran, nothing was refitted, or a fall-back stayed."""
     if not check.exists():
         return None
     record = json.loads(check.read_text())
     if record.get("stayed") == "replanned":
         return record["replanned"]["predicted_ms"]
-    if record.get("stayed") == "fp32":  # measured faster, never refitted
+    if record.get("stayed") not in (None, "kept"):  # a fall-back measured faster, not refitted
         return None
     return record.get("kept_refitted_ms")
 

@@ -320,8 +320,9 @@ VARIABLES: tuple[Variable, ...] = (
              "by step and checked against the model: the first is a warm-up; the latencies "
              "and the kernels' costs are refitted to the steps, the model re-plans once, "
              "and a plan predicted 10% faster runs as many iterations and stays only if it "
-             "measures faster; where the profiled fp32 iterations measured 10% faster, the "
-             "fp32 path is checked instead, by the same rule "
+             "measures faster; fall-backs are checked instead, by the same rule: for fp16 "
+             "DDP's fp16-hook plan (every bucket cast and all-reduced), then the fp32 path "
+             "where the profiled fp32 iterations measured 10% faster "
              "(`check.json` in `ESPRESSO_PROFILE_OUT`). Below 2: no check."),
     Variable("ESPRESSO_STARTUP_BUDGET", "startup_budget", _budget, 10.0,
              "Start-up budget, in fp32 iterations (the fastest profiled one, over all "
@@ -342,7 +343,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ESPRESSO_EXCLUDE", "exclude", _patterns, None,
              "Parameters `Compression.espresso` keeps uncompressed, as comma-separated name "
              "globs (`*.bias,*norm*`; `none`: compress any). Unset: those of at most one "
-             "dimension (biases, normalization scales). `exclude=` in code wins."),
+             "dimension (biases, normalization scales), none for fp16. `exclude=` in code wins."),
     Variable("ESPRESSO_COMPRESSION_ERROR_EVERY", "compression_error_every", _int(0), 100,
              "Every this many iterations each rank measures the relative compression error "
              "of every compressed bucket (norm of what it sent minus its gradient over the "

@@ -23,13 +23,15 @@ timed alone, and in training they share their cores), prices the kept strategy a
 re-plans on the refitted model (:meth:`CompressionSpec.replan`). A plan predicted at least
 ``REPLAN_GAIN`` faster than the kept one runs the same number of checked iterations and
 stays only if its measured median beats the kept one's; otherwise the kept strategy comes
-back. Where the profiled fp32 iterations measured more than ``REPLAN_GAIN`` faster than the
-kept strategy's check, the fp32 path is checked next instead (measured beats predicted;
-nothing refitted, nothing re-planned) and stays by the same rule. One re-plan per job: a
-second would chase the noise of a shared host. With ``ESPRESSO_PROFILE_OUT`` rank 0 writes
-``check.json``: the factors, each strategy's prediction (as planned, refitted) against its
-measured median, and which one stayed (and ``strategy.json`` again where the re-planned one
-or the fp32 path stayed).
+back. Fall-backs come before a re-plan (measured beats predicted; nothing refitted, nothing
+re-planned), each checked against the fastest so far and staying by the same rule: for a
+compressor whose payloads sum (fp16), DDP's fp16-hook plan (``allreduce-c`` on the
+profiled buckets) where the trials did not measure it, then the fp32 path where the profiled
+fp32 iterations measured more than ``REPLAN_GAIN`` faster than the fastest checked. One
+re-plan per job: a second would chase the noise of a shared host. With
+``ESPRESSO_PROFILE_OUT`` rank 0 writes ``check.json``: the factors, each strategy's
+prediction (as planned, refitted) against its measured median, and which one stayed (and
+``strategy.json`` again where another than the kept one stayed).
 """
 
 from __future__ import annotations
@@ -170,15 +172,18 @@ def _entry(check: Check) -> dict[str, Any]:
             "options": {name: str(o) for name, o in check.strategy.options.items()}}
 
 
-def check_record(kept: Check, replanned: Check | None, stayed: str) -> dict[str, Any]:
+def check_record(kept: Check, later: Sequence[Check], stayed: str) -> dict[str, Any]:
     """What the check found (``check.json``): the kept check's ``info`` (the factors, the
-    kept strategy's refitted prediction, the re-plan's prediction and time; ``fp32_ms``
-    where the profiled fp32 iterations measured faster); ``replanned``: the strategy checked
-    after the kept one (the re-plan, or the fp32 path: its ``algorithm`` says which);
-    iteration times are this rank's, medians the slowest rank's; ``stayed``: ``kept``,
-    ``replanned`` or ``fp32``, the strategy that trains on."""
+    kept strategy's refitted prediction, the re-plan's prediction and time; ``fallback``
+    where a fall-back was checked instead, with ``fp32_ms`` where it is the fp32 path the
+    profiled iterations measured faster); ``replanned``: the strategy checked after the kept
+    one (the re-plan, or a fall-back: its ``algorithm`` says which) and ``then``: those
+    checked after that one (the fp32 path after ``allreduce-c``); iteration times are this
+    rank's, medians the slowest rank's; ``stayed``: ``kept``, ``replanned`` or the
+    fall-back's algorithm (``allreduce-c``, ``fp32``), the strategy that trains on."""
     return {"steps": kept.steps, "start": kept.start, **kept.info, "kept": _entry(kept),
-            "replanned": None if replanned is None else _entry(replanned), "stayed": stayed}
+            "replanned": _entry(later[0]) if later else None,
+            "then": [_entry(c) for c in later[1:]], "stayed": stayed}
 
 
 def _off(predicted: float | None, measured: float | None) -> str:
@@ -197,6 +202,8 @@ def check_text(record: Mapping[str, Any]) -> str:
     if record.get("fp32_ms") is not None:
         text += (f"; the profiled fp32 iterations measured {record['fp32_ms']:.1f} ms: "
                  "the fp32 path is checked next, nothing refitted")
+    elif record.get("fallback") is not None:
+        text += f"; {record['fallback']} is checked next, nothing refitted"
     elif not factors:
         return text + "; no step timed alike on every rank, nothing refitted"
     else:
@@ -211,8 +218,9 @@ def check_text(record: Mapping[str, Any]) -> str:
     again = record["replanned"]
     if again is None:
         return text + f" (a switch needs {REPLAN_GAIN:.0%} less), the kept strategy stays"
-    return text + (f", measured {again['measured_ms']:.1f} ms: the "
-                   f"{record['stayed']} strategy stays")
+    return text + f", measured {again['measured_ms']:.1f} ms" + "".join(
+        f", then {c['algorithm']} measured {c['measured_ms']:.1f} ms"
+        for c in record.get("then", ())) + f": the {record['stayed']} strategy stays"
 
 
 def write_check(out: str | Path, record: Mapping[str, Any]) -> None:

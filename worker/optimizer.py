@@ -305,8 +305,9 @@ class Compression:
                 (dgc's ``warmup_steps``) works with or without it.
             exclude: name globs (``fnmatch``) of parameters to keep uncompressed, e.g.
                 ``["*.bias", "*norm*"]``; ``[]`` compresses any. Default: ``ESPRESSO_EXCLUDE``,
-                else every parameter of at most one dimension. Kept out of compressed
-                buckets (they are fused only with each other).
+                else every parameter of at most one dimension (none for fp16, which only
+                rounds). Kept out of compressed buckets (they are fused only with each
+                other).
             **params: the compressor's parameters (``ratio=0.01``, ``seed=...``).
         """
         from byteps_espresso.kernels import registry
@@ -516,9 +517,11 @@ class _Sync:
 
     _zeroed: float | None = None  # the first zero_grad(), before any gradient (zeroed())
     check: Check | None = None  # the kept strategy's check (worker.check)
-    # The plan's fp32 finalist and its time measured by the profiled iterations (Plan.fp32_ms),
-    # what the check falls back to where the kept strategy measured slower (_fp32_faster).
-    _fp32: tuple[Any, float] | None = None
+    # What the check tries after the kept strategy, in order (_next_fallback): the plan's
+    # allreduce-c finalist (a compressor whose payloads sum: DDP's fp16 hook, unmeasured) and
+    # its fp32 finalist with the time the profiled iterations measured (Plan.fp32_ms).
+    _fallbacks: tuple[tuple[Any, float | None], ...] = ()
+    _replanned: Any = None  # the re-planned strategy, once one is checked
     # The ranks' notes on non-finite gradients, when the last bucket's Option may not carry
     # its flag (see _check_finite); issued with that bucket.
     _flags: Handle | None = None
@@ -581,6 +584,7 @@ class _Sync:
         self.probes = None
         self._codec_engine: Engine | None = None
         self.trials: Trials | None = None
+        self._checks: list[Check] = []  # the kept strategy's check and those after it
         self._trials_from = 0  # the iteration the trials' first one runs (see _apply_plan)
         self.buckets: list[_Bucket] = []
         self._begin(compression)
@@ -989,6 +993,11 @@ class _Sync:
 
     def _keep(self, trials: Trials) -> None:
         kept = trials.choose(self.session)
+        # A finalist the trials measured lost to the kept one there: no second look.
+        medians = trials.medians_ms()
+        tried = {id(s) for i, s in enumerate(trials.finalists)
+                 if i not in trials.profiled and not math.isnan(medians[i])}
+        self._fallbacks = tuple(f for f in self._fallbacks if id(f[0]) not in tried)
         self.session.strategy = kept
         self._use_strategy(kept)
         self.trials = None
@@ -1023,57 +1032,71 @@ class _Sync:
             return
         runs = check.runs(self.session)
         measured = check.measure(self.session)
-        kept = check.against
-        if kept is not None:  # the re-planned strategy's check
-            assert kept.measured_ms is not None
-            stayed = "fp32" if check.strategy.algorithm == "fp32" else "replanned"
-            if measured >= kept.measured_ms:  # the model's pick lost: back to the kept one
-                self._use_strategy(kept.strategy)
-                self.session.strategy = kept.strategy
-                stayed = "kept"
-            self._end_check(kept, check, stayed)
-            return
-        fp32 = self._fp32_faster(check)
-        if fp32 is not None:  # measured beats predicted: no re-plan of the same model
-            new, check.info = fp32[0], {"fp32_ms": fp32[1]}
+        best = check.against
+        if best is not None:  # a strategy checked after the kept one
+            assert best.measured_ms is not None
+            if measured < best.measured_ms:
+                best = check
+            self._checks.append(check)
+            new, _ = self._next_fallback(best.measured_ms)
         else:
-            new, check.info = (self.compression.replan(self.session, check.strategy, runs)
-                               if runs else (None, {}))
+            self._checks = [check]
+            best = check
+            new, ms = self._next_fallback(measured)
+            if new is not None:  # measured beats predicted: no re-plan of the same model
+                check.info = {"fallback": new.algorithm} | ({} if ms is None
+                                                           else {"fp32_ms": ms})
+            elif runs:
+                new, check.info = self.compression.replan(self.session, check.strategy, runs)
+                self._replanned = new
         if new is None:
-            self._end_check(check, None, "kept")
+            if best is not check:  # the last one checked lost: back to the fastest
+                self._use_strategy(best.strategy)
+                self.session.strategy = best.strategy
+            self._end_check(best)
             return
         self._use_strategy(new)
         self.session.strategy = new
         self.check = Check(new, check.steps, self.iteration, list(self.engine.executors),
-                           against=check)
+                           against=best)
         self.check.begin()
 
-    def _fp32_faster(self, check: Check) -> tuple[Any, float] | None:
-        """The plan's fp32 finalist and its profiled time (ms) where the profiled iterations
-        measured it more than ``REPLAN_GAIN`` faster than the kept strategy's check (the same
-        figures on every rank), else None. Measured beats predicted: when no trial ran (the
-        start-up budget had no room for one) the check is the first measurement of the planned
-        strategy, and on a host whose cores the workers share a plan of many small steps can
-        run well over its prediction (an fp16 transformer on loopback: predicted 97 ms,
-        measured 206, the fp32 path 131). It is checked next, and the model is neither
-        refitted nor planned again: the re-plan would rank on the model just measured wrong
-        (and took 2.8 s once, on the same transformer)."""
-        if self._fp32 is None or check.strategy.algorithm == "fp32":
-            return None
-        assert check.measured_ms is not None
-        return self._fp32 if self._fp32[1] < check.measured_ms * (1 - REPLAN_GAIN) else None
+    def _next_fallback(self, best_ms: float) -> tuple[Any | None, float | None]:
+        """The next strategy to check after one that measured ``best_ms`` (the same on every
+        rank), taken off :attr:`_fallbacks`, with its profiled time (None: unmeasured), or
+        (None, None). Measured beats predicted: when no trial
+        ran (the start-up budget had no room for one) the check is the first measurement of
+        the planned strategy, and on a host whose cores the workers share a plan of many small
+        steps can run well over its prediction (an fp16 transformer on loopback: predicted 97
+        ms, measured 206, the fp32 path 131; at 1 Gbit/s the LSTM's fp16 plan predicted 26.9
+        ms, measured 43.2, where DDP's fp16 hook's plan runs in 23.4). So an unmeasured
+        fall-back (allreduce-c) is checked next, and a measured one (the fp32 path) where it
+        measured more than ``REPLAN_GAIN`` faster; the model is neither refitted nor planned
+        again: the re-plan would rank on the model just measured wrong (and took 2.8 s once,
+        on the same transformer)."""
+        while self._fallbacks:
+            (strategy, ms), *rest = self._fallbacks
+            self._fallbacks = tuple(rest)
+            if ms is None or ms < best_ms * (1 - REPLAN_GAIN):
+                return strategy, ms
+        return None, None
 
-    def _end_check(self, kept: Check, replanned: Check | None, stayed: str) -> None:
-        """Log the check and, with ``ESPRESSO_PROFILE_OUT``, write ``check.json`` (rank 0)."""
+    def _end_check(self, best: Check) -> None:
+        """Log the check and, with ``ESPRESSO_PROFILE_OUT``, write ``check.json`` (rank 0):
+        the kept strategy's check, those after it, and which one ``best`` (training on) is."""
+        kept, *later = self._checks
+        stayed = ("kept" if best is kept else "replanned" if best.strategy is self._replanned
+                  else best.strategy.algorithm)
         rt = self.session.runtime
         if rt.topology.rank == 0:
-            record = check_record(kept, replanned, stayed)
+            record = check_record(kept, later, stayed)
             log.info("%s", check_text(record))
             if rt.cfg.profile_out:
                 write_check(rt.cfg.profile_out, record)
-                if replanned is not None and stayed != "kept":  # what ESPRESSO_STRATEGY
-                    replanned.strategy.save(Path(rt.cfg.profile_out) / "strategy.json")
+                if best is not kept:  # what ESPRESSO_STRATEGY would reuse
+                    best.strategy.save(Path(rt.cfg.profile_out) / "strategy.json")
         self.check = None
+        self._checks = []
 
     def _begin_trials(self) -> None:
         trials = self.trials
@@ -1100,7 +1123,8 @@ class _Sync:
             raise ValueError("the strategy was planned for other parameters; load a "
                              "checkpoint of this model")
         self.order = order
-        self.trials = self.check = self._fp32 = None
+        self.trials = self.check = None
+        self._fallbacks = ()
         if self.probes is not None:
             self.probes.close()
             self.probes = None
@@ -1138,9 +1162,11 @@ class _Sync:
             # gradient) the planned strategy trains, and the trials follow it.
             self._trials_from = max(self.iteration, self._steady_step())
             cfg = self.session.runtime.cfg
+            summed = next((s for s in plan.finalists if s.algorithm == "allreduce-c"), None)
             fp32 = next((s for s in plan.finalists if s.algorithm == "fp32"), None)
-            if fp32 is not None and plan.fp32_ms is not None:
-                self._fp32 = (fp32, plan.fp32_ms)
+            self._fallbacks = (*(() if summed is None else ((summed, None),)),
+                               *(() if fp32 is None or plan.fp32_ms is None
+                                 else ((fp32, plan.fp32_ms),)))
             self.trials = Trials(plan.finalists, cfg.trial_steps, fp32_ms=plan.fp32_ms,
                                  start=self._trials_from, budget=cfg.startup_budget,
                                  budget_unit_ms=plan.fp32_fastest_ms)

@@ -60,7 +60,7 @@ from byteps_espresso.worker.trials import MODEL_ERROR
 
 from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB
 from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes, Pricer
-from byteps_espresso.strategy.options import Device, Kind, Option, Scope
+from byteps_espresso.strategy.options import ROUNDING, Device, Kind, Option, Scope
 from byteps_espresso.strategy.tree import PARTNER
 
 __all__ = ["EspressoSpec", "LaneProbes", "StrategyFileSpec", "default_error_feedback",
@@ -136,13 +136,19 @@ def default_error_feedback(compressor: str, params: Mapping[str, Any]) -> bool:
     return compressor in _NEEDS_EF
 
 
-def excluded_names(params: Mapping[str, Any], patterns: Sequence[str] | None) -> frozenset[str]:
+def excluded_names(params: Mapping[str, Any], patterns: Sequence[str] | None,
+                   compressor: str | None = None) -> frozenset[str]:
     """The parameters kept out of compression: those whose name matches one of ``patterns``
     (``fnmatch`` globs, e.g. ``*.bias``), or by default (``None``) those of at most one
     dimension: biases and normalization scales, which DGC's and PowerSGD's reference
     implementations send uncompressed (their elementwise error is a large share of a small
-    tensor, and they save almost nothing)."""
+    tensor, and they save almost nothing). None by default for a ``compressor`` that only
+    rounds (fp16, :data:`~byteps_espresso.strategy.options.ROUNDING`): its error is a
+    rounding of each element whatever the tensor's size, and DDP's fp16 hook casts every
+    gradient."""
     if patterns is None:
+        if compressor in ROUNDING:
+            return frozenset()
         return frozenset(name for name, p in params.items() if p.dim() <= 1)
     return frozenset(name for name in params
                      if any(fnmatch.fnmatchcase(name, pat) for pat in patterns))
@@ -997,7 +1003,7 @@ class EspressoSpec(CompressionSpec):
         patterns = self.exclude
         if patterns is None and session.runtime.cfg.exclude is not None:
             patterns = session.runtime.cfg.exclude
-        return excluded_names(params, patterns)
+        return excluded_names(params, patterns, self.compressor)
 
     @property
     def low_rank(self) -> bool:
@@ -1215,15 +1221,15 @@ class EspressoSpec(CompressionSpec):
         log.info("re-planned on the refitted latencies:\n%s", new.summary())
         return new, info
 
-    def _on_layout(self, strategy: Any, workload: Any, cluster: Any, costs: Any,
+    def _on_layout(self, algorithm: str, workload: Any, cluster: Any, costs: Any,
                    layout: Sequence[Any]) -> Any:
-        """``strategy`` (a baseline) planned again on the buckets of ``layout``."""
+        """The baseline ``algorithm`` planned on the buckets of ``layout``."""
         from byteps_espresso.strategy.buckets import fuse, reorder
         from byteps_espresso.strategy.planner import plan
 
         fused = fuse(reorder(workload, [n for b in layout for n in b.tensors]), layout)
         again = plan(fused, cluster, self.compressor, dict(self.params),
-                     algorithm=strategy.algorithm, constraints=self.constraints, costs=costs)
+                     algorithm=algorithm, constraints=self.constraints, costs=costs)
         return replace(again, buckets=tuple(layout) if any(b.fused for b in layout) else ())
 
     def _laid_out(self, finalists: list[Any], planned_layout: Sequence[Any], *,
@@ -1231,7 +1237,9 @@ class EspressoSpec(CompressionSpec):
                   apart: frozenset[str], caps: Sequence[int]) -> list[Any]:
         """The finalists of ``plan_bucketed`` (on ``planned_layout``) with their buckets
         recorded. Where there are trials: the fp32 finalist on the profiled iterations'
-        buckets (added where the plan is the fp32 path on other buckets), and second the plan
+        buckets (added where the plan is the fp32 path on other buckets), for a compressor
+        whose payloads sum DDP's fp16-hook plan on them (``allreduce-c``, last: the check
+        falls back to it where the trials leave it unmeasured), and second the plan
         on the fewest buckets
         (:func:`~byteps_espresso.strategy.planner.plan_fewest_buckets`), where that layout is
         not the planned one and is predicted within ``_TRIAL_WITHIN`` of the plan. The model
@@ -1258,8 +1266,10 @@ class EspressoSpec(CompressionSpec):
                     s.algorithm != "fp32" for s in finalists) and all(
                     o == path for o in finalists[0].options.values()):
                 finalists.append(replace(finalists[0], algorithm="fp32"))
-            finalists = [self._on_layout(s, workload, cluster, costs, profile.layout)
+            finalists = [self._on_layout("fp32", workload, cluster, costs, profile.layout)
                          if s.algorithm == "fp32" else s for s in finalists]
+            finalists += self._summed(finalists, workload, cluster, costs, apart=apart,
+                                      layout=profile.layout)
         if fewest([(t.name, t.numel) for t in workload.tensors], caps, apart) \
                 == tuple(planned_layout):
             return finalists  # the plan is on the fewest buckets already: nothing to plan
@@ -1269,6 +1279,30 @@ class EspressoSpec(CompressionSpec):
         if on_fewest.predicted_ms > finalists[0].predicted_ms * _TRIAL_WITHIN:
             return finalists
         return [finalists[0], on_fewest, *finalists[1:]]
+
+    def _summed(self, finalists: Sequence[Any], workload: Any, cluster: Any, costs: Any, *,
+                apart: frozenset[str], layout: Sequence[Any]) -> list[Any]:
+        """``[allreduce-c on layout]`` where the compressor's payloads sum and that plan is
+        not a finalist already, else ``[]``. Every bucket cast and all-reduced in one
+        collective, DDP's buckets and its fp16 hook: what a user of fp16 would otherwise run.
+        The model prices it slower than its mixtures of collectives and push/pulls where those
+        measured slower (the LSTM at 1 Gbit/s: predicted 26.9 ms, measured 43.2 against the
+        hook plan's 23.4; BENCHMARKS.md, "Issued on the submitting thread"), so it is
+        measured rather than ranked. None where gradients stay uncompressed
+        (``exclude=``): the baseline compresses every one."""
+        from byteps_espresso.strategy.baselines import BaselineUnavailable
+        from byteps_espresso.strategy.tree import sums_payloads
+
+        if apart or not sums_payloads(self.compressor):
+            return []
+        try:
+            summed = self._on_layout("allreduce-c", workload, cluster, costs, layout)
+        except BaselineUnavailable as exc:  # the constraints leave it out
+            log.info("no allreduce-c fall-back: %s", exc)
+            return []
+        if any(s.options == summed.options and s.layout == summed.layout for s in finalists):
+            return []
+        return [summed]
 
     def _trials(self, session: Session) -> bool:
         return self.algorithm == "espresso" and session.runtime.cfg.trial_steps >= 2

@@ -9,6 +9,9 @@ model. Look one up with :func:`get`; :data:`ALGORITHMS` lists them in report ord
                    ``Compression.none``.
 - ``all-gpu``      every tensor compressed on the GPU with one fixed scheme, like HiTopKComm:
                    intra ReduceScatter, inter AllgatherC, intra Allgather (flat: AllgatherC).
+- ``allreduce-c``  every tensor compressed on the GPU and its payloads summed in one flat
+                   all-reduce, DDP's ``fp16_compress_hook``: only for a compressor whose
+                   payloads sum (fp16); the runtime checks it where its plan measures slow.
 - ``hipress``      selective compression like HiPress: tensors of at least HIPRESS_MIN_NUMEL
                    elements get the GPU option that is fastest for that tensor in isolation.
 - ``cpu-only``     like BytePS-Compress: intra Reduce uncompressed, CPU compression, PS
@@ -30,6 +33,7 @@ import numpy as np
 from byteps_espresso.strategy import search
 from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.options import Device, Option
+from byteps_espresso.strategy.tree import sums_payloads
 
 __all__ = ["ALGORITHMS", "BRUTEFORCE_LIMIT", "Algorithm", "BaselineUnavailable",
            "BruteforceTooLarge", "Solution", "fp32_baseline_option", "fp32_option", "get",
@@ -169,6 +173,16 @@ def _all_gpu(ctx: PlanContext) -> Solution:
         "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",
         # a low-rank compressor (PowerSGD) on every tensor, as PyTorch's hook all-reduces
         "Comp(gpu) -> Allreduce(flat) -> Decomp(gpu)"], "all-gpu")
+    return _per_tensor(ctx, lambda i: opt)
+
+
+@register("allreduce-c", "every tensor compressed on GPU, the payloads summed in one "
+                         "all-reduce (DDP's fp16 hook; compressors whose payloads sum)")
+def _allreduce_c(ctx: PlanContext) -> Solution:
+    if not sums_payloads(ctx.compressor):
+        raise BaselineUnavailable(f"allreduce-c: {ctx.compressor}'s payloads do not sum inside "
+                                  "a collective (only fp16's do); pick another algorithm")
+    opt = _first_allowed(ctx, ["Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)"], "allreduce-c")
     return _per_tensor(ctx, lambda i: opt)
 
 

@@ -297,6 +297,43 @@ def test_a_kept_strategy_measured_slower_than_the_profiled_fp32_path_gives_way_t
 
 
 @pytest.mark.timeout(200)
+def test_a_slow_fp16_plan_falls_back_to_ddps_fp16_hook_plan_before_the_fp32_path(
+        tmp_path, cluster):
+    """fp16 planned, no trial runs, and the kept strategy's 3 checked iterations sleep: the
+    allreduce-c finalist (every profiled bucket cast and all-reduced, DDP's fp16 hook) is
+    checked next, measures faster and stays, unless the profiled fp32 iterations measured
+    faster still: then the fp32 path is checked after it, and the faster of the two stays.
+    Every rank ends on the strategy check.json names, parameters bit-identical."""
+    out = tmp_path / "profile"
+    env = {"ESPRESSO_PROFILE_STEPS": "4", "ESPRESSO_STARTUP_BUDGET": "0",
+           "ESPRESSO_CHECK_STEPS": "3", "ESPRESSO_PROFILE_OUT": str(out)}
+    steps = 4 + 3 + 3 + 3 + 2
+    _train(tmp_path, cluster, "espresso-slowed-fp16", steps, env)
+    _ranks_identical(tmp_path, steps)
+    trials = json.loads((out / "trials.json").read_text())
+    summed = next(f for f in trials["finalists"] if f["algorithm"] == "allreduce-c")
+    assert set(summed["options"].values()) == {"Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)"}
+    fp32 = next(f for f in trials["finalists"] if f["algorithm"] == "fp32")
+    assert summed["options"].keys() == fp32["options"].keys()  # the profiled buckets
+    check = json.loads((out / "check.json").read_text())
+    kept, again = check["kept"], check["replanned"]
+    assert kept["measured_ms"] > worker.SLOW_S * 1e3 and check["fallback"] == "allreduce-c"
+    assert again["algorithm"] == "allreduce-c" and again["options"] == summed["options"]
+    assert again["measured_ms"] < kept["measured_ms"]
+    if check["then"]:  # the profile measured fp32 faster than allreduce-c by REPLAN_GAIN
+        (then,) = check["then"]
+        assert then["algorithm"] == "fp32" and then["options"] == fp32["options"]
+        stayed = then if then["measured_ms"] < again["measured_ms"] else again
+    else:
+        stayed = again
+    assert check["stayed"] == stayed["algorithm"]
+    for r in range(WORLD):
+        assert (tmp_path / f"kept_{r}.txt").read_text() == stayed["algorithm"]
+        assert json.loads((tmp_path / f"options_{r}.json").read_text()) == stayed["options"]
+    assert Strategy.load(out / "strategy.json").algorithm == stayed["algorithm"]
+
+
+@pytest.mark.timeout(200)
 def test_trials_wait_for_the_compressors_warm_up(tmp_path, cluster):
     """dgc with a sparsity warm-up of worker.WARMUP iterations, planned after 2 profiled steps:
     the plan trains through the warm-up and the trials begin where the payloads reach the

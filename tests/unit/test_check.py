@@ -36,6 +36,7 @@ PUSH_PULL = Option.parse("PushPull(flat)")
 PUSH_PULLS = {Kind.PUSH_PULL, Kind.PUSH_PULL_C}
 ROOTED = {Kind.REDUCE, Kind.BROADCAST, Kind.BROADCAST_C, Kind.GATHER_C}
 HIER = Option.parse("Reduce(intra) -> PushPull(inter) -> Broadcast(intra)")
+SUMMED = Option.parse("Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)")
 
 
 def _session(hub: LocalHub, rank: int):
@@ -123,7 +124,7 @@ def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
                        "replanned_predicted_ms": 45.0, "replan_ms": 20.0})
     again = Check(_with_option(kept_strategy, HIER), 3, 15, [], against=kept,
                   times_ms=[80.0, 50.0, 52.0], measured_ms=51.0)
-    record = check_record(kept, again, "replanned")
+    record = check_record(kept, [again], "replanned")
     write_check(tmp_path, record)
     written = json.loads((tmp_path / "check.json").read_text())
     assert written == json.loads(json.dumps(record))
@@ -135,7 +136,7 @@ def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
     assert "measured 61.0 ms, predicted 40.0 ms (-34%)" in text
     assert "ps x3.00" in text and "-> predicted 58.0 ms (-5%)" in text
     assert "measured 51.0 ms: the replanned strategy stays" in text
-    alone = check_text(check_record(kept, None, "kept"))
+    alone = check_text(check_record(kept, [], "kept"))
     assert alone.endswith(f"(a switch needs {REPLAN_GAIN:.0%} less), the kept strategy stays")
 
 
@@ -148,12 +149,35 @@ def test_the_log_line_says_the_fp32_path_measured_faster_and_was_checked_next():
                  info={"fp32_ms": 131.3})
     fp32 = Check(fp32_strategy, 3, 7, [], against=kept, times_ms=[140.0, 128.0, 127.0],
                  measured_ms=128.0)
-    record = check_record(kept, fp32, "fp32")
+    record = check_record(kept, [fp32], "fp32")
     assert (record["fp32_ms"], record["replanned"]["algorithm"]) == (131.3, "fp32")
     text = check_text(record)
     assert ("measured 206.0 ms, predicted 97.0 ms (-53%); the profiled fp32 iterations "
             "measured 131.3 ms: the fp32 path is checked next, nothing refitted, measured "
             "128.0 ms: the fp32 strategy stays") == text.split("iterations: ", 1)[1]
+
+
+def test_the_record_lists_every_fall_back_checked_after_the_kept_strategy(tmp_path):
+    """fp16's kept plan measured slow: DDP's fp16-hook plan (allreduce-c) checked next, then
+    the fp32 path, which the profile measured faster than both."""
+    kept_strategy = SimpleNamespace(algorithm="espresso", predicted_ms=26.9,
+                                    options={"a": HIER})
+    summed = Check(SimpleNamespace(algorithm="allreduce-c", predicted_ms=30.0,
+                                   options={"a": SUMMED}), 3, 7, [],
+                   times_ms=[40.0, 33.0, 34.0], measured_ms=34.0)
+    fp32 = Check(SimpleNamespace(algorithm="fp32", predicted_ms=44.4,
+                                 options={"a": PUSH_PULL}), 3, 10, [], against=summed,
+                 times_ms=[40.0, 31.0, 32.0], measured_ms=32.0)
+    kept = Check(kept_strategy, 3, 4, [], times_ms=[50.0, 43.0, 44.0], measured_ms=43.2,
+                 info={"fallback": "allreduce-c"})
+    record = check_record(kept, [summed, fp32], "fp32")
+    write_check(tmp_path, record)
+    written = json.loads((tmp_path / "check.json").read_text())
+    assert written["replanned"]["options"] == {"a": str(SUMMED)}
+    assert [c["algorithm"] for c in written["then"]] == ["fp32"]
+    assert ("measured 43.2 ms, predicted 26.9 ms (-38%); allreduce-c is checked next, nothing "
+            "refitted, measured 34.0 ms, then fp32 measured 32.0 ms: the fp32 strategy "
+            "stays") == check_text(record).split("iterations: ", 1)[1]
 
 
 def _with_option(strategy, option):

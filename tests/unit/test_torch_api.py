@@ -218,6 +218,10 @@ def test_exclusion_by_pattern_or_by_default_every_parameter_of_one_dimension():
     assert excluded_names(params, None) == {"0.bias", "1.weight", "1.bias", "2.bias"}
     assert excluded_names(params, ("2.*",)) == {"2.weight", "2.bias"}
     assert excluded_names(params, ()) == frozenset()
+    # fp16 only rounds: nothing by default, as DDP's fp16 hook; patterns still apply
+    assert excluded_names(params, None, "fp16") == frozenset()
+    assert excluded_names(params, ("2.*",), "fp16") == {"2.weight", "2.bias"}
+    assert excluded_names(params, None, "dgc") == {"0.bias", "1.weight", "1.bias", "2.bias"}
     base = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "0",
             "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9100"}
     assert (Config.from_env({**base, "ESPRESSO_EXCLUDE": "*.bias, 1.*"}).exclude

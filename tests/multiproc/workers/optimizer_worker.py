@@ -9,8 +9,9 @@ model whose profiled push/pulls price the PS path instead of the large PS probe)
 finalist: the trials wait for the warm-up to end), ``espresso-fewest`` (espresso-trials on a
 model of 1.25 MiB of gradients: the fewest buckets are another layout), ``espresso-slowed``
 (espresso-trials whose steps SLOWED sleep SLOW_S each: the iterations the check times of
-the kept strategy measure slower than the profiled fp32 ones) or ``dgc`` (DGC's recipe: the
-optimizer's momentum moves before communication). Each rank's batches are drawn
+the kept strategy measure slower than the profiled fp32 ones), ``espresso-slowed-fp16``
+(the same planned for fp16, whose fall-backs begin with DDP's fp16-hook plan) or ``dgc``
+(DGC's recipe: the optimizer's momentum moves before communication). Each rank's batches are drawn
 from a generator seeded by (rank, step, pass), so the test recomputes them. After every step
 the flattened parameters are saved as OUT_DIR/params_STEP_RANK.npy (no pickle); at the end
 the algorithm of the strategy in use goes to OUT_DIR/kept_RANK.txt and its Options to
@@ -62,18 +63,18 @@ def main() -> None:
         wide = compression == "espresso-traffic"
         if wide:
             profiler._TRAFFIC_MIN = 1 << 15
+        slowed = compression.startswith("espresso-slowed")
         net = model(WIDE if wide else FEWEST_WIDTH
-                    if compression in ("espresso-fewest", "espresso-slowed") else 33)
+                    if compression == "espresso-fewest" or slowed else 33)
         if bps.rank() != 0:  # different local init: broadcast_parameters must fix it
             with torch.no_grad():
                 for p in net.parameters():
                     p.add_(0.5)
         bps.broadcast_parameters(net.state_dict(), root_rank=0)
         # the wide layers of espresso-fewest diverge at the others' rate
-        lr = 1e-4 if compression in ("espresso-fewest", "espresso-slowed") else 0.1
+        lr = 1e-4 if compression == "espresso-fewest" or slowed else 0.1
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-        if compression in ("espresso-trials", "espresso-warmup", "espresso-fewest",
-                           "espresso-slowed"):
+        if compression in ("espresso-trials", "espresso-warmup", "espresso-fewest") or slowed:
             profiler._TRIAL_WITHIN = float("inf")  # every alternative a finalist, however slow
         if compression == "espresso-warmup":
             spec = bps.Compression.espresso("dgc", ratio=0.5, warmup_steps=WARMUP)
@@ -84,6 +85,8 @@ def main() -> None:
             # not, it keeps fewer buckets than the profiled iterations' (then its fp32
             # finalist is theirs)
             spec = bps.Compression.espresso("randomk", ratio=0.01)
+        elif compression == "espresso-slowed-fp16":
+            spec = bps.Compression.espresso("fp16")
         elif compression.startswith("espresso"):
             spec = bps.Compression.espresso("randomk", ratio=0.5)
         else:
@@ -93,7 +96,7 @@ def main() -> None:
                                        backward_passes_per_step=passes)
         bps.broadcast_optimizer_state(opt, root_rank=0)
         for step in range(steps):
-            if compression == "espresso-slowed" and step in SLOWED:
+            if slowed and step in SLOWED:
                 time.sleep(SLOW_S)
             opt.zero_grad()
             for k in range(passes):
