@@ -45,6 +45,7 @@ meanwhile.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import queue
@@ -59,7 +60,7 @@ import torch
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.layout import Extent, Piece, piece_names, ps_key, split
 from byteps_espresso.worker.topology import Topology
-from byteps_espresso.worker.transport import PayloadSpec, PSPath, Transport
+from byteps_espresso.worker.transport import Done, PayloadSpec, PSPath, Transport
 
 from byteps_espresso.strategy.cluster import lane_of
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope
@@ -203,7 +204,13 @@ class Executor:
         ``Allgather`` or ``AllreduceC`` as the last communication step stays in flight
         (``async_op``) until that call, which then runs the compute steps after it (a
         ``Decomp``), so a lane can issue the next Option's collectives meanwhile; other
-        last steps and profiled runs (``timings`` set) complete before this returns.
+        last steps and traced runs (``trace``, debug logs) complete before this returns. A
+        timed run (``timings``) runs as an untimed one does: a collective left in flight is
+        timed from its issue to its completion (the transport's ``done``), as a blocking
+        call would time it, so that the check of a strategy measures the iterations that
+        train on (issued on the submitting thread, ``Engine.submit``; on the LSTM at 1
+        Gbit/s DDP's fp16-hook plan measured 32-34 ms with every step blocking in a lane,
+        23.4 ms as it runs).
 
         Raises:
             ExecutionError: as :meth:`run` (the returned call raises it for the last step).
@@ -229,10 +236,12 @@ class Executor:
         for i, b in enumerate(bound):
             t0 = time.perf_counter() if timed else 0.0
             if b.tail is not None and not through and not b.asleep:
-                wait = _named(option, b, name, b.tail, self, b, value)
-                rest = bound[i + 1:]
-                return lambda: self._finish(option, rest, name, step,
-                                            _named(option, b, name, wait)).reshape(tensor.shape)
+                done = _Done() if record is not None else None
+                wait = _named(option, b, name, b.tail, self, b, value, done)
+                return functools.partial(
+                    self._finish, option, bound[i:], wait, name=name, step=step,
+                    shape=tensor.shape,
+                    timed=None if record is None or done is None else (record, done, t0))
             if not b.asleep:
                 value = _named(option, b, name, b.fn, self, b, value, name, step)
             if trace is not None:
@@ -249,25 +258,38 @@ class Executor:
         out = value.reshape(tensor.shape)
         return lambda: out
 
-    def _finish(self, option: Option, rest: Sequence[_Bound], name: str, step: int,
-                value: Any) -> Any:
-        """The compute steps after an Option's last collective, on the waiting thread."""
+    def _finish(self, option: Option, steps: Sequence[_Bound], wait: Callable[[], Any], *,
+                name: str, step: int, shape: torch.Size,
+                timed: tuple[list[tuple[str, int, int, float]], _Done, float] | None) \
+            -> torch.Tensor:
+        """Wait for ``steps[0]``, the collective :meth:`start` left in flight, then run the
+        compute steps after it on the waiting thread. A timed run (``timed``: its record,
+        the collective's completion, its issue time) times each step."""
+        tail, *rest = steps
+        value = _named(option, tail, name, wait)
+        record = None
+        if timed is not None:
+            record, done, issued = timed
+            record.append((name, step, tail.op.index, done.seconds_since(issued)))
         for b in rest:
+            t0 = time.perf_counter()
             if not b.asleep:
                 value = _named(option, b, name, b.fn, self, b, value, name, step)
-        return value
+            if record is not None:
+                record.append((name, step, b.op.index,
+                               time.perf_counter() - t0 if not b.asleep else math.nan))
+        return value.reshape(shape)
 
     def _every_step_here(self) -> bool:
         """Whether :meth:`start` completes every step itself, no collective left in flight:
-        profiled runs (``timings``) and debug logs time each step, ``trace`` sees each."""
-        return (self.timings is not None or self.trace is not None
-                or log.isEnabledFor(logging.DEBUG))
+        ``trace`` sees each step's value, debug logs time each step."""
+        return self.trace is not None or log.isEnabledFor(logging.DEBUG)
 
     def issues_at_once(self, option: Option) -> bool:
         """Whether :meth:`start` of ``option`` returns as soon as its one collective is
         issued: nothing before the collective but compression on the training device (what
         DDP's communication hooks run on the backward thread), ``async_op`` issue, and no
-        profiled run (``timings``, ``trace``) to time each step through."""
+        traced run (``trace``, debug logs) to complete each step through."""
         if self._every_step_here() or not getattr(self.transport, "issues_async", False):
             return False
         got = self._at_once.get(option)
@@ -471,12 +493,14 @@ class Executor:
         return self._here(self.transport.allgather(b.op.scope, value, b.sizes))
 
     # The last step of an Option may be left in flight (Executor.start): issue, then wait later.
-    def _allreduce_tail(self, b: _Bound, value: torch.Tensor) -> Callable[[], torch.Tensor]:
-        wait = self.transport.allreduce_start(b.op.scope, value, owned=b.owned)
+    def _allreduce_tail(self, b: _Bound, value: torch.Tensor,
+                        done: Done | None = None) -> Callable[[], torch.Tensor]:
+        wait = self.transport.allreduce_start(b.op.scope, value, owned=b.owned, done=done)
         return lambda: self._here(wait())
 
-    def _allgather_tail(self, b: _Bound, value: torch.Tensor) -> Callable[[], torch.Tensor]:
-        wait = self.transport.allgather_start(b.op.scope, value, b.sizes)
+    def _allgather_tail(self, b: _Bound, value: torch.Tensor,
+                        done: Done | None = None) -> Callable[[], torch.Tensor]:
+        wait = self.transport.allgather_start(b.op.scope, value, b.sizes, done=done)
         return lambda: self._here(wait())
 
     def _reduce(self, b: _Bound, value: torch.Tensor, name: str, step: int) -> Any:
@@ -516,10 +540,12 @@ class Executor:
     def _allreduce_c(self, b: _Bound, value: list, name: str, step: int) -> list:
         return self._allreduce_c_tail(b, value)()
 
-    def _allreduce_c_tail(self, b: _Bound, value: list) -> Callable[[], list]:
+    def _allreduce_c_tail(self, b: _Bound, value: list,
+                          done: Done | None = None) -> Callable[[], list]:
         codec, parts = b.codec, b.parts
         assert codec is not None and parts is not None
-        wait = self.transport.allreduce_payload_start(b.op.scope, codec.flatten(value))
+        wait = self.transport.allreduce_payload_start(b.op.scope, codec.flatten(value),
+                                                      done=done)
         return lambda: parts.unflatten(wait())
 
     def _allgather_c(self, b: _Bound, value: list, name: str, step: int) -> list:
@@ -580,6 +606,24 @@ def _named(option: Option, b: _Bound, name: str, fn: Callable[..., Any], *args: 
     except Exception as exc:
         raise ExecutionError(f"tensor {name!r}, step {b.op.index} {b.op.step} of [{option}] "
                              f"failed: {type(exc).__name__}: {exc}") from exc
+
+
+class _Done:
+    """When a collective left in flight completed (the transport's ``done``, called from the
+    thread that completed it): a timed run's step time (:meth:`Executor.start`)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def __call__(self) -> None:
+        self.at = time.perf_counter()
+
+    def seconds_since(self, t0: float) -> float:
+        """Seconds from ``t0`` to the completion, once waited for (where the completing
+        thread has not recorded it yet, now: the wait has just returned)."""
+        return (self.at if self.at is not None else time.perf_counter()) - t0
 
 
 _TAILS: dict[Kind, Callable[..., Any]] = {Kind.ALLREDUCE: Executor._allreduce_tail,

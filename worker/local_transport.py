@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from byteps_espresso.worker.topology import Topology
-from byteps_espresso.worker.transport import PayloadSpec, pack, packed_nbytes
+from byteps_espresso.worker.transport import Done, PayloadSpec, pack, packed_nbytes
 
 from byteps_espresso.strategy.options import Scope
 from byteps_espresso.strategy.program import reduce_splits
@@ -156,6 +156,13 @@ def _sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def _completed(out: Any, done: Done | None) -> Callable[[], Any]:
+    """A ``*_start`` call's result for a collective that has completed already."""
+    if done is not None:
+        done()
+    return lambda: out
+
+
 class LocalTransport:
     """One rank's view of a :class:`LocalHub`; implements the Transport interface."""
 
@@ -192,15 +199,13 @@ class LocalTransport:
         with self.hub._cond:
             traffic.append(Traffic(what, scope, p, msgs, total))
 
-    def allreduce_start(self, scope: Scope, x: torch.Tensor, *,
-                        owned: bool = False) -> Callable[[], torch.Tensor]:
-        out = self.allreduce(scope, x, owned=owned)
-        return lambda: out
+    def allreduce_start(self, scope: Scope, x: torch.Tensor, *, owned: bool = False,
+                        done: Done | None = None) -> Callable[[], torch.Tensor]:
+        return _completed(self.allreduce(scope, x, owned=owned), done)
 
-    def allgather_start(self, scope: Scope, shard: torch.Tensor,
-                        sizes: Sequence[int]) -> Callable[[], torch.Tensor]:
-        out = self.allgather(scope, shard, sizes)
-        return lambda: out
+    def allgather_start(self, scope: Scope, shard: torch.Tensor, sizes: Sequence[int], *,
+                        done: Done | None = None) -> Callable[[], torch.Tensor]:
+        return _completed(self.allgather(scope, shard, sizes), done)
 
     def allreduce(self, scope: Scope, x: torch.Tensor, *, owned: bool = False) -> torch.Tensor:
         values, me = self._all(scope, x.detach().clone())
@@ -236,9 +241,9 @@ class LocalTransport:
         self._count("broadcast", scope, me, "tree", numel * FLOAT32_BYTES)
         return values[0].clone()
 
-    def allreduce_payload_start(self, scope: Scope, payload: tuple) -> Callable[[], tuple]:
-        out = self.allreduce_payload(scope, payload)
-        return lambda: out
+    def allreduce_payload_start(self, scope: Scope, payload: tuple, *,
+                                done: Done | None = None) -> Callable[[], tuple]:
+        return _completed(self.allreduce_payload(scope, payload), done)
 
     def allreduce_payload(self, scope: Scope, payload: tuple) -> tuple:
         arrays = tuple(a.detach().clone() if isinstance(a, torch.Tensor)

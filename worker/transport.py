@@ -25,7 +25,9 @@ Tensors are moved to the group's communication device (CPU for gloo, the GPU for
 results back to the caller's device. ``allreduce_start``/``allgather_start`` issue the
 collective with ``async_op=True`` and return the call that waits for it, so an Option's last
 collective can complete while the lane issues the next Option's (benchmarks/
-collective_issue.py measured async issue at about half the time of blocking calls).
+collective_issue.py measured async issue at about half the time of blocking calls). Their
+``done`` is called once the collective has completed (from the thread that completed it), so
+a timed run can time a collective it leaves in flight (``Executor.timings``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from byteps_espresso.strategy.program import reduce_splits
 
 __all__ = [
     "DistTransport",
+    "Done",
     "PSPath",
     "PayloadSpec",
     "RendezvousError",
@@ -60,6 +63,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PayloadSpec = tuple[tuple[np.dtype, int], ...]  # (dtype, element count) per payload array
+Done = Callable[[], None]  # called once an issued collective has completed (*_start's done)
 _ALIGN = 8  # bytes; every payload array starts at a multiple of this in a packed buffer
 
 
@@ -70,19 +74,19 @@ class Transport(Protocol):
 
     def allreduce(self, scope: Scope, x: torch.Tensor, *,
                   owned: bool = False) -> torch.Tensor: ...
-    def allreduce_start(self, scope: Scope, x: torch.Tensor, *,
-                        owned: bool = False) -> Callable[[], torch.Tensor]: ...
+    def allreduce_start(self, scope: Scope, x: torch.Tensor, *, owned: bool = False,
+                        done: Done | None = None) -> Callable[[], torch.Tensor]: ...
     def reduce_scatter(self, scope: Scope, x: torch.Tensor,
                        sizes: Sequence[int]) -> torch.Tensor: ...
     def allgather(self, scope: Scope, shard: torch.Tensor,
                   sizes: Sequence[int]) -> torch.Tensor: ...
-    def allgather_start(self, scope: Scope, shard: torch.Tensor,
-                        sizes: Sequence[int]) -> Callable[[], torch.Tensor]: ...
+    def allgather_start(self, scope: Scope, shard: torch.Tensor, sizes: Sequence[int], *,
+                        done: Done | None = None) -> Callable[[], torch.Tensor]: ...
     def reduce(self, scope: Scope, x: torch.Tensor) -> torch.Tensor | None: ...
     def broadcast(self, scope: Scope, x: torch.Tensor | None, numel: int) -> torch.Tensor: ...
     def allreduce_payload(self, scope: Scope, payload: tuple) -> tuple: ...
-    def allreduce_payload_start(self, scope: Scope,
-                                payload: tuple) -> Callable[[], tuple]: ...
+    def allreduce_payload_start(self, scope: Scope, payload: tuple, *,
+                                done: Done | None = None) -> Callable[[], tuple]: ...
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]: ...
     def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
@@ -147,6 +151,21 @@ def unpack(buf: torch.Tensor, spec: PayloadSpec) -> tuple:
 
 
 # ---- torch.distributed -----------------------------------------------------------------------
+def _when_done(works: Sequence[Any], done: Done | None) -> None:
+    """Call ``done`` once every issued collective of ``works`` (None: not issued) has
+    completed: at once where none was issued, else from the completing thread (the
+    works' futures)."""
+    if done is None:
+        return
+    futures = [w.get_future() for w in works if w is not None]
+    if not futures:
+        done()
+    elif len(futures) == 1:
+        futures[0].then(lambda _: done())
+    else:
+        torch.futures.collect_all(futures).then(lambda _: done())
+
+
 def _waited(work: Any, buf: torch.Tensor) -> torch.Tensor:
     """``buf`` once the collective ``work`` (None: nothing was issued) has completed."""
     if work is not None:
@@ -202,8 +221,8 @@ class DistTransport:
         overwritten with the sum instead of copied first."""
         return self.allreduce_start(scope, x, owned=owned)()
 
-    def allreduce_start(self, scope: Scope, x: torch.Tensor, *,
-                        owned: bool = False) -> Callable[[], torch.Tensor]:
+    def allreduce_start(self, scope: Scope, x: torch.Tensor, *, owned: bool = False,
+                        done: Done | None = None) -> Callable[[], torch.Tensor]:
         """Issue :meth:`allreduce` (``async_op``); the returned call waits for the sum."""
         import torch.distributed as dist
 
@@ -213,6 +232,7 @@ class DistTransport:
             buf = buf.clone()
         work = dist.all_reduce(buf, group=group, async_op=True) \
             if len(members) > 1 and buf.numel() > 0 else None
+        _when_done([work], done)
         return lambda: _waited(work, buf).to(x.device)
 
     def reduce_scatter(self, scope: Scope, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
@@ -240,14 +260,15 @@ class DistTransport:
     def allgather(self, scope: Scope, shard: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         return self.allgather_start(scope, shard, sizes)()
 
-    def allgather_start(self, scope: Scope, shard: torch.Tensor,
-                        sizes: Sequence[int]) -> Callable[[], torch.Tensor]:
+    def allgather_start(self, scope: Scope, shard: torch.Tensor, sizes: Sequence[int], *,
+                        done: Done | None = None) -> Callable[[], torch.Tensor]:
         """Issue :meth:`allgather` (``async_op``); the returned call waits and concatenates."""
         import torch.distributed as dist
 
         group, members, _ = self._ctx(scope)
         width = max(sizes)
         if len(members) == 1:
+            _when_done([], done)
             return shard.clone
         if shard.numel() == width:  # the longest shard: no padding, no copy
             mine = self._to_comm(shard)
@@ -256,6 +277,7 @@ class DistTransport:
             mine[:shard.numel()] = self._to_comm(shard)
         outs = [torch.empty_like(mine) for _ in members]
         work = dist.all_gather(outs, mine, group=group, async_op=True) if width > 0 else None
+        _when_done([work], done)
 
         def finish() -> torch.Tensor:
             _waited(work, mine)
@@ -316,7 +338,8 @@ class DistTransport:
         where they already sit on the communication device."""
         return self.allreduce_payload_start(scope, payload)()
 
-    def allreduce_payload_start(self, scope: Scope, payload: tuple) -> Callable[[], tuple]:
+    def allreduce_payload_start(self, scope: Scope, payload: tuple, *,
+                                done: Done | None = None) -> Callable[[], tuple]:
         """Issue :meth:`allreduce_payload` (``async_op``); the returned call waits."""
         import torch.distributed as dist
 
@@ -326,6 +349,7 @@ class DistTransport:
                      for a in payload)
         works = [dist.all_reduce(b, group=group, async_op=True) for b in bufs
                  if b.numel()] if len(members) > 1 else []
+        _when_done(works, done)
 
         def finish() -> tuple:
             for work in works:

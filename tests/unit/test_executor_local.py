@@ -176,8 +176,57 @@ def test_only_options_that_issue_one_collective_may_run_on_the_submitting_thread
                  "ReduceScatter(flat) -> Allgather(flat)",  # two collectives
                  "PushPull(flat)"):  # the PS client's own thread
         assert not ex.issues_at_once(Option.parse(text)), text
-    ex.timings = []  # a profiled run times every step, on the lane
+    ex.timings = []  # a timed run runs as it trains (its collective timed to completion)
+    assert ex.issues_at_once(Option.parse("Allreduce(flat)"))
+    ex.trace = lambda index, value: None  # a traced run sees every step's value, on the lane
     assert not ex.issues_at_once(Option.parse("Allreduce(flat)"))
+
+
+class _CompletesLater:
+    """The in-memory transport, but its in-flight collectives complete (``done``) LATER_S
+    after they are issued, from another thread, as gloo's do."""
+
+    LATER_S = 0.05
+    issues_async = True
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.topology = inner.topology
+
+    def _later(self, out, done):
+        if done is not None:
+            threading.Timer(self.LATER_S, done).start()
+        return lambda: out
+
+    def allreduce_start(self, scope, x, *, owned=False, done=None):
+        return self._later(self.inner.allreduce(scope, x, owned=owned), done)
+
+    def allreduce_payload_start(self, scope, payload, *, done=None):
+        return self._later(self.inner.allreduce_payload(scope, payload), done)
+
+
+@pytest.mark.parametrize("text", ["Allreduce(flat)",
+                                  "Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)"])
+def test_a_timed_run_times_the_collective_it_leaves_in_flight_to_its_completion(text):
+    """The check and the profile time each step of the Options as they train: the last
+    collective stays in flight (start() returns once it is issued) and is timed from its
+    issue to its completion, not to the later wait; the Decomp after it is timed in the
+    waiting call. The sum is the same."""
+    hub = LocalHub(1, 1)
+    ex = Executor(_CompletesLater(hub.transport(0)), CodecPair("fp16"))
+    ex.timings = []
+    x = torch.arange(8, dtype=torch.float32)
+    option = Option.parse(text)
+    tail = next(i for i, st in enumerate(option.steps) if not st.kind.is_compute)
+    wait = ex.start(option, x, name="t", step=3)
+    assert [i for _, _, i, _ in ex.timings] == list(range(tail))  # a Comp before it
+    time.sleep(1.0)  # the backward pass goes on; the collective completed meanwhile
+    assert torch.equal(wait(), x)
+    names, iterations, indices, seconds = zip(*ex.timings, strict=True)
+    assert (set(names), set(iterations)) == ({"t"}, {3})
+    assert list(indices) == list(range(len(option.steps)))
+    assert _CompletesLater.LATER_S <= seconds[tail] < 0.9, seconds[tail]
+    assert ex.timed_runs == {"t": (option, 8)}
 
 
 def _tree():
