@@ -201,9 +201,9 @@ class Executor:
               step: int) -> Callable[[], torch.Tensor]:
         """Run ``option`` up to its last communication step and issue that one; returns the
         call that waits for it and gives the result (as :meth:`run`). An ``Allreduce``,
-        ``Allgather`` or ``AllreduceC`` as the last communication step stays in flight
-        (``async_op``) until that call, which then runs the compute steps after it (a
-        ``Decomp``), so a lane can issue the next Option's collectives meanwhile; other
+        ``Allgather``, ``AllreduceC`` or ``AllgatherC`` as the last communication step stays
+        in flight (``async_op``) until that call, which then runs the compute steps after it
+        (a ``Decomp``), so a lane can issue the next Option's collectives meanwhile; other
         last steps and traced runs (``trace``, debug logs) complete before this returns. A
         timed run (``timings``) runs as an untimed one does: a collective left in flight is
         timed from its issue to its completion (the transport's ``done``), as a blocking
@@ -549,16 +549,22 @@ class Executor:
         return lambda: parts.unflatten(wait())
 
     def _allgather_c(self, b: _Bound, value: list, name: str, step: int) -> list:
+        return self._allgather_c_tail(b, value)()
+
+    def _allgather_c_tail(self, b: _Bound, value: list,
+                          done: Done | None = None) -> Callable[[], list]:
         codec = b.codec
         assert codec is not None
-        if b.members is not None:  # shards of the split: one payload per member
-            got = self.transport.allgather_payloads(b.op.scope, codec.flatten(value),
-                                                    [p.spec for p in b.members])
-            return [p.unflatten(g) for g, p in zip(got, b.members, strict=True)]
-        got = self.transport.allgather_payloads(b.op.scope, self._send(b, value),
-                                                [self._spec(b)] * b.k)
-        return _gathered(self._received(b, g) for g in got) if b.fwd is not None \
-            else [self._received(b, g) for g in got]
+        members = b.members
+        if members is not None:  # shards of the split: one payload per member
+            wait = self.transport.allgather_payloads_start(
+                b.op.scope, codec.flatten(value), [p.spec for p in members], done=done)
+            return lambda: [p.unflatten(g) for g, p in zip(wait(), members, strict=True)]
+        wait = self.transport.allgather_payloads_start(b.op.scope, self._send(b, value),
+                                                       [self._spec(b)] * b.k, done=done)
+        if b.fwd is not None:
+            return lambda: _gathered(self._received(b, g) for g in wait())
+        return lambda: [self._received(b, g) for g in wait()]
 
     def _alltoall_c(self, b: _Bound, value: list, name: str, step: int) -> list:
         codec, members = b.codec, b.members
@@ -628,7 +634,8 @@ class _Done:
 
 _TAILS: dict[Kind, Callable[..., Any]] = {Kind.ALLREDUCE: Executor._allreduce_tail,
                                           Kind.ALLGATHER: Executor._allgather_tail,
-                                          Kind.ALLREDUCE_C: Executor._allreduce_c_tail}
+                                          Kind.ALLREDUCE_C: Executor._allreduce_c_tail,
+                                          Kind.ALLGATHER_C: Executor._allgather_c_tail}
 
 
 def _tail_index(prog: Program) -> int | None:

@@ -264,6 +264,11 @@ class LocalTransport:
                     max(packed_nbytes(s) for s in specs), rounds=self.topology.size(scope) - 1)
         return list(values)
 
+    def allgather_payloads_start(self, scope: Scope, payload: tuple,
+                                 specs: Sequence[PayloadSpec], *,
+                                 done: Done | None = None) -> Callable[[], list[tuple]]:
+        return _completed(self.allgather_payloads(scope, payload, specs), done)
+
     def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
                           send_specs: Sequence[PayloadSpec],
                           recv_specs: Sequence[PayloadSpec]) -> list[tuple]:

@@ -22,10 +22,11 @@ aligned), padded to the largest member's size; every size is known locally becau
 lengths are fixed for a given element count (``payload_spec``).
 
 Tensors are moved to the group's communication device (CPU for gloo, the GPU for NCCL) and the
-results back to the caller's device. ``allreduce_start``/``allgather_start`` issue the
-collective with ``async_op=True`` and return the call that waits for it, so an Option's last
-collective can complete while the lane issues the next Option's (benchmarks/
-collective_issue.py measured async issue at about half the time of blocking calls). Their
+results back to the caller's device. The ``*_start`` calls (``allreduce``, ``allgather``,
+``allreduce_payload``, ``allgather_payloads``) issue the collective with ``async_op=True``
+and return the call that waits for it, so an Option's last collective can complete while the
+lane issues the next Option's (benchmarks/collective_issue.py measured async issue at about
+half the time of blocking calls). Their
 ``done`` is called once the collective has completed (from the thread that completed it), so
 a timed run can time a collective it leaves in flight (``Executor.timings``).
 """
@@ -89,6 +90,9 @@ class Transport(Protocol):
                                 done: Done | None = None) -> Callable[[], tuple]: ...
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]: ...
+    def allgather_payloads_start(self, scope: Scope, payload: tuple,
+                                 specs: Sequence[PayloadSpec], *,
+                                 done: Done | None = None) -> Callable[[], list[tuple]]: ...
     def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
                           send_specs: Sequence[PayloadSpec],
                           recv_specs: Sequence[PayloadSpec]) -> list[tuple]: ...
@@ -359,17 +363,29 @@ class DistTransport:
 
     def allgather_payloads(self, scope: Scope, payload: tuple,
                            specs: Sequence[PayloadSpec]) -> list[tuple]:
+        return self.allgather_payloads_start(scope, payload, specs)()
+
+    def allgather_payloads_start(self, scope: Scope, payload: tuple,
+                                 specs: Sequence[PayloadSpec], *,
+                                 done: Done | None = None) -> Callable[[], list[tuple]]:
+        """Issue :meth:`allgather_payloads` (``async_op``); the returned call waits and
+        unpacks every member's payload."""
         import torch.distributed as dist
 
         group, members, me = self._ctx(scope)
         width = max(packed_nbytes(s) for s in specs)
         mine = pack(payload, specs[me], width, self.comm_device)
         if len(members) == 1:
-            return [unpack(mine, specs[0])]
+            _when_done([], done)
+            return lambda: [unpack(mine, specs[0])]
         outs = [torch.empty_like(mine) for _ in members]
-        if width > 0:
-            dist.all_gather(outs, mine, group=group)
-        return [unpack(o, s) for o, s in zip(outs, specs, strict=True)]
+        work = dist.all_gather(outs, mine, group=group, async_op=True) if width > 0 else None
+        _when_done([work], done)
+
+        def finish() -> list[tuple]:
+            _waited(work, mine)
+            return [unpack(o, s) for o, s in zip(outs, specs, strict=True)]
+        return finish
 
     def alltoall_payloads(self, scope: Scope, payloads: Sequence[tuple],
                           send_specs: Sequence[PayloadSpec],

@@ -169,10 +169,11 @@ def test_only_options_that_issue_one_collective_may_run_on_the_submitting_thread
     assert not ex.issues_at_once(Option.parse("Allreduce(flat)"))  # in-memory: blocking
     ex.transport.issues_async = True  # as DistTransport's
     for text in ("Allreduce(flat)", "Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)",
-                 "Comp(gpu) -> AllreduceC(flat) -> Decomp(cpu)"):
+                 "Comp(gpu) -> AllreduceC(flat) -> Decomp(cpu)",
+                 "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)"):
         assert ex.issues_at_once(Option.parse(text)), text
     for text in ("Comp(cpu) -> AllreduceC(flat) -> Decomp(gpu)",  # the host pool first
-                 "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)",  # a blocking gather
+                 "Comp(gpu) -> GatherC(flat) -> Decomp(gpu) -> Broadcast(flat)",  # rooted
                  "ReduceScatter(flat) -> Allgather(flat)",  # two collectives
                  "PushPull(flat)"):  # the PS client's own thread
         assert not ex.issues_at_once(Option.parse(text)), text
