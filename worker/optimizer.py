@@ -76,6 +76,11 @@ __all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "NonFiniteG
 
 log = logging.getLogger(__name__)
 
+# The plans a DDP communication hook for the job's compressor runs, on DDP's buckets (the
+# baselines of that name; worker/profiler.py adds one to the finalists): the check's first
+# fall-back.
+HOOK_PLANS = frozenset({"allreduce-c", "allgather-c"})
+
 # Buckets named per compression-error log line (the largest errors).
 _ERRORS_LOGGED = 8
 
@@ -518,8 +523,8 @@ class _Sync:
     _zeroed: float | None = None  # the first zero_grad(), before any gradient (zeroed())
     check: Check | None = None  # the kept strategy's check (worker.check)
     # What the check tries after the kept strategy, in order (_next_fallback): the plan's
-    # allreduce-c finalist (a compressor whose payloads sum: DDP's fp16 hook, unmeasured) and
-    # its fp32 finalist with the time the profiled iterations measured (Plan.fp32_ms).
+    # hook finalist (HOOK_PLANS, unmeasured) and its fp32 finalist with the time the profiled
+    # iterations measured (Plan.fp32_ms).
     _fallbacks: tuple[tuple[Any, float | None], ...] = ()
     _replanned: Any = None  # the re-planned strategy, once one is checked
     # The ranks' notes on non-finite gradients, when the last bucket's Option may not carry
@@ -1070,7 +1075,8 @@ class _Sync:
         steps can run well over its prediction (an fp16 transformer on loopback: predicted 97
         ms, measured 206, the fp32 path 131; at 1 Gbit/s the LSTM's fp16 plan predicted 26.9
         ms, measured 43.2, where DDP's fp16 hook's plan runs in 23.4). So an unmeasured
-        fall-back (allreduce-c) is checked next, and a measured one (the fp32 path) where it
+        fall-back (the hook's plan, HOOK_PLANS) is checked next, and a measured one (the fp32
+        path) where it
         measured more than ``REPLAN_GAIN`` faster; the model is neither refitted nor planned
         again: the re-plan would rank on the model just measured wrong (and took 2.8 s once,
         on the same transformer)."""
@@ -1162,9 +1168,9 @@ class _Sync:
             # gradient) the planned strategy trains, and the trials follow it.
             self._trials_from = max(self.iteration, self._steady_step())
             cfg = self.session.runtime.cfg
-            summed = next((s for s in plan.finalists if s.algorithm == "allreduce-c"), None)
+            hooked = next((s for s in plan.finalists if s.algorithm in HOOK_PLANS), None)
             fp32 = next((s for s in plan.finalists if s.algorithm == "fp32"), None)
-            self._fallbacks = (*(() if summed is None else ((summed, None),)),
+            self._fallbacks = (*(() if hooked is None else ((hooked, None),)),
                                *(() if fp32 is None or plan.fp32_ms is None
                                  else ((fp32, plan.fp32_ms),)))
             self.trials = Trials(plan.finalists, cfg.trial_steps, fp32_ms=plan.fp32_ms,

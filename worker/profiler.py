@@ -1222,14 +1222,16 @@ class EspressoSpec(CompressionSpec):
         return new, info
 
     def _on_layout(self, algorithm: str, workload: Any, cluster: Any, costs: Any,
-                   layout: Sequence[Any]) -> Any:
-        """The baseline ``algorithm`` planned on the buckets of ``layout``."""
+                   layout: Sequence[Any], *, apart: frozenset[str] = frozenset()) -> Any:
+        """The baseline ``algorithm`` planned on the buckets of ``layout``, those of the
+        gradients in ``apart`` uncompressed."""
         from byteps_espresso.strategy.buckets import fuse, reorder
-        from byteps_espresso.strategy.planner import plan
+        from byteps_espresso.strategy.planner import pinned_buckets, plan
 
         fused = fuse(reorder(workload, [n for b in layout for n in b.tensors]), layout)
         again = plan(fused, cluster, self.compressor, dict(self.params),
-                     algorithm=algorithm, constraints=self.constraints, costs=costs)
+                     algorithm=algorithm, constraints=self.constraints, costs=costs,
+                     pinned=pinned_buckets(fused, apart))
         return replace(again, buckets=tuple(layout) if any(b.fused for b in layout) else ())
 
     def _laid_out(self, finalists: list[Any], planned_layout: Sequence[Any], *,
@@ -1237,9 +1239,9 @@ class EspressoSpec(CompressionSpec):
                   apart: frozenset[str], caps: Sequence[int]) -> list[Any]:
         """The finalists of ``plan_bucketed`` (on ``planned_layout``) with their buckets
         recorded. Where there are trials: the fp32 finalist on the profiled iterations'
-        buckets (added where the plan is the fp32 path on other buckets), for a compressor
-        whose payloads sum DDP's fp16-hook plan on them (``allreduce-c``, last: the check
-        falls back to it where the trials leave it unmeasured), and second the plan
+        buckets (added where the plan is the fp32 path on other buckets), the hook's plan on
+        DDP's buckets (:meth:`_hook_plan`, last: the check falls back to it where the trials
+        leave it unmeasured), and second the plan
         on the fewest buckets
         (:func:`~byteps_espresso.strategy.planner.plan_fewest_buckets`), where that layout is
         not the planned one and is predicted within ``_TRIAL_WITHIN`` of the plan. The model
@@ -1268,8 +1270,8 @@ class EspressoSpec(CompressionSpec):
                 finalists.append(replace(finalists[0], algorithm="fp32"))
             finalists = [self._on_layout("fp32", workload, cluster, costs, profile.layout)
                          if s.algorithm == "fp32" else s for s in finalists]
-            finalists += self._summed(finalists, workload, cluster, costs, apart=apart,
-                                      layout=profile.layout)
+            finalists += self._hook_plan(finalists, workload, cluster, costs, apart=apart,
+                                         layout=profile.layout, caps=caps)
         if fewest([(t.name, t.numel) for t in workload.tensors], caps, apart) \
                 == tuple(planned_layout):
             return finalists  # the plan is on the fewest buckets already: nothing to plan
@@ -1280,29 +1282,42 @@ class EspressoSpec(CompressionSpec):
             return finalists
         return [finalists[0], on_fewest, *finalists[1:]]
 
-    def _summed(self, finalists: Sequence[Any], workload: Any, cluster: Any, costs: Any, *,
-                apart: frozenset[str], layout: Sequence[Any]) -> list[Any]:
-        """``[allreduce-c on layout]`` where the compressor's payloads sum and that plan is
-        not a finalist already, else ``[]``. Every bucket cast and all-reduced in one
-        collective, DDP's buckets and its fp16 hook: what a user of fp16 would otherwise run.
-        The model prices it slower than its mixtures of collectives and push/pulls where those
-        measured slower (the LSTM at 1 Gbit/s: predicted 26.9 ms, measured 43.2 against the
-        hook plan's 23.4; BENCHMARKS.md, "Issued on the submitting thread"), so it is
-        measured rather than ranked. None where gradients stay uncompressed
-        (``exclude=``): the baseline compresses every one."""
+    def _hook_plan(self, finalists: Sequence[Any], workload: Any, cluster: Any, costs: Any,
+                   *, apart: frozenset[str], layout: Sequence[Any],
+                   caps: Sequence[int]) -> list[Any]:
+        """``[the hook's plan]`` where that plan is not a finalist already, else ``[]``: every
+        bucket of ``layout`` (the profiled one, DDP's) compressed on the training device and
+        summed in one flat all-reduce where the compressor's payloads sum (``allreduce-c``,
+        DDP's fp16 hook), else all-gathered in one flat collective and decoded on every rank
+        (``allgather-c``): what a DDP communication hook for the same compressor runs, issued
+        from the gradient hook's thread here too. The model priced mixtures of collectives and
+        push/pulls below it that measured slower (the LSTM's fp16 plan at 1 Gbit/s predicted
+        26.9 ms, measured 43.2, where the hook's plan runs in 23.4; BENCHMARKS.md, "Issued on
+        the submitting thread"), so it is measured rather than ranked. With gradients kept
+        uncompressed (``apart``) its buckets are DDP's caps over each kind alone
+        (:func:`~byteps_espresso.strategy.buckets.layout_apart`), theirs uncompressed."""
         from byteps_espresso.strategy.baselines import BaselineUnavailable
+        from byteps_espresso.strategy.buckets import (
+            DEFAULT_CAP_BYTES,
+            DEFAULT_FIRST_CAP_BYTES,
+            layout_apart,
+        )
         from byteps_espresso.strategy.tree import sums_payloads
 
-        if apart or not sums_payloads(self.compressor):
-            return []
+        algorithm = "allreduce-c" if sums_payloads(self.compressor) else "allgather-c"
+        if apart:  # the caps of the profiled layout (optimizer.default_layout)
+            cap = caps[0] if len(caps) == 1 else DEFAULT_CAP_BYTES
+            numel = {t.name: t.numel for t in workload.tensors}
+            layout = layout_apart([(n, numel[n]) for b in layout for n in b.tensors], cap,
+                                  min(DEFAULT_FIRST_CAP_BYTES, cap) if cap else None, apart)
         try:
-            summed = self._on_layout("allreduce-c", workload, cluster, costs, layout)
-        except BaselineUnavailable as exc:  # the constraints leave it out
-            log.info("no allreduce-c fall-back: %s", exc)
+            hooked = self._on_layout(algorithm, workload, cluster, costs, layout, apart=apart)
+        except BaselineUnavailable as exc:  # the tree or the constraints leave it out
+            log.info("no %s fall-back: %s", algorithm, exc)
             return []
-        if any(s.options == summed.options and s.layout == summed.layout for s in finalists):
+        if any(s.options == hooked.options and s.layout == hooked.layout for s in finalists):
             return []
-        return [summed]
+        return [hooked]
 
     def _trials(self, session: Session) -> bool:
         return self.algorithm == "espresso" and session.runtime.cfg.trial_steps >= 2

@@ -12,6 +12,9 @@ model. Look one up with :func:`get`; :data:`ALGORITHMS` lists them in report ord
 - ``allreduce-c``  every tensor compressed on the GPU and its payloads summed in one flat
                    all-reduce, DDP's ``fp16_compress_hook``: only for a compressor whose
                    payloads sum (fp16); the runtime checks it where its plan measures slow.
+- ``allgather-c``  every tensor compressed on the GPU, its payloads all-gathered in one flat
+                   collective and decoded on every rank: what a DDP communication hook for
+                   any other compressor runs, and the runtime's check of it likewise.
 - ``hipress``      selective compression like HiPress: tensors of at least HIPRESS_MIN_NUMEL
                    elements get the GPU option that is fastest for that tensor in isolation.
 - ``cpu-only``     like BytePS-Compress: intra Reduce uncompressed, CPU compression, PS
@@ -183,6 +186,13 @@ def _allreduce_c(ctx: PlanContext) -> Solution:
         raise BaselineUnavailable(f"allreduce-c: {ctx.compressor}'s payloads do not sum inside "
                                   "a collective (only fp16's do); pick another algorithm")
     opt = _first_allowed(ctx, ["Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)"], "allreduce-c")
+    return _per_tensor(ctx, lambda i: opt)
+
+
+@register("allgather-c", "every tensor compressed on GPU, the payloads all-gathered in one "
+                         "flat collective and decoded on every rank")
+def _allgather_c(ctx: PlanContext) -> Solution:
+    opt = _first_allowed(ctx, ["Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)"], "allgather-c")
     return _per_tensor(ctx, lambda i: opt)
 
 

@@ -33,9 +33,9 @@ from byteps_espresso.strategy.timeline import Timeline
 from byteps_espresso.strategy.tree import Constraints
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["FEWEST_BUCKETS", "REPORTED_BASELINES", "RESTRICTED", "RUNNABLE_BASELINES", "plan",
-           "plan_alone", "plan_bucketed", "plan_fewest_buckets", "plan_finalists",
-           "plan_with_timelines"]
+__all__ = ["FEWEST_BUCKETS", "REPORTED_BASELINES", "RESTRICTED", "RUNNABLE_BASELINES",
+           "pinned_buckets", "plan", "plan_alone", "plan_bucketed", "plan_fewest_buckets",
+           "plan_finalists", "plan_with_timelines"]
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def plan_alone(workload: Workload, cluster: Cluster, compressor: str = "randomk"
     return strategy, solution
 
 
-def _pinned_buckets(fused: Workload, apart: frozenset[str]) -> frozenset[str]:
+def pinned_buckets(fused: Workload, apart: frozenset[str]) -> frozenset[str]:
     """The buckets of ``fused`` made of gradients in ``apart``: a bucket named after its first
     member (``first`` or ``first+N``) holds only such gradients when that one is
     (:func:`~byteps_espresso.strategy.buckets.layout_apart`)."""
@@ -256,13 +256,13 @@ def plan_bucketed(workload: Workload, cluster: Cluster, compressor: str = "rando
 
     def predicted_ms(fused: Workload, best_ms: float | None) -> float:
         return plan_alone(fused, cluster, compressor, params, algorithm=algorithm,
-                          constraints=base, costs=costs, pinned=_pinned_buckets(fused, apart),
+                          constraints=base, costs=costs, pinned=pinned_buckets(fused, apart),
                           incumbent_us=None if best_ms is None else best_ms * 1e3
                           )[0].predicted_ms
 
     buckets, tried = plan_fused(workload, predicted_ms, caps, first_cap_bytes, apart)
     fused = fuse_apart(workload, buckets, apart)
-    pinned = _pinned_buckets(fused, apart)
+    pinned = pinned_buckets(fused, apart)
     # The kept layout's plan again, with its baselines or finalists: it reaches the time its
     # plan above did, so a long search of Algorithm 2 cuts there.
     reached_us = min(ms for _, _, ms in tried) * 1e3
@@ -300,7 +300,7 @@ def plan_fewest_buckets(workload: Workload, cluster: Cluster, compressor: str = 
     fused = fuse_apart(workload, buckets, apart)
     strategy, _ = plan_alone(fused, cluster, compressor, params, algorithm=algorithm,
                              constraints=base, costs=costs,
-                             pinned=_pinned_buckets(fused, apart))
+                             pinned=pinned_buckets(fused, apart))
     return buckets, replace(strategy, algorithm=f"{algorithm}/{FEWEST_BUCKETS}",
                             buckets=buckets if any(b.fused for b in buckets) else ())
 

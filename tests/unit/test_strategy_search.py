@@ -82,6 +82,27 @@ def test_compression_none_runs_the_fp32_baseline(machines, local, servers, share
     assert next(iter(planned)).is_hierarchical == hierarchical
 
 
+@pytest.mark.parametrize(("compressor", "params", "name", "scheme"), [
+    ("fp16", {}, "allreduce-c", "Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)"),
+    ("efsignsgd", {}, "allgather-c", "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)"),
+    ("randomk", {"ratio": 0.01}, "allgather-c", "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)"),
+    ("fp16", {}, "allgather-c", "Comp(gpu) -> AllgatherC(flat) -> Decomp(gpu)")])
+def test_the_hook_baselines_compress_every_tensor_in_one_flat_collective(
+        compressor, params, name, scheme):
+    """What a DDP communication hook runs (the runtime's check falls back to it)."""
+    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2, "pcie", 1), compressor,
+                      params)
+    solution = baselines.get(name).run(ctx)
+    assert {str(o) for o in solution.options} == {scheme}
+    assert solution.iteration_us == pytest.approx(ctx.iteration_us(solution.choice))
+
+
+def test_allreduce_c_needs_payloads_that_sum():
+    ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2), COMPRESSOR, PARAMS)
+    with pytest.raises(baselines.BaselineUnavailable, match=r"do not sum.*only fp16"):
+        baselines.get("allreduce-c").run(ctx)
+
+
 def test_unavailable_baseline_and_unknown_algorithm():
     ctx = PlanContext(Workload.builtin("lstm"), Cluster.preset(2, 2, servers=0), COMPRESSOR, PARAMS)
     with pytest.raises(baselines.BaselineUnavailable):
