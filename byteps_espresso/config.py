@@ -320,9 +320,8 @@ VARIABLES: tuple[Variable, ...] = (
              "by step and checked against the model: the first is a warm-up; the latencies "
              "and the kernels' costs are refitted to the steps, the model re-plans once, "
              "and a plan predicted 10% faster runs as many iterations and stays only if it "
-             "measures faster; fall-backs are checked instead, by the same rule: a DDP "
-             "hook's plan (every bucket compressed and all-reduced, fp16, or all-gathered), "
-             "then the fp32 path "
+             "measures faster; fall-backs are checked instead, by the same rule: for fp16 "
+             "DDP's fp16-hook plan (every bucket cast and all-reduced), then the fp32 path "
              "where the profiled fp32 iterations measured 10% faster "
              "(`check.json` in `ESPRESSO_PROFILE_OUT`). Below 2: no check."),
     Variable("ESPRESSO_STARTUP_BUDGET", "startup_budget", _budget, 10.0,

@@ -24,10 +24,10 @@ re-plans on the refitted model (:meth:`CompressionSpec.replan`). A plan predicte
 ``REPLAN_GAIN`` faster than the kept one runs the same number of checked iterations and
 stays only if its measured median beats the kept one's; otherwise the kept strategy comes
 back. Fall-backs come before a re-plan (measured beats predicted; nothing refitted, nothing
-re-planned), each checked against the fastest so far and staying by the same rule: the
-plan a DDP communication hook for the compressor runs (on the profiled buckets, DDP's: the
-payloads all-reduced where they sum, ``allreduce-c``, as DDP's fp16 hook does, else
-all-gathered, ``allgather-c``) where the trials did not measure it, then the fp32 path
+re-planned), each checked against the fastest so far and staying by the same rule: for a
+compressor whose payloads sum (fp16) the plan DDP's fp16 hook runs (``allreduce-c``: the
+profiled buckets, DDP's, cast and all-reduced) where the trials did not measure it, then
+the fp32 path
 where the profiled fp32 iterations measured more than ``REPLAN_GAIN`` faster than the
 fastest checked. One re-plan per job: a second would chase the noise of a shared host. With
 ``ESPRESSO_PROFILE_OUT`` rank 0 writes ``check.json``: the factors, each strategy's
@@ -181,8 +181,7 @@ def check_record(kept: Check, later: Sequence[Check], stayed: str) -> dict[str, 
     one (the re-plan, or a fall-back: its ``algorithm`` says which) and ``then``: those
     checked after that one (the fp32 path after the hook's plan); iteration times are this
     rank's, medians the slowest rank's; ``stayed``: ``kept``, ``replanned`` or the
-    fall-back's algorithm (``allreduce-c``, ``allgather-c``, ``fp32``), the strategy that
-    trains on."""
+    fall-back's algorithm (``allreduce-c``, ``fp32``), the strategy that trains on."""
     return {"steps": kept.steps, "start": kept.start, **kept.info, "kept": _entry(kept),
             "replanned": _entry(later[0]) if later else None,
             "then": [_entry(c) for c in later[1:]], "stayed": stayed}

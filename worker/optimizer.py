@@ -76,10 +76,10 @@ __all__ = ["Compression", "CompressionSpec", "DistributedOptimizer", "NonFiniteG
 
 log = logging.getLogger(__name__)
 
-# The plans a DDP communication hook for the job's compressor runs, on DDP's buckets (the
-# baselines of that name; worker/profiler.py adds one to the finalists): the check's first
+# The plan DDP's fp16 hook runs, on DDP's buckets (the baseline of that name, for a compressor
+# whose payloads sum; worker/profiler.py adds it to the finalists): the check's first
 # fall-back.
-HOOK_PLANS = frozenset({"allreduce-c", "allgather-c"})
+HOOK_PLAN = "allreduce-c"
 
 # Buckets named per compression-error log line (the largest errors).
 _ERRORS_LOGGED = 8
@@ -523,7 +523,7 @@ class _Sync:
     _zeroed: float | None = None  # the first zero_grad(), before any gradient (zeroed())
     check: Check | None = None  # the kept strategy's check (worker.check)
     # What the check tries after the kept strategy, in order (_next_fallback): the plan's
-    # hook finalist (HOOK_PLANS, unmeasured) and its fp32 finalist with the time the profiled
+    # hook finalist (HOOK_PLAN, unmeasured) and its fp32 finalist with the time the profiled
     # iterations measured (Plan.fp32_ms).
     _fallbacks: tuple[tuple[Any, float | None], ...] = ()
     _replanned: Any = None  # the re-planned strategy, once one is checked
@@ -1075,7 +1075,7 @@ class _Sync:
         steps can run well over its prediction (an fp16 transformer on loopback: predicted 97
         ms, measured 206, the fp32 path 131; at 1 Gbit/s the LSTM's fp16 plan predicted 26.9
         ms, measured 43.2, where DDP's fp16 hook's plan runs in 23.4). So an unmeasured
-        fall-back (the hook's plan, HOOK_PLANS) is checked next, and a measured one (the fp32
+        fall-back (the hook's plan, HOOK_PLAN) is checked next, and a measured one (the fp32
         path) where it
         measured more than ``REPLAN_GAIN`` faster; the model is neither refitted nor planned
         again: the re-plan would rank on the model just measured wrong (and took 2.8 s once,
@@ -1168,7 +1168,7 @@ class _Sync:
             # gradient) the planned strategy trains, and the trials follow it.
             self._trials_from = max(self.iteration, self._steady_step())
             cfg = self.session.runtime.cfg
-            hooked = next((s for s in plan.finalists if s.algorithm in HOOK_PLANS), None)
+            hooked = next((s for s in plan.finalists if s.algorithm == HOOK_PLAN), None)
             fp32 = next((s for s in plan.finalists if s.algorithm == "fp32"), None)
             self._fallbacks = (*(() if hooked is None else ((hooked, None),)),
                                *(() if fp32 is None or plan.fp32_ms is None

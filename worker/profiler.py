@@ -1285,17 +1285,20 @@ class EspressoSpec(CompressionSpec):
     def _hook_plan(self, finalists: Sequence[Any], workload: Any, cluster: Any, costs: Any,
                    *, apart: frozenset[str], layout: Sequence[Any],
                    caps: Sequence[int]) -> list[Any]:
-        """``[the hook's plan]`` where that plan is not a finalist already, else ``[]``: every
-        bucket of ``layout`` (the profiled one, DDP's) compressed on the training device and
-        summed in one flat all-reduce where the compressor's payloads sum (``allreduce-c``,
-        DDP's fp16 hook), else all-gathered in one flat collective and decoded on every rank
-        (``allgather-c``): what a DDP communication hook for the same compressor runs, issued
-        from the gradient hook's thread here too. The model priced mixtures of collectives and
-        push/pulls below it that measured slower (the LSTM's fp16 plan at 1 Gbit/s predicted
-        26.9 ms, measured 43.2, where the hook's plan runs in 23.4; BENCHMARKS.md, "Issued on
-        the submitting thread"), so it is measured rather than ranked. With gradients kept
-        uncompressed (``apart``) its buckets are DDP's caps over each kind alone
-        (:func:`~byteps_espresso.strategy.buckets.layout_apart`), theirs uncompressed."""
+        """``[the hook's plan]`` where the compressor's payloads sum and that plan is not a
+        finalist already, else ``[]``: every bucket of ``layout`` (the profiled one, DDP's)
+        compressed on the training device and summed in one flat all-reduce (``allreduce-c``),
+        what DDP's fp16 hook runs, issued from the gradient hook's thread here too. The model
+        priced mixtures of collectives and push/pulls below it that measured slower (the
+        LSTM's fp16 plan at 1 Gbit/s predicted 26.9 ms, measured 43.2, where the hook's plan
+        runs in 23.4; BENCHMARKS.md, "Issued on the submitting thread"), so it is measured
+        rather than ranked. Not for the other compressors: their hook's plan, the payloads
+        all-gathered (``allgather-c``), ran EFSignSGD's LSTM at 36.3 ms at 1 Gbit/s where the
+        planned mixtures ran at 30.6, and the check's five noisy iterations could not tell
+        them apart (BENCHMARKS.md, "The fp16 hook's plan as a fall-back"). With gradients
+        kept uncompressed (``apart``, an ``exclude=`` list) its buckets are DDP's caps over
+        each kind alone (:func:`~byteps_espresso.strategy.buckets.layout_apart`), theirs
+        uncompressed."""
         from byteps_espresso.strategy.baselines import BaselineUnavailable
         from byteps_espresso.strategy.buckets import (
             DEFAULT_CAP_BYTES,
@@ -1304,7 +1307,9 @@ class EspressoSpec(CompressionSpec):
         )
         from byteps_espresso.strategy.tree import sums_payloads
 
-        algorithm = "allreduce-c" if sums_payloads(self.compressor) else "allgather-c"
+        if not sums_payloads(self.compressor):
+            return []
+        algorithm = "allreduce-c"
         if apart:  # the caps of the profiled layout (optimizer.default_layout)
             cap = caps[0] if len(caps) == 1 else DEFAULT_CAP_BYTES
             numel = {t.name: t.numel for t in workload.tensors}

@@ -14,7 +14,7 @@ model. Look one up with :func:`get`; :data:`ALGORITHMS` lists them in report ord
                    payloads sum (fp16); the runtime checks it where its plan measures slow.
 - ``allgather-c``  every tensor compressed on the GPU, its payloads all-gathered in one flat
                    collective and decoded on every rank: what a DDP communication hook for
-                   any other compressor runs, and the runtime's check of it likewise.
+                   a compressor whose payloads do not sum runs.
 - ``hipress``      selective compression like HiPress: tensors of at least HIPRESS_MIN_NUMEL
                    elements get the GPU option that is fastest for that tensor in isolation.
 - ``cpu-only``     like BytePS-Compress: intra Reduce uncompressed, CPU compression, PS

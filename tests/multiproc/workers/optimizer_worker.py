@@ -34,11 +34,10 @@ WARMUP = 6  # espresso-warmup's sparsity warm-up, in iterations
 # espresso-fewest's hidden width: the first layer's weight alone is 1 MiB, so DDP's 1 MiB first
 # bucket splits the weights in two and the fewest buckets hold them in one.
 FEWEST_WIDTH = 1 << 15
-# espresso-slowed: after 4 profiled steps and no trials, the check's 3 iterations of the kept
-# strategy (steps 4-6) and of the hook's plan checked next (7-9) each sleep SLOW_S, s; those
-# of the fp32 path checked after them (10-12) do not. espresso-slowed-fp16: only the kept
-# strategy's.
-SLOWED = {"espresso-slowed": range(4, 10), "espresso-slowed-fp16": range(4, 7)}
+# espresso-slowed(-fp16): after 4 profiled steps and no trials, the check's 3 iterations of
+# the kept strategy (steps 4-6) each sleep SLOW_S, s; those of the fall-backs checked next
+# do not.
+SLOWED = range(4, 7)
 SLOW_S = 0.3
 
 
@@ -97,7 +96,7 @@ def main() -> None:
                                        backward_passes_per_step=passes)
         bps.broadcast_optimizer_state(opt, root_rank=0)
         for step in range(steps):
-            if slowed and step in SLOWED[compression]:
+            if slowed and step in SLOWED:
                 time.sleep(SLOW_S)
             opt.zero_grad()
             for k in range(passes):
