@@ -1069,17 +1069,16 @@ class _Sync:
     def _next_fallback(self, best_ms: float) -> tuple[Any | None, float | None]:
         """The next strategy to check after one that measured ``best_ms`` (the same on every
         rank), taken off :attr:`_fallbacks`, with its profiled time (None: unmeasured), or
-        (None, None). Measured beats predicted: when no trial
-        ran (the start-up budget had no room for one) the check is the first measurement of
-        the planned strategy, and on a host whose cores the workers share a plan of many small
-        steps can run well over its prediction (an fp16 transformer on loopback: predicted 97
-        ms, measured 206, the fp32 path 131; at 1 Gbit/s the LSTM's fp16 plan predicted 26.9
-        ms, measured 43.2, where DDP's fp16 hook's plan runs in 23.4). So an unmeasured
-        fall-back (the hook's plan, HOOK_PLAN) is checked next, and a measured one (the fp32
-        path) where it
-        measured more than ``REPLAN_GAIN`` faster; the model is neither refitted nor planned
-        again: the re-plan would rank on the model just measured wrong (and took 2.8 s once,
-        on the same transformer)."""
+        (None, None). Measured beats predicted: when no trial ran (the start-up budget had no
+        room for one) the check is the first measurement of the planned strategy, and on a
+        host whose cores the workers share a plan of many small steps can run well over its
+        prediction (an fp16 transformer on loopback: predicted 97 ms, measured 206, the fp32
+        path 131; at 1 Gbit/s the LSTM's fp16 plan predicted 26.9 ms, measured 43.2, where
+        DDP's fp16 hook's plan runs in 23.4). So an unmeasured fall-back (the hook's plan,
+        HOOK_PLAN) is checked next, and a measured one (the fp32 path) where it measured more
+        than ``REPLAN_GAIN`` faster; the model is neither refitted nor planned again: the
+        re-plan would rank on the model just measured wrong (and took 2.8 s once, on the same
+        transformer)."""
         while self._fallbacks:
             (strategy, ms), *rest = self._fallbacks
             self._fallbacks = tuple(rest)

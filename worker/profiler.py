@@ -54,7 +54,7 @@ from byteps_espresso.worker.check import step_medians
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.lowrank import LowRank, cost_samples
 from byteps_espresso.worker.lowrank import measure_costs as lowrank_costs
-from byteps_espresso.worker.optimizer import CompressionSpec, Plan
+from byteps_espresso.worker.optimizer import HOOK_PLAN, CompressionSpec, Plan
 from byteps_espresso.worker.session import Session, slowest_across_ranks, span_across_ranks
 from byteps_espresso.worker.trials import MODEL_ERROR
 
@@ -1309,7 +1309,7 @@ class EspressoSpec(CompressionSpec):
 
         if not sums_payloads(self.compressor):
             return []
-        algorithm = "allreduce-c"
+        algorithm = HOOK_PLAN
         if apart:  # the caps of the profiled layout (optimizer.default_layout)
             cap = caps[0] if len(caps) == 1 else DEFAULT_CAP_BYTES
             numel = {t.name: t.numel for t in workload.tensors}
