@@ -158,7 +158,9 @@ def unpack(buf: torch.Tensor, spec: PayloadSpec) -> tuple:
 def _when_done(works: Sequence[Any], done: Done | None) -> None:
     """Call ``done`` once every issued collective of ``works`` (None: not issued) has
     completed: at once where none was issued, else from the completing thread (the
-    works' futures)."""
+    works' futures). On NCCL a work's future completes as its ``wait()`` returns, once the
+    collective is ordered on the CUDA stream, not when the GPU has run it: what a blocking
+    call's time measures there too."""
     if done is None:
         return
     futures = [w.get_future() for w in works if w is not None]
