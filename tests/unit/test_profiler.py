@@ -473,3 +473,45 @@ def test_a_plan_on_the_fp32_path_keeps_an_fp32_finalist_on_the_profiled_buckets(
                            workload=workload, cluster=cluster, costs=costs, apart=frozenset(),
                            caps=CANDIDATE_CAPS)
     assert [s.algorithm for s in again].count("fp32") == 1
+
+
+def test_the_hook_plan_joins_the_finalists_for_fp16_only_with_excluded_gradients_apart():
+    """For a compressor whose payloads sum the finalists end with DDP's fp16-hook plan on
+    the profiled buckets (allreduce-c, the check's first fall-back); with an exclude= list
+    its buckets are DDP's caps over each kind alone, the excluded ones' uncompressed. Other
+    compressors get none (their all-gather plan measured slower, BENCHMARKS.md)."""
+    from byteps_espresso.worker.optimizer import HOOK_PLAN
+    from byteps_espresso.worker.profiler import EspressoSpec
+
+    from byteps_espresso.strategy import Cluster, CompressorCosts, TensorProfile, Workload
+    from byteps_espresso.strategy.baselines import fp32_option
+    from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, Bucket
+
+    sizes = [300_000, 40, 200_000, 40, 100_000]  # backward order; the 40s are "biases"
+    workload = Workload(tuple(TensorProfile(f"t{i}", n, 50.0) for i, n in enumerate(sizes)),
+                        forward_us=1000.0)
+    cluster = Cluster.preset(2, 2, "pcie", 1.0, servers=1)
+    costs = CompressorCosts.default()
+    profiled = (Bucket.of(["t0", "t1"]), Bucket.of(["t2", "t3", "t4"]))  # mixes both kinds
+    summed = "Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)"
+
+    def hooked(compressor, apart):
+        spec = EspressoSpec(compressor)
+        return spec._hook_plan([], workload, cluster, costs, apart=apart, layout=profiled,
+                               caps=CANDIDATE_CAPS)
+
+    (alone,) = hooked("fp16", frozenset())
+    assert alone.algorithm == HOOK_PLAN and alone.layout == profiled
+    assert {str(o) for o in alone.options.values()} == {summed}
+    apart = frozenset({"t1", "t3"})
+    (kept,) = hooked("fp16", apart)
+    # DDP's 1 MiB first bucket holds t0 (1.2 MB) alone
+    assert {b.tensors for b in kept.layout} == {("t0",), ("t2", "t4"), ("t1", "t3")}
+    dense = str(fp32_option(2, 2, 1))
+    assert {n: str(o) for n, o in kept.options.items()} == {"t0": summed, "t2+1": summed,
+                                                            "t1+1": dense}
+    assert hooked("efsignsgd", frozenset()) == []
+    # a finalist with the same options and buckets already: none added
+    spec = EspressoSpec("fp16")
+    assert spec._hook_plan([alone], workload, cluster, costs, apart=frozenset(),
+                           layout=profiled, caps=CANDIDATE_CAPS) == []
