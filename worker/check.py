@@ -27,10 +27,9 @@ back. Fall-backs come before a re-plan (measured beats predicted; nothing refitt
 re-planned), each checked against the fastest so far and staying by the same rule: for a
 compressor whose payloads sum (fp16) the plan DDP's fp16 hook runs (``allreduce-c``: the
 profiled buckets, DDP's, cast and all-reduced) where the trials did not measure it, then
-the fp32 path
-where the profiled fp32 iterations measured more than ``REPLAN_GAIN`` faster than the
-fastest checked. One re-plan per job: a second would chase the noise of a shared host. With
-``ESPRESSO_PROFILE_OUT`` rank 0 writes ``check.json``: the factors, each strategy's
+the fp32 path where the profiled fp32 iterations measured more than ``REPLAN_GAIN`` faster
+than the fastest checked. One re-plan per job: a second would chase the noise of a shared
+host. With ``ESPRESSO_PROFILE_OUT`` rank 0 writes ``check.json``: the factors, each strategy's
 prediction (as planned, refitted) against its measured median, and which one stayed (and
 ``strategy.json`` again where another than the kept one stayed).
 """

@@ -272,7 +272,7 @@ class Executor:
             record, done, issued = timed
             record.append((name, step, tail.op.index, done.seconds_since(issued)))
         for b in rest:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() if record is not None else 0.0
             if not b.asleep:
                 value = _named(option, b, name, b.fn, self, b, value, name, step)
             if record is not None:

@@ -57,14 +57,7 @@ from byteps_espresso.worker.reduction import ReduceOp, resolve_op
 from byteps_espresso.worker.session import Session, current
 from byteps_espresso.worker.trials import Trials
 
-from byteps_espresso.strategy.buckets import (
-    DEFAULT_CAP_BYTES,
-    DEFAULT_FIRST_CAP_BYTES,
-    Bucket,
-    MiB,
-    check_layout,
-    layout,
-)
+from byteps_espresso.strategy.buckets import Bucket, MiB, check_layout, ddp_layout
 from byteps_espresso.strategy.costs import dense_us
 from byteps_espresso.strategy.lowrank import inner as low_rank_inner
 from byteps_espresso.strategy.lowrank import wrap
@@ -1245,8 +1238,7 @@ def default_layout(session: Session, tensors: Sequence[tuple[str, int]]) -> tupl
     """The buckets of ``Compression.none``/``fp16`` and of the profiled iterations: DDP's
     caps (25 MiB, the first bucket 1 MiB), or ``ESPRESSO_BUCKET_CAP_MB``."""
     cap_mb = session.runtime.cfg.bucket_cap_mb
-    cap = DEFAULT_CAP_BYTES if cap_mb is None else int(cap_mb * MiB)
-    return layout(tensors, cap, min(DEFAULT_FIRST_CAP_BYTES, cap) if cap else None)
+    return ddp_layout(tensors, None if cap_mb is None else int(cap_mb * MiB))
 
 
 def _named(optimizer: torch.optim.Optimizer,

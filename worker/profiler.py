@@ -1297,24 +1297,19 @@ class EspressoSpec(CompressionSpec):
         planned mixtures ran at 30.6, and the check's five noisy iterations could not tell
         them apart (BENCHMARKS.md, "The fp16 hook's plan as a fall-back"). With gradients
         kept uncompressed (``apart``, an ``exclude=`` list) its buckets are DDP's caps over
-        each kind alone (:func:`~byteps_espresso.strategy.buckets.layout_apart`), theirs
+        each kind alone (:func:`~byteps_espresso.strategy.buckets.ddp_layout`), theirs
         uncompressed."""
         from byteps_espresso.strategy.baselines import BaselineUnavailable
-        from byteps_espresso.strategy.buckets import (
-            DEFAULT_CAP_BYTES,
-            DEFAULT_FIRST_CAP_BYTES,
-            layout_apart,
-        )
+        from byteps_espresso.strategy.buckets import ddp_layout
         from byteps_espresso.strategy.tree import sums_payloads
 
         if not sums_payloads(self.compressor):
             return []
         algorithm = HOOK_PLAN
         if apart:  # the caps of the profiled layout (optimizer.default_layout)
-            cap = caps[0] if len(caps) == 1 else DEFAULT_CAP_BYTES
             numel = {t.name: t.numel for t in workload.tensors}
-            layout = layout_apart([(n, numel[n]) for b in layout for n in b.tensors], cap,
-                                  min(DEFAULT_FIRST_CAP_BYTES, cap) if cap else None, apart)
+            layout = ddp_layout([(n, numel[n]) for b in layout for n in b.tensors],
+                                caps[0] if len(caps) == 1 else None, apart)
         try:
             hooked = self._on_layout(algorithm, workload, cluster, costs, layout, apart=apart)
         except BaselineUnavailable as exc:  # the tree or the constraints leave it out

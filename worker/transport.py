@@ -26,9 +26,9 @@ results back to the caller's device. The ``*_start`` calls (``allreduce``, ``all
 ``allreduce_payload``, ``allgather_payloads``) issue the collective with ``async_op=True``
 and return the call that waits for it, so an Option's last collective can complete while the
 lane issues the next Option's (benchmarks/collective_issue.py measured async issue at about
-half the time of blocking calls). Their
-``done`` is called once the collective has completed (from the thread that completed it), so
-a timed run can time a collective it leaves in flight (``Executor.timings``).
+half the time of blocking calls). Their ``done`` is called once the collective has completed
+(from the thread that completed it), so a timed run can time a collective it leaves in
+flight (``Executor.timings``).
 """
 
 from __future__ import annotations
@@ -164,12 +164,10 @@ def _when_done(works: Sequence[Any], done: Done | None) -> None:
     if done is None:
         return
     futures = [w.get_future() for w in works if w is not None]
-    if not futures:
-        done()
-    elif len(futures) == 1:
-        futures[0].then(lambda _: done())
-    else:
+    if futures:
         torch.futures.collect_all(futures).then(lambda _: done())
+    else:
+        done()
 
 
 def _waited(work: Any, buf: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from byteps_espresso.strategy.workload import TensorProfile, Workload
 
 __all__ = ["CANDIDATE_CAPS", "DEFAULT_CAP_BYTES", "DEFAULT_FIRST_CAP_BYTES", "Bucket",
-           "BucketError", "MiB", "check_layout", "fewest", "fuse", "fuse_apart", "layout",
-           "layout_apart",
+           "BucketError", "MiB", "check_layout", "ddp_layout", "fewest", "fuse", "fuse_apart",
+           "layout", "layout_apart",
            "plan_fused", "reorder", "singletons"]
 
 MiB = 1 << 20
@@ -112,6 +112,15 @@ def layout(tensors: Sequence[tuple[str, int]], cap_bytes: int,
     if current:
         out.append(Bucket.of(current))
     return tuple(out)
+
+
+def ddp_layout(tensors: Sequence[tuple[str, int]], cap_bytes: int | None = None,
+               apart: frozenset[str] = frozenset()) -> tuple[Bucket, ...]:
+    """DDP's buckets over ``tensors`` (backward order): :func:`layout_apart` with a cap of
+    ``cap_bytes`` (default DEFAULT_CAP_BYTES, 25 MiB) and a first bucket of at most
+    DEFAULT_FIRST_CAP_BYTES (1 MiB); a cap of 0: every gradient alone."""
+    cap = DEFAULT_CAP_BYTES if cap_bytes is None else cap_bytes
+    return layout_apart(tensors, cap, min(DEFAULT_FIRST_CAP_BYTES, cap) if cap else None, apart)
 
 
 def layout_apart(tensors: Sequence[tuple[str, int]], cap_bytes: int,

@@ -260,3 +260,22 @@ def test_plan_fewest_buckets_plans_the_largest_cap_without_a_small_first_bucket(
     for b in buckets:
         if set(b.tensors) <= apart:  # the excluded gradients' buckets stay uncompressed
             assert not strategy.options[b.name].is_compressed
+
+
+def test_ddp_layout_is_the_greedy_layout_at_ddps_caps():
+    from byteps_espresso.strategy.buckets import (
+        DEFAULT_CAP_BYTES,
+        DEFAULT_FIRST_CAP_BYTES,
+        ddp_layout,
+        layout,
+        layout_apart,
+    )
+
+    tensors = [(f"t{i}", n) for i, n in enumerate([300_000, 40, 200_000, 7_000_000, 40])]
+    assert ddp_layout(tensors) == layout(tensors, DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES)
+    assert ddp_layout(tensors)[0].tensors == ("t0",)  # 1.2 MB: alone in the 1 MiB first
+    assert ddp_layout(tensors, 4 << 20) == layout(tensors, 4 << 20, DEFAULT_FIRST_CAP_BYTES)
+    assert ddp_layout(tensors, 0) == layout(tensors, 0)  # every gradient alone
+    apart = frozenset({"t1", "t4"})
+    assert ddp_layout(tensors, apart=apart) == layout_apart(
+        tensors, DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES, apart)
