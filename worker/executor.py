@@ -65,10 +65,10 @@ from byteps_espresso.worker.transport import Done, PayloadSpec, PSPath, Transpor
 from byteps_espresso.strategy.cluster import lane_of
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope
 from byteps_espresso.strategy.program import (
+    IN_FLIGHT,
     RULES,
     Form,
     Op,
-    Program,
     compile_option,
     payload_count,
 )
@@ -295,7 +295,7 @@ class Executor:
         got = self._at_once.get(option)
         if got is None:
             prog = compile_option(option)
-            t = _tail_index(prog)
+            t = prog.in_flight
             got = self._at_once[option] = t is not None and all(
                 op.kind is Kind.COMP and op.device is Device.GPU for op in prog.ops[:t])
         return got
@@ -326,7 +326,7 @@ class Executor:
                                      f"[{option}]: {exc}") from None
             out.append(b)
             ext = after
-        t = _tail_index(prog)
+        t = prog.in_flight
         if t is not None:
             out[t].tail = _TAILS[prog.ops[t].kind]
         return out
@@ -637,15 +637,8 @@ _TAILS: dict[Kind, Callable[..., Any]] = {Kind.ALLREDUCE: Executor._allreduce_ta
                                           Kind.ALLREDUCE_C: Executor._allreduce_c_tail,
                                           Kind.ALLGATHER_C: Executor._allgather_c_tail}
 
-
-def _tail_index(prog: Program) -> int | None:
-    """The step :meth:`Executor.start` leaves in flight: the last communication step, when
-    it can be issued ``async_op`` and only compute steps follow it; else None."""
-    last = max((op.index for op in prog.ops if not op.kind.is_compute), default=None)
-    if last is None or prog.ops[last].kind not in _TAILS:
-        return None
-    return last
-
+# the planner's lanes model the same rule (program.Program.in_flight)
+assert set(_TAILS) == IN_FLIGHT
 
 _COMPUTE: dict[Kind, Callable[..., Any]] = {Kind.COMP: Executor._comp,
                                             Kind.DECOMP: Executor._decomp}

@@ -100,9 +100,11 @@ class Cluster:
             ``inter_latency_us``). The PS path has its own transport, so a measured profile
             sets it apart from the collectives' per-hop latency.
         lanes: the executor's lanes per worker (None: no lane limit). A lane runs one
-            tensor's Option at a time, start to finish, in submission order, and a tensor's
-            lane is :func:`lane_of` its name; a profile measured by the runtime sets it, so the
-            timeline holds each Option's tasks behind the previous Option of its lane.
+            tensor's Option at a time in submission order, up to the issue of its in-flight
+            step or to its end (``Program.in_flight``), and a tensor's lane is
+            :func:`lane_of` its name; a profile measured by the runtime sets it, so the
+            timeline holds each Option's tasks until the previous Option of its lane lets
+            the lane go.
         exchange_latency: multiplier on the per-hop latency of the collectives in which every
             member sends and receives (Allreduce, ReduceScatter, Allgather, AllgatherC,
             AlltoallC); rooted ones (Reduce, Broadcast(C), GatherC) pay the latency as it is.

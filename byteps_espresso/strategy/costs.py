@@ -282,6 +282,16 @@ class Pricer:
                                    np.ascontiguousarray(self._dur[rows].transpose(0, 2, 1))))
         return out
 
+    def lane_hold(self, option: Option, n_tasks: int) -> int:
+        """How many of the option's ``n_tasks`` tasks its executor lane runs before it is
+        free: those before the in-flight step (:attr:`Program.in_flight`: the executor
+        issues it ``async_op`` and runs the compute steps after it in the waiting call), or
+        all of them. A low-rank compressor's Options run their own path and hold it."""
+        if self._low_rank(option):
+            return n_tasks
+        tail = compile_option(option).in_flight
+        return n_tasks if tail is None else _task_layout(option)[2].index(tail)
+
     def fastest_alone(self, forms: Sequence[Placements]) -> np.ndarray:
         """Per size (U,), the least time alone (the sum of its tasks' durations) of any Option
         of ``forms`` (``tree.option_forms``: not a low-rank tree): what :meth:`batch` would

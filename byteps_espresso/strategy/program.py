@@ -55,9 +55,9 @@ import numpy as np
 
 from byteps_espresso.strategy.options import Device, Kind, Option, OptionError, Scope, Step
 
-__all__ = ["REDUCE_SPLIT_BYTES", "RULES", "Form", "Op", "Origin", "Pair", "Pairing", "Program",
-           "Rule", "closes", "compile_option", "leaves", "payload_count", "reduce_splits",
-           "refusal", "shard_numel"]
+__all__ = ["IN_FLIGHT", "REDUCE_SPLIT_BYTES", "RULES", "Form", "Op", "Origin", "Pair",
+           "Pairing", "Program", "Rule", "closes", "compile_option", "leaves", "payload_count",
+           "reduce_splits", "refusal", "shard_numel"]
 
 
 class Form(str, enum.Enum):
@@ -272,6 +272,20 @@ class Program:
     def forwards(self) -> bool:
         """Whether a step forwards gathered payloads undecoded (:attr:`Op.forwards`)."""
         return any(op.forwards for op in self.ops)
+
+    @functools.cached_property
+    def in_flight(self) -> int | None:
+        """The step the executor leaves in flight (``Executor.start``): the last
+        communication step when its kind is one of :data:`IN_FLIGHT` (only compute steps
+        follow it), else None. The lane that runs the Option is free once this step is
+        issued: the compute steps after it run in the call that waits for the result."""
+        last = max((op.index for op in self.ops if not op.kind.is_compute), default=None)
+        return last if last is not None and self.ops[last].kind in IN_FLIGHT else None
+
+
+# The collectives the transport issues ``async_op`` (worker/transport.py) and the executor
+# leaves in flight as an Option's last communication step (its handlers, executor._TAILS).
+IN_FLIGHT = frozenset({Kind.ALLREDUCE, Kind.ALLGATHER, Kind.ALLREDUCE_C, Kind.ALLGATHER_C})
 
 
 def closes(kind: Kind, scope: Scope, open_pairing: Pairing | None,

@@ -13,10 +13,14 @@ Model (one representative worker per machine; all workers are symmetric):
   host thread pool, d2h/h2d copies included), ``intra`` link, ``inter`` link (machine NIC;
   also flat collectives across machines), ``server`` (PS aggregation).
 - Lanes, when the cluster sets ``lanes`` (a profile measured by the runtime does): the
-  executor runs each tensor's Option start to finish on one lane thread
+  executor runs each tensor's Option on one lane thread
   (:func:`~byteps_espresso.strategy.cluster.lane_of` its name), one Option at a time in
-  submission order, so a tensor's first task starts no earlier than the end of the previous
-  Option on its lane. Without ``lanes`` (the presets), only the resources order the tasks.
+  submission order, until it issues the Option's in-flight step
+  (:attr:`~byteps_espresso.strategy.program.Program.in_flight`: its last collective, issued
+  ``async_op``, the Decomp after it run by the waiting call) or to its end; so a tensor's
+  first task starts no earlier than that issue (or end) of the previous Option on its lane
+  (:attr:`Catalogue.hold`). Without ``lanes`` (the presets), only the resources order the
+  tasks.
 - Iteration time = forward time + max(end of backward, end of the last task).
 
 The scheduling kernel is compiled with numba (cached on disk); the search evaluates
@@ -83,8 +87,8 @@ _YES = np.bool_(True)
 
 @numba.njit(cache=True)
 def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi, ok, cat_len,  # noqa: PLR0912, PLR0915, PLR0917
-             cat_res, cat_dur, forward, best_t, best_s, tol, record, task_start, task_end, out,
-             follow, trace):  # pragma: no cover - compiled
+             cat_hold, cat_res, cat_dur, forward, best_t, best_s, tol, record, task_start,
+             task_end, out, follow, trace):  # pragma: no cover - compiled
     """Schedule tensors j0..j1-1 (tensor oi uses option ok instead of choice[oi]): per
     tensor, (1) its backward segment, then per task (2) the earliest fitting start on its
     resource and (3) the insertion of its busy interval; when following a trace, (4) whether
@@ -153,7 +157,11 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
         u = size_idx[i]
         if record:
             ready_out[i] = bwd
+        hold = cat_hold[o]
+        free = t  # when the lane is free again: once the in-flight step is issued, or at the end
         for j in range(cat_len[o]):
+            if j == hold:
+                free = t
             d = cat_dur[o, u, j]
             if d > 0.0:
                 # (2) task j at the earliest start >= t where its resource r is idle for d
@@ -202,7 +210,7 @@ def _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, j1, oi,
         if record:
             done_out[i] = t
         if lane[i] >= 0:
-            acc[3 + lane[i]] = t
+            acc[3 + lane[i]] = free if hold < cat_len[o] else t
         if record:
             _trace_state(starts, ends, count, acc, bwd, i, out)
         sdone += t
@@ -351,8 +359,8 @@ def _copy_trace(out, trace, j0, j1):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_res, cat_dur, n_res, task_start,  # noqa: PLR0917
-                task_end, out, old):  # pragma: no cover - compiled
+def _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_hold, cat_res,  # noqa: PLR0917
+                cat_dur, n_res, task_start, task_end, out, old):  # pragma: no cover - compiled
     """Simulate and trace ``choice`` into ``out``, where the traced ``old`` is the schedule of
     the same strategy but for tensor i: the tensors before i are copied from it, and the run
     from i on starts from its state before i and follows it (_advance)."""
@@ -362,8 +370,8 @@ def _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_res, cat_dur, n_re
         _copy_trace(out, old, _I0, i)
         j0 = i
     _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, j0, gaps.shape[0], i,
-             choice[i], cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, _YES, task_start,
-             task_end, out, _YES, old)
+             choice[i], cat_len, cat_hold, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, _YES,
+             task_start, task_end, out, _YES, old)
     return acc[0], acc[1], acc[2]
 
 
@@ -424,12 +432,12 @@ def _run_room(n_res, n, cat_len, lane):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _simulate(gaps, size_idx, lane, choice, cat_len, cat_res, cat_dur, n_res, record,  # noqa: PLR0917
+def _simulate(gaps, size_idx, lane, choice, cat_len, cat_hold, cat_res, cat_dur, n_res, record,  # noqa: PLR0917
               task_start, task_end, out):  # pragma: no cover - compiled
     cap = _capacity(choice, cat_len)
     starts, ends, count, acc = _schedule_state(n_res, cap, lane)
     _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, _I0, gaps.shape[0], _NONE,
-             _I0, cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, record, task_start,
+             _I0, cat_len, cat_hold, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, record, task_start,
              task_end, out, _NO, out)
     return acc[0], acc[1], acc[2]
 
@@ -442,8 +450,9 @@ def _no_trace():  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, n_res, forward,  # noqa: PLR0917
-             tol, k0, t0, s0, follow, trace):  # pragma: no cover - compiled
+def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_hold, cat_res,  # noqa: PLR0917
+             cat_dur, n_res, forward, tol, k0, t0, s0, follow,
+             trace):  # pragma: no cover - compiled
     """Best candidate option for tensor i, others fixed: lexicographic (iteration time,
     sum of done times) against the incumbent k0 with its (t0, s0) (k0 = -1, t0 = s0 = inf:
     none); the state before i is made once and copied per candidate. follow: ``trace`` is
@@ -457,8 +466,8 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
     n = gaps.shape[0]
     if not (follow and i > 0 and _from_trace(starts, ends, count, acc, i - 1, trace)):
         _advance(starts, ends, count, acc, gaps, size_idx, lane, choice, _I0, i, _NONE, _I0,
-                 cat_len, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy, none,
-                 _NO, none)
+                 cat_len, cat_hold, cat_res, cat_dur, 0.0, np.inf, np.inf, 0.0, False, dummy, dummy,
+                 none, _NO, none)
     s2 = np.empty((n_res, cap))
     e2 = np.empty((n_res, cap))
     c2 = np.empty(n_res, dtype=np.int64)
@@ -473,7 +482,7 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
         c2[:] = count
         a2[:] = acc
         ok = _advance(s2, e2, c2, a2, gaps, size_idx, lane, choice, i, n, i, cands[c], cat_len,
-                      cat_res, cat_dur, forward, best_t, best_s, tol, False, dummy, dummy,
+                      cat_hold, cat_res, cat_dur, forward, best_t, best_s, tol, False, dummy, dummy,
                       none, follow, trace)
         if not ok:
             continue
@@ -487,7 +496,7 @@ def _best_of(gaps, size_idx, lane, choice, i, cands, cat_len, cat_res, cat_dur, 
 
 @numba.njit(cache=True)
 def _greedy_pass(gaps, size_idx, lane, choice, order, plain, front, front_len, bubbles,  # noqa: PLR0917
-                 cat_len, cat_res, cat_dur, n_res, forward, tol, t0, s0, trace, spare,
+                 cat_len, cat_hold, cat_res, cat_dur, n_res, forward, tol, t0, s0, trace, spare,
                  task_start, task_end, stop):  # pragma: no cover - compiled
     """Algorithm 1's pass over the tensors of ``order`` (search.gpu_greedy), each with the
     others fixed: skipped where ``bubbles`` and it is uncompressed (``plain`` per option) and
@@ -514,14 +523,15 @@ def _greedy_pass(gaps, size_idx, lane, choice, order, plain, front, front_len, b
             if front[u, c] != keep:
                 cands[m] = front[u, c]
                 m += 1
-        k, _, _ = _best_of(gaps, size_idx, lane, choice, i, cands[:m], cat_len, cat_res,
+        k, _, _ = _best_of(gaps, size_idx, lane, choice, i, cands[:m], cat_len, cat_hold, cat_res,
                            cat_dur, n_res, forward, tol, keep, t0, s0, _YES, trace)
         runs += m
         if k != keep:
             choice[i] = k
             changed = True
-            bwd, last, sdone = _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_res,
-                                           cat_dur, n_res, task_start, task_end, spare, trace)
+            bwd, last, sdone = _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_hold,
+                                           cat_res, cat_dur, n_res, task_start, task_end, spare,
+                                           trace)
             runs += 1
             trace, spare = spare, trace
             t0 = forward + max(bwd, last)
@@ -530,7 +540,7 @@ def _greedy_pass(gaps, size_idx, lane, choice, order, plain, front, front_len, b
 
 
 @numba.njit(cache=True)
-def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, forward, bound,  # noqa: PLR0917
+def _time_below(gaps, size_idx, lane, work, cat_len, cat_hold, cat_res, cat_dur, forward, bound,  # noqa: PLR0917
                 follow, trace, first, last, state, dummy, none):  # pragma: no cover - compiled
     """Iteration time of ``work`` if it is below ``bound``, else inf (the run stops as soon as
     its lower bound reaches ``bound``). follow: ``trace`` is the trace of a strategy that
@@ -544,8 +554,8 @@ def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, forward, 
     if follow and first > 0 and _from_trace(starts, ends, count, acc, first - 1, trace):
         j0 = first
     ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, gaps.shape[0], last,
-                  work[max(last, 0)], cat_len, cat_res, cat_dur, forward, bound, -np.inf, 0.0,
-                  False, dummy, dummy, none, follow, trace)
+                  work[max(last, 0)], cat_len, cat_hold, cat_res, cat_dur, forward, bound, -np.inf,
+                  0.0, False, dummy, dummy, none, follow, trace)
     if ok:
         t = forward + max(acc[0], acc[1])
         if t < bound:
@@ -554,8 +564,9 @@ def _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, forward, 
 
 
 @numba.njit(cache=True)
-def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
-                forward, current, tol, follow, trace):  # pragma: no cover - compiled
+def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_hold,  # noqa: PLR0917
+                cat_res, cat_dur, n_res, forward, current, tol, follow,
+                trace):  # pragma: no cover - compiled
     """The candidate that, given to every tensor in ``members`` (others as in choice), gives
     an iteration time below current - tol, the lowest such; (-1, current) if none does.
     follow: ``trace`` is choice's own (_time_below)."""
@@ -571,7 +582,7 @@ def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_res, 
     for c in range(cands.shape[0]):
         for m in range(members.shape[0]):
             work[members[m]] = cands[c]
-        t = _time_below(gaps, size_idx, lane, work, cat_len, cat_res, cat_dur, forward,
+        t = _time_below(gaps, size_idx, lane, work, cat_len, cat_hold, cat_res, cat_dur, forward,
                         best_t - tol, follow, trace, first, last, state, dummy, none)
         if t < best_t - tol:
             best_k = cands[c]
@@ -580,8 +591,8 @@ def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_res, 
 
 
 @numba.njit(cache=True)
-def _best_row(gaps, size_idx, lane, rows, cat_len, cat_res, cat_dur, n_res, forward, current,  # noqa: PLR0917
-              tol):  # pragma: no cover - compiled
+def _best_row(gaps, size_idx, lane, rows, cat_len, cat_hold, cat_res, cat_dur,  # noqa: PLR0917
+              n_res, forward, current, tol):  # pragma: no cover - compiled
     """The first row (a strategy) of the lowest iteration time below current - tol, taken in
     order as a running best; (-1, current) if none is below."""
     best_r = -1
@@ -592,7 +603,7 @@ def _best_row(gaps, size_idx, lane, rows, cat_len, cat_res, cat_dur, n_res, forw
     dummy = np.zeros((1, 1))
     none = _no_trace()
     for r in range(rows.shape[0]):
-        t = _time_below(gaps, size_idx, lane, rows[r], cat_len, cat_res, cat_dur, forward,
+        t = _time_below(gaps, size_idx, lane, rows[r], cat_len, cat_hold, cat_res, cat_dur, forward,
                         best_t - tol, _NO, none, _I0, _NONE, state, dummy, none)
         if t < best_t - tol:
             best_r = r
@@ -601,8 +612,8 @@ def _best_row(gaps, size_idx, lane, rows, cat_len, cat_res, cat_dur, n_res, forw
 
 
 @numba.njit(cache=True)
-def _exhaustive(gaps, size_idx, lane, allowed, n_allowed, cat_len, cat_res, cat_dur, n_res,  # noqa: PLR0917
-                forward):  # pragma: no cover - compiled
+def _exhaustive(gaps, size_idx, lane, allowed, n_allowed, cat_len, cat_hold,  # noqa: PLR0917
+                cat_res, cat_dur, n_res, forward):  # pragma: no cover - compiled
     """Every combination of allowed[i, :n_allowed[i]]; returns (best time, best choice)."""
     n = gaps.shape[0]
     digit = np.zeros(n, dtype=np.int64)
@@ -614,8 +625,8 @@ def _exhaustive(gaps, size_idx, lane, allowed, n_allowed, cat_len, cat_res, cat_
     while True:
         for i in range(n):
             choice[i] = allowed[i, digit[i]]
-        bwd, last, _ = _simulate(gaps, size_idx, lane, choice, cat_len, cat_res, cat_dur, n_res,
-                                 _NO, dummy, dummy, none)
+        bwd, last, _ = _simulate(gaps, size_idx, lane, choice, cat_len, cat_hold, cat_res, cat_dur,
+                                 n_res, _NO, dummy, dummy, none)
         t = forward + max(bwd, last)
         if t < best - 1e-9:
             best = t
@@ -680,52 +691,58 @@ def _placement_masks(i, tunit, tbits, switched, masks):  # pragma: no cover - co
 
 @numba.njit(cache=True)
 def _tail_bound(starts, ends, count, acc, gaps, lane, j, tunit, tbits, table, switched,  # noqa: PLR0912, PLR0917
-                busy, total, cum, forward, bound, masks):  # pragma: no cover - compiled
+                busy, total, held, cum, forward, bound, masks):  # pragma: no cover - compiled
     """A lower bound of the iteration time of every completion once tensors ..j-1 are
     scheduled (``switched``: the units already on the CPU); inf where none can get below
     ``bound``. Tensor i >= j is ready at acc[0] + (cum[i] - cum[j - 1]) at the earliest
     (cum: the cumulative backward segments) and takes a placement mask that table[i] allows
-    with the switched units' steps on the CPU; busy (n, M, R) and total (n, M) per mask.
+    with the switched units' steps on the CPU; busy (n, M, R), total (n, M) and held (n, M:
+    the tasks before the in-flight step, the least time it keeps its lane) per mask.
     One pass over the remaining tensors, last first:
 
     1. A placement is excluded where even alone it cannot finish below ``bound``: ready at
-       the earliest, its time alone, then (with lanes) the shortest times left of the later
-       tensors of its lane, which wait for it (a lane runs one Option at a time).
+       the earliest, its time alone, or (with lanes) its time held plus the shortest time in
+       which the later tensors of its lane, which wait for the lane, end.
     2. Each resource must still run what is placed after tensor j's ready time plus, per
        later tensor, its least busy time over the placements left (the GPU also the
        backward segments after j).
     3. Each lane runs its remaining tensors in order, each no earlier than its ready time
-       and for its shortest time left: it ends no earlier than its free time, or than any
-       of those tensors' ready time, plus the shortest times from there on (without lanes:
-       each tensor alone).
+       and no earlier than the one before it let the lane go: from any of them on, the lane
+       ends no earlier than its start plus the longer of its shortest time alone and its
+       shortest time held plus that bound for the next; and no tensor starts before the
+       lane's free time (without lanes: each tensor alone).
 
     masks (2^Q,): work space."""
     n = gaps.shape[0]
     base = acc[0] - (cum[j] - gaps[j])  # + cum[i]: tensor i's earliest ready time
     n_lanes = acc.shape[0] - 3
     n_res = busy.shape[2]
-    after = np.zeros(max(n_lanes, 1))  # per lane, the shortest times of the tensors after
+    after = np.zeros(max(n_lanes, 1))  # per lane, the least time from its next start to its end
     need = np.zeros(n_res)
     need[GPU] = cum[n - 1] - cum[j]
     least = np.empty(n_res)
     low = 0.0
     for i in range(n - 1, j - 1, -1):
         q = lane[i]
-        lim = bound - forward - base - cum[i] - (after[q] if q >= 0 else 0.0)
+        later = after[q] if q >= 0 else 0.0
+        lim = bound - forward - base - cum[i]
         if tunit[i, 0] < 0:  # not offloadable: its one option
             short = total[i, 0]
-            if short >= lim:
+            hold = held[i, 0]
+            if max(short, hold + later) >= lim:
                 return np.inf
             for r in range(n_res):
                 need[r] += busy[i, 0, r]
         else:
             short = np.inf
+            hold = np.inf
             least[:] = np.inf
             m = _placement_masks(i, tunit, tbits, switched, masks)
             for k in range(m):
                 mask = masks[k]
-                if table[i, mask] >= 0 and total[i, mask] < lim:
+                if table[i, mask] >= 0 and max(total[i, mask], held[i, mask] + later) < lim:
                     short = min(short, total[i, mask])
+                    hold = min(hold, held[i, mask])
                     for r in range(n_res):
                         least[r] = min(least[r], busy[i, mask, r])
             if short == np.inf:
@@ -733,7 +750,7 @@ def _tail_bound(starts, ends, count, acc, gaps, lane, j, tunit, tbits, table, sw
             for r in range(n_res):
                 need[r] += least[r]
         if q >= 0:
-            after[q] += short
+            after[q] = max(short, hold + later)
             low = max(low, base + cum[i] + after[q])
         else:
             low = max(low, base + cum[i] + short)
@@ -751,8 +768,8 @@ def _tail_bound(starts, ends, count, acc, gaps, lane, j, tunit, tbits, table, sw
 
 @numba.njit(cache=True)
 def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, cat_len,  # noqa: PLR0912, PLR0915, PLR0917
-                    cat_res, cat_dur, n_res, forward, best_t, tol, node_limit, busy, total,
-                    cum):  # pragma: no cover - compiled
+                    cat_hold, cat_res, cat_dur, n_res, forward, best_t, tol, node_limit, busy,
+                    total, held, cum):  # pragma: no cover - compiled
     """Branch and bound over Algorithm 2's traversal: each unit (a set of Comp/Decomp steps of
     a group of tensors, members in backward order) is switched to the CPU at one member, and
     then stays switched for every later member (offloading ``c`` of a group = its last ``c``
@@ -798,15 +815,15 @@ def _offload_search(gaps, size_idx, lane, choice, tunit, tbits, table, n_units, 
         # (A) schedule tensors j0..j1-1 (their options fixed), open a level at branch j1
         nodes += 1
         ok = _advance(starts, ends, count, acc, gaps, size_idx, lane, work, j0, j1, _NONE, _I0,
-                      cat_len, cat_res, cat_dur, forward, best_t, -np.inf, tol, False, dummy,
-                      dummy, none, _NO, none)
+                      cat_len, cat_hold, cat_res, cat_dur, forward, best_t, -np.inf, tol, False,
+                      dummy, dummy, none, _NO, none)
         if ok and j1 == n:
             t = forward + max(acc[0], acc[1])
             if t < best_t - tol:
                 best_t = t
                 best_choice[:] = work
         elif ok and _tail_bound(starts, ends, count, acc, gaps, lane, j1, tunit, tbits, table,
-                                switched, busy, total, cum, forward, best_t - tol,
+                                switched, busy, total, held, cum, forward, best_t - tol,
                                 masks) < best_t - tol:
             _save(depth, starts, ends, count, acc, s_st, s_en, s_ct, s_ac)
             free = 0
@@ -924,8 +941,12 @@ class Catalogue:
         options / index: the options in catalogue order, and option -> index.
         res (O, L) / dur (O, U, L) / len (O,): each option's task resources, durations per
             distinct size and task count (rows past ``len(options)`` are spare capacity).
-        busy (O, U, R) / total (O, U): each option's busy time per resource and its time
-            alone (:class:`StepTasks`), for the bounds of Algorithm 2.
+        hold (O,): where the cluster models lanes, the task at which the option lets its
+            lane go: the first of its in-flight step (:attr:`Program.in_flight`), whose
+            issue frees the lane, or ``len`` (the lane is held to the end).
+        busy (O, U, R) / total (O, U) / held (O, U): each option's busy time per resource,
+            its time alone (:class:`StepTasks`) and the time of its tasks before ``hold``,
+            for the bounds of Algorithm 2.
     """
 
     def __init__(self, pricer: Pricer):
@@ -935,8 +956,10 @@ class Catalogue:
         self.res = np.zeros((0, 1), dtype=np.int64)
         self.dur = np.zeros((0, len(pricer.numels), 1))
         self.len = np.zeros(0, dtype=np.int64)
+        self.hold = np.zeros(0, dtype=np.int64)
         self.busy = np.zeros((0, len(pricer.numels), len(RESOURCES)))
         self.total = np.zeros((0, len(pricer.numels)))
+        self.held = np.zeros((0, len(pricer.numels)))
 
     def add(self, options: Sequence[Option],
             priced: Sequence[StepTasks] | None = None) -> list[int]:
@@ -967,15 +990,20 @@ class Catalogue:
             res = np.zeros((rows, width), dtype=np.int64)
             dur = np.zeros((rows, len(self.pricer.numels), width))
             lens = np.zeros(rows, dtype=np.int64)
+            hold = np.zeros(rows, dtype=np.int64)
             busy = np.zeros((rows, *self.busy.shape[1:]))
             total = np.zeros((rows, self.total.shape[1]))
+            held = np.zeros((rows, self.held.shape[1]))
             res[:n_old, : self.res.shape[1]] = self.res[:n_old]
             dur[:n_old, :, : self.dur.shape[2]] = self.dur[:n_old]
             lens[:n_old] = self.len[:n_old]
+            hold[:n_old] = self.hold[:n_old]
             busy[:n_old] = self.busy[:n_old]
             total[:n_old] = self.total[:n_old]
-            self.res, self.dur, self.len = res, dur, lens
-            self.busy, self.total = busy, total
+            held[:n_old] = self.held[:n_old]
+            self.res, self.dur, self.len, self.hold = res, dur, lens, hold
+            self.busy, self.total, self.held = busy, total, held
+        lanes = bool(self.pricer.cluster.lanes)
         for b in batches:
             rows = n_old + b.positions
             n_tasks = b.resource.shape[1]
@@ -984,6 +1012,15 @@ class Catalogue:
             self.len[rows] = n_tasks
             self.busy[rows] = b.busy
             self.total[rows] = b.total
+            if lanes:
+                hold = np.array([self.pricer.lane_hold(new[k], n_tasks)
+                                 for k in b.positions.tolist()], dtype=np.int64)
+                self.hold[rows] = hold
+                before = np.arange(n_tasks)[None, None, :] < hold[:, None, None]
+                self.held[rows] = np.where(before, b.duration, 0.0).sum(axis=2)
+            else:
+                self.hold[rows] = n_tasks
+                self.held[rows] = b.total
         self.index.update(zip(new, range(n_old, n_all), strict=True))
         self.options.extend(new)
 
@@ -1045,6 +1082,10 @@ class Evaluator:
     def _len(self) -> np.ndarray:
         return self.catalogue.len
 
+    @property
+    def _hold(self) -> np.ndarray:
+        return self.catalogue.hold
+
     def add(self, options: Sequence[Option],
             priced: Sequence[StepTasks] | None = None) -> list[int]:
         """Add options to the catalogue (:meth:`Catalogue.add`) and return their indices."""
@@ -1059,7 +1100,7 @@ class Evaluator:
         te = np.zeros((n, width))
         trace = _new_trace(n, self._lanes)
         bwd, last, sdone = _simulate(self.gaps, self.size_idx, self.lane, choice, self._len,
-                                     self._res, self._dur, n_res, True, ts, te, trace)
+                                     self._hold, self._res, self._dur, n_res, True, ts, te, trace)
         self.calls += 1
         return bwd, last, sdone, ts, te, trace
 
@@ -1071,7 +1112,8 @@ class Evaluator:
             table[i, : len(a)] = a
         counts = np.array([len(a) for a in allowed], dtype=np.int64)
         best, choice = _exhaustive(self.gaps, self.size_idx, self.lane, table, counts, self._len,
-                                   self._res, self._dur, len(RESOURCES), self.forward_us)
+                                   self._hold, self._res, self._dur, len(RESOURCES),
+                                   self.forward_us)
         self.calls += int(np.prod(counts.astype(np.float64)))
         return float(best), choice
 
@@ -1096,8 +1138,8 @@ class Evaluator:
             k0, t0, s0 = int(choice[i]), current[0], current[1]
             cands = cands[cands != k0]
         k, t, _ = _best_of(self.gaps, self.size_idx, self.lane, choice, i, cands, self._len,
-                           self._res, self._dur, len(RESOURCES), self.forward_us, tol, k0,
-                           float(t0), float(s0), trace is not None,
+                           self._hold, self._res, self._dur, len(RESOURCES), self.forward_us, tol,
+                           k0, float(t0), float(s0), trace is not None,
                            trace if trace is not None else self._no_trace)
         self.calls += len(cands)
         return int(k), float(t)
@@ -1127,7 +1169,7 @@ class Evaluator:
         width = self._res.shape[1]
         changed, runs = _greedy_pass(
             self.gaps, self.size_idx, self.lane, choice, np.asarray(order, dtype=np.int64),
-            plain, front, front_len, bool(bubbles), self._len, self._res, self._dur,
+            plain, front, front_len, bool(bubbles), self._len, self._hold, self._res, self._dur,
             len(RESOURCES), self.forward_us, tol, float(current.iteration_us),
             float(current.sum_done_us), current.trace, _new_trace(n, self._lanes),
             np.empty((n, width)), np.empty((n, width)), float(stop_us))
@@ -1144,22 +1186,23 @@ class Evaluator:
         dur = np.ones((1, 1, 1))
         lens = np.ones(1, dtype=np.int64)
         none = _no_trace()
-        _simulate(np.ones(1), one, lane, one, lens, res, dur, len(RESOURCES), True,
+        n_res = len(RESOURCES)
+        _simulate(np.ones(1), one, lane, one, lens, lens, res, dur, n_res, True,
                   np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0))
-        _best_of(np.ones(1), one, lane, one, 0, one, lens, res, dur, len(RESOURCES), 0.0, 1e-6,
+        _best_of(np.ones(1), one, lane, one, 0, one, lens, lens, res, dur, n_res, 0.0, 1e-6,
                  -1, np.inf, np.inf, True, none)
         _greedy_pass(np.ones(1), one, lane, one.copy(), one, np.ones(1, dtype=np.bool_),
-                     np.zeros((1, 1), dtype=np.int64), one, True, lens, res, dur, len(RESOURCES),
+                     np.zeros((1, 1), dtype=np.int64), one, True, lens, lens, res, dur, n_res,
                      0.0, 1e-6, np.inf, np.inf, _new_trace(1, 0), _new_trace(1, 0),
                      np.zeros((1, 1)), np.zeros((1, 1)), -np.inf)
-        _resimulate(np.ones(1), one, lane, one, 0, lens, res, dur, len(RESOURCES),
+        _resimulate(np.ones(1), one, lane, one, 0, lens, lens, res, dur, n_res,
                     np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0), _new_trace(1, 0))
-        _best_group(np.ones(1), one, lane, one, one, one, lens, res, dur, len(RESOURCES), 0.0,
+        _best_group(np.ones(1), one, lane, one, one, one, lens, lens, res, dur, n_res, 0.0,
                     np.inf, 1e-6, True, none)
         _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
                         np.ones((1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1,
-                        lens, res, dur, len(RESOURCES), 0.0, np.inf, 1e-6, 10,
-                        np.zeros((1, 2, len(RESOURCES))), np.zeros((1, 2)), np.ones(1))
+                        lens, lens, res, dur, n_res, 0.0, np.inf, 1e-6, 10,
+                        np.zeros((1, 2, n_res)), np.zeros((1, 2)), np.zeros((1, 2)), np.ones(1))
 
     def best_group(self, choice: np.ndarray, members: np.ndarray, candidates: np.ndarray,
                    current: float | Schedule, tol: float = 1e-6) -> tuple[int, float]:
@@ -1171,8 +1214,8 @@ class Evaluator:
         trace = current.trace if isinstance(current, Schedule) else None
         bound = current.iteration_us if isinstance(current, Schedule) else current
         k, t = _best_group(self.gaps, self.size_idx, self.lane, np.asarray(choice, dtype=np.int64),
-                           np.asarray(members, dtype=np.int64), cands, self._len, self._res,
-                           self._dur, len(RESOURCES), self.forward_us, float(bound), tol,
+                           np.asarray(members, dtype=np.int64), cands, self._len, self._hold,
+                           self._res, self._dur, len(RESOURCES), self.forward_us, float(bound), tol,
                            trace is not None, trace if trace is not None else self._no_trace)
         self.calls += len(cands)
         return int(k), float(t)
@@ -1187,25 +1230,29 @@ class Evaluator:
             self.gaps, self.size_idx, self.lane, np.asarray(choice, dtype=np.int64),
             np.ascontiguousarray(tunit, dtype=np.int64),
             np.ascontiguousarray(tbits, dtype=np.int64),
-            np.ascontiguousarray(table, dtype=np.int64), int(n_units), self._len, self._res,
-            self._dur, len(RESOURCES), self.forward_us, float(current), tol, int(node_limit),
-            *self._tail_tables(table))
+            np.ascontiguousarray(table, dtype=np.int64), int(n_units), self._len, self._hold,
+            self._res, self._dur, len(RESOURCES), self.forward_us, float(current), tol,
+            int(node_limit), *self._tail_tables(table))
         self.calls += int(nodes)
         return best, float(t), int(nodes), bool(complete)
 
-    def _tail_tables(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _tail_tables(self, table: np.ndarray) \
+            -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The bound tables of ``_offload_search`` for tensors whose options are table[i]
-        (entries >= 0): busy (n, M, R) and total (n, M) per placement mask, and the
-        cumulative backward segments (n,). Only the allowed masks are looked up (the bounds
-        read no other; the rest stays 0): most tensors allow one, and gathering every mask
-        took UGATIT's plans 0.6-1.5 ms (148 tensors x 256 masks)."""
+        (entries >= 0): busy (n, M, R), total (n, M) and held (n, M) per placement mask, and
+        the cumulative backward segments (n,). Only the allowed masks are looked up (the
+        bounds read no other; the rest stays 0): most tensors allow one, and gathering every
+        mask took UGATIT's plans 0.6-1.5 ms (148 tensors x 256 masks)."""
         i, mask = np.nonzero(table >= 0)
         cat = self.catalogue
         busy = np.zeros((*table.shape, cat.busy.shape[2]))
         total = np.zeros(table.shape)
-        busy[i, mask] = cat.busy[table[i, mask], self.size_idx[i]]
-        total[i, mask] = cat.total[table[i, mask], self.size_idx[i]]
-        return busy, total, np.cumsum(self.gaps)
+        held = np.zeros(table.shape)
+        rows, sizes = table[i, mask], self.size_idx[i]
+        busy[i, mask] = cat.busy[rows, sizes]
+        total[i, mask] = cat.total[rows, sizes]
+        held[i, mask] = cat.held[rows, sizes]
+        return busy, total, held, np.cumsum(self.gaps)
 
     def best_row(self, rows: np.ndarray, current: float, tol: float = 1e-6) \
             -> tuple[int, float]:
@@ -1213,8 +1260,8 @@ class Evaluator:
         ``current - tol``; returns (row, time), or (-1, current). The same answer as
         evaluating the rows in order and keeping a running best, in one call."""
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        r, t = _best_row(self.gaps, self.size_idx, self.lane, rows, self._len, self._res, self._dur,
-                         len(RESOURCES), self.forward_us, current, tol)
+        r, t = _best_row(self.gaps, self.size_idx, self.lane, rows, self._len, self._hold,
+                         self._res, self._dur, len(RESOURCES), self.forward_us, current, tol)
         self.calls += len(rows)
         return int(r), float(t)
 
@@ -1227,9 +1274,9 @@ class Evaluator:
     def iteration_us(self, choice: np.ndarray) -> float:
         """Iteration time of ``choice`` (option index per tensor), microseconds."""
         bwd, last, _ = _simulate(self.gaps, self.size_idx, self.lane,
-                                 np.asarray(choice, dtype=np.int64), self._len, self._res,
-                                 self._dur, len(RESOURCES), False, self._dummy, self._dummy,
-                                 self._no_trace)
+                                 np.asarray(choice, dtype=np.int64), self._len, self._hold,
+                                 self._res, self._dur, len(RESOURCES), False, self._dummy,
+                                 self._dummy, self._no_trace)
         self.calls += 1
         return self.forward_us + max(bwd, last)
 
@@ -1254,7 +1301,7 @@ class Evaluator:
         width = self._res.shape[1]
         trace = _new_trace(n, self._lanes)
         bwd, last, sdone = _resimulate(self.gaps, self.size_idx, self.lane, choice, int(i),
-                                       self._len, self._res, self._dur, len(RESOURCES),
+                                       self._len, self._hold, self._res, self._dur, len(RESOURCES),
                                        np.empty((n, width)), np.empty((n, width)), trace,
                                        old.trace)
         self.calls += 1

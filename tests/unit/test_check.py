@@ -188,8 +188,8 @@ def _with_option(strategy, option):
 @pytest.fixture(scope="module", params=["fp32", "espresso"])
 def planned(request):
     """The LSTM's profile on 2 x 2 workers and a server, randomk 1%, planned as the start-up
-    plans it (lanes 2): BytePS' path (rooted collectives and push/pulls) or the planner's
-    (exchanges and rooted collectives)."""
+    plans it (lanes 2): BytePS' path (exchanges inside the machine and push/pulls across)
+    or the planner's (exchanges)."""
     workload = Workload.builtin("lstm")
     cluster = Cluster.preset(2, 2, "pcie", 10.0, servers=1, lanes=2)
     costs = CompressorCosts.default()
@@ -226,7 +226,8 @@ def test_the_refit_finds_what_the_steps_took_and_a_switch_needs_the_gain(planned
     assert set(info["factors"]) == {kind for kind, members in (
         ("ps", PUSH_PULLS), ("exchange", EXCHANGES), ("rooted", ROOTED))
         if any(s.kind in members for o in kept.options.values() for s in o.steps)}
-    assert len(info["factors"]) >= 2
+    # BytePS' path refits two kinds at once: each from its own steps
+    assert len(info["factors"]) >= (2 if kept.algorithm == "fp32" else 1)
     for field, factor in truth.items():
         if names[field] in info["factors"]:
             assert info["factors"][names[field]] == pytest.approx(factor, rel=1e-6)

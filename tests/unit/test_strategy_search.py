@@ -326,8 +326,8 @@ def test_following_the_schedule_s_trace_gives_every_candidate_s_floats(model, in
         u = ev.size_idx[i]
         cands = np.unique(np.concatenate([gpu[u], cpu[u]]))  # GPU work that differs or not
         for k in cands.tolist():
-            args = (ev.gaps, ev.size_idx, ev.lane, choice, i, np.array([k]), ev._len, ev._res,
-                    ev._dur, len(tl.RESOURCES), ev.forward_us, 1e-6, -1, np.inf, np.inf)
+            args = (ev.gaps, ev.size_idx, ev.lane, choice, i, np.array([k]), ev._len, ev._hold,
+                    ev._res, ev._dur, len(tl.RESOURCES), ev.forward_us, 1e-6, -1, np.inf, np.inf)
             got_k, got_t, got_s = tl._best_of(*args, True, now.trace)
             work = choice.copy()
             work[i] = k
@@ -376,8 +376,8 @@ def test_a_candidate_run_stops_at_the_traced_state_shifted_in_time():
                 if i > 0 and not tl._from_trace(starts, ends, count, acc, i - 1, now.trace):
                     break  # not traced there (TRACE_DEPTH)
                 tl._advance(starts, ends, count, acc, ev.gaps, ev.size_idx, ev.lane, choice, i,
-                            n, i, k, ev._len, ev._res, ev._dur, ev.forward_us, np.inf, np.inf,
-                            0.0, False, dummy, dummy, none, follow,
+                            n, i, k, ev._len, ev._hold, ev._res, ev._dur, ev.forward_us, np.inf,
+                            np.inf, 0.0, False, dummy, dummy, none, follow,
                             now.trace if follow else none)
                 runs.append((int(count.sum()), acc[:3].copy()))
             if len(runs) < 2:

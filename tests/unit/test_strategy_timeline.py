@@ -201,22 +201,53 @@ def _named_timeline(named, options, cluster):
     return tl
 
 
-def test_a_lane_runs_one_option_at_a_time():
+def test_a_lane_runs_one_option_at_a_time_until_its_last_collective_is_issued():
     from byteps_espresso.strategy.cluster import lane_of
 
     laned = CLUSTER.with_(lanes=2)
     assert lane_of("t0", 2) == lane_of("t1", 2) != lane_of("t4", 2)
     # Same lane: tensor 1's Allreduce (ready at 11) may not backfill the link before tensor
-    # 0's Option ends, as it does without lanes (test_later_tensor_backfills_an_idle_gap).
+    # 0's AllgatherC, as it does without lanes (test_later_tensor_backfills_an_idle_gap): the
+    # lane runs tensor 0's Comp and issues its AllgatherC first. The executor leaves that
+    # AllgatherC in flight and decodes in the waiting call, so the lane is free from its
+    # issue: tensor 1 takes the link as the AllgatherC ends, before tensor 0's Decomp does.
     same = _named_timeline([("t0", 1000, 10.0), ("t1", 250, 1.0)], [CPU_COMP, DENSE], laned)
-    assert spans(same, 1)[0][1] == pytest.approx(same.done_us[0])
-    assert same.iteration_us == pytest.approx(F + same.done_us[0] + 1.0)
+    _, gather, decomp = spans(same, 0)
+    assert spans(same, 1)[0][1] == pytest.approx(gather[2]) and gather[2] < decomp[2]
+    assert spans(same, 1)[0][1] > spans(_named_timeline(
+        [("t0", 1000, 10.0), ("t1", 250, 1.0)], [CPU_COMP, DENSE], CLUSTER), 1)[0][1]
+    # An Option whose last collective is not left in flight holds its lane to its end.
+    held = Option.parse("Comp(cpu) -> GatherC(flat) -> Decomp(cpu) -> Broadcast(flat)")
+    whole = _named_timeline([("t0", 1000, 10.0), ("t1", 250, 1.0)], [held, DENSE], laned)
+    assert spans(whole, 1)[0][1] == pytest.approx(whole.done_us[0])
+    assert whole.iteration_us == pytest.approx(F + whole.done_us[0] + 1.0)
     # Other lanes: the two Options overlap as before.
     other = _named_timeline([("t0", 1000, 10.0), ("t4", 250, 1.0)], [CPU_COMP, DENSE], laned)
     assert spans(other, 1)[0][1] < spans(other, 0)[1][1]
     unlaned = _named_timeline([("t0", 1000, 10.0), ("t1", 250, 1.0)], [CPU_COMP, DENSE],
                               CLUSTER)
     assert spans(unlaned, 1) == spans(other, 1)
+
+
+def test_the_catalogue_knows_where_each_option_lets_its_lane_go():
+    """hold: the first task of the in-flight step (the executor's tail), else every task;
+    held: the time of the tasks before it. Without lanes nothing is released early."""
+    held_to_end = Option.parse("Comp(cpu) -> GatherC(flat) -> Decomp(cpu) -> Broadcast(flat)")
+    options = [DENSE, GPU_COMP, CPU_COMP, held_to_end]
+    for cluster, released in ((CLUSTER.with_(lanes=2), True), (CLUSTER, False)):
+        pricer = Pricer(cluster, "fp16", FP16, COSTS, [1000])
+        ev = Evaluator(Workload((TensorProfile("t0", 1000, 1.0),), F), pricer, options)
+        cat = ev.catalogue
+        rows = ev.add(options)
+        want = [0, 1, 1, 4] if released else [1, 3, 3, 4]
+        assert cat.hold[rows].tolist() == want
+        for k, o in zip(rows, options, strict=True):
+            tasks = pricer.tasks(o)
+            assert cat.held[k, 0] == pytest.approx(tasks.duration[0, : cat.hold[k]].sum())
+            assert cat.len[k] == len(tasks.resource)
+        # with lanes a flat Allreduce holds its lane for nothing, GPU_COMP for its Comp
+        assert bool(cat.held[rows[0], 0] == 0.0) is released
+        assert bool(cat.held[rows[1], 0] < cat.total[rows[1], 0]) is released
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
