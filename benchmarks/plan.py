@@ -31,7 +31,7 @@
 (g) with --layouts only: what ``Compression.espresso`` plans at start-up
     (``planner.plan_bucketed`` with the trials' finalists, as worker/profiler.py calls it) on
     the runtime's cluster shape, 2 machines x 2 workers, 2 servers, 2 lanes, PCIe, at 1 and
-    10 Gbit/s, for the built-in workloads and the three compressors: each cell planned with
+    10 Gbit/s, for the built-in workloads, the three compressors and fp16: each cell planned with
     Algorithm 2 cut at the best layout so far (``search.INCUMBENT_AFTER``, the default) and
     without the cut (every search to ``OFFLOAD_NODE_LIMIT``), side by side; the strategies
     and predictions compared, the wall time of each.
@@ -98,6 +98,9 @@ LAYOUTS_RESULTS = RESULTS.with_name("plan_layouts.json")
 # and no other kind of case) and the link speeds, Gbit/s.
 LAYOUT_WORKLOADS = ("lstm", "vgg16", "resnet50", "bert", "ugatit")
 LAYOUT_GBPS = (1.0, 10.0)
+# (g)'s compressors: the table's three and fp16, whose payloads sum (its tree also holds
+# AllreduceC, the fp16 hook's collective) and whose start-up plans search the most.
+LAYOUT_COMPRESSORS = {**COMPRESSORS, "fp16": {}}
 # The trials' `within` (worker/trials.py MODEL_ERROR, what worker/profiler.py passes).
 LAYOUT_WITHIN = 2.5
 # The main job's measured profile (workload, cluster, costs) and what its trials keep
@@ -448,7 +451,7 @@ def layouts_only() -> list[dict]:
     load_kernels()  # loaded once per process, before the clocks (as the runtime does)
     # ... and what the first plans of each compressor still load or specialize (0.1-0.8 s,
     # which would land on the first cell's plan with the cut): one untimed plan each.
-    for compressor, params in COMPRESSORS.items():
+    for compressor, params in LAYOUT_COMPRESSORS.items():
         for gbps in LAYOUT_GBPS:
             plan_bucketed(Workload.builtin("lstm"), Cluster.preset(2, 2, "pcie", gbps,
                                                                    servers=2, lanes=2),
@@ -458,7 +461,7 @@ def layouts_only() -> list[dict]:
         workload = Workload.builtin(model)
         for gbps in LAYOUT_GBPS:
             cluster = Cluster.preset(2, 2, "pcie", gbps, servers=2, lanes=2)
-            for compressor, params in COMPRESSORS.items():
+            for compressor, params in LAYOUT_COMPRESSORS.items():
                 cut = _plan_layouts(workload, cluster, compressor, dict(params), cut=True)
                 full = _plan_layouts(workload, cluster, compressor, dict(params), cut=False)
                 rows.append({"workload": model, "gbps": gbps, "compressor": compressor,

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from byteps_espresso.strategy.workload import TensorProfile, Workload
 
 __all__ = ["CANDIDATE_CAPS", "DEFAULT_CAP_BYTES", "DEFAULT_FIRST_CAP_BYTES", "Bucket",
-           "BucketError", "MiB", "check_layout", "ddp_layout", "fewest", "fuse", "fuse_apart",
-           "layout", "layout_apart",
-           "plan_fused", "reorder", "singletons"]
+           "BucketError", "MiB", "check_layout", "ddp_layout", "fewest", "from_names", "fuse",
+           "fuse_apart", "layout", "layout_apart", "plan_fused", "reorder", "singletons"]
 
 MiB = 1 << 20
 # DDP's defaults (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and the
@@ -197,6 +196,39 @@ def check_layout(buckets: Sequence[Bucket], order: Sequence[str], where: str = "
             raise BucketError(f"{where}: bucket {b.name!r} must be named "
                               f"{Bucket.of(b.tensors).name!r} (its first member and how many "
                               "follow), and that name must not be a gradient's own")
+
+
+def from_names(names: Sequence[str], order: Sequence[str], where: str = "buckets",
+               apart: frozenset[str] = frozenset()) -> tuple[Bucket, ...]:
+    """The layout whose buckets are named ``names`` (:meth:`Bucket.of`'s ``first`` or
+    ``first+N``, in any order) over the gradients of ``order`` (backward order): what a record
+    that keeps only the bucket names (``check.json``, ``trials.json``) ran. A bucket is its
+    first gradient and the N that follow it in ``order``; with ``apart``
+    (:func:`layout_apart`), the N that follow it of its own kind (in ``apart`` or not), and
+    the buckets are in the order their last members become ready.
+
+    Raises:
+        BucketError: a name that is no gradient and no ``first+N`` of one, or buckets that do
+            not hold every gradient once.
+    """
+    at = {n: i for i, n in enumerate(order)}
+    runs = {kind: [n for n in order if (n in apart) is kind] for kind in (False, True)}
+    place = {n: i for run in runs.values() for i, n in enumerate(run)}
+    out = []
+    for name in names:
+        first, more = name, "0"
+        if name not in at:
+            first, _, more = name.rpartition("+")
+        if first not in at or not more.isdigit():
+            raise BucketError(f"{where}: {name!r} names no gradient (a bucket is named after "
+                              "its first gradient, first+N when N more follow it)")
+        run, start = runs[first in apart], place[first]
+        out.append(Bucket.of(run[start: start + 1 + int(more)]))
+    out.sort(key=lambda b: at[b.tensors[-1]])
+    members = [n for b in out for n in b.tensors]
+    if sorted(members) != sorted(order):
+        check_layout(out, order, where)  # names what is missing or repeated
+    return tuple(out)
 
 
 def fuse(workload: Workload, buckets: Sequence[Bucket]) -> Workload:

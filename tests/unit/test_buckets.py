@@ -12,6 +12,7 @@ from byteps_espresso.strategy.buckets import (
     BucketError,
     MiB,
     check_layout,
+    from_names,
     fuse,
     layout,
     layout_apart,
@@ -59,6 +60,31 @@ def test_check_layout_names_what_is_wrong():
         check_layout([Bucket.of(["b", "a"]), Bucket.of(["c"])], order)
     with pytest.raises(BucketError, match="must be named 'a\\+1'"):
         check_layout([Bucket("c", ("a", "b")), Bucket.of(["c"])], order)
+
+
+def test_a_layout_is_read_back_from_its_bucket_names():
+    """What a check or trials record keeps is the bucket names: they give the layout back,
+    for every greedy cap and in any order, and names that do not cut the order are named."""
+    wl = Workload.builtin("bert")
+    order, tensors = wl.names, [(t.name, t.numel) for t in wl.tensors]
+    for cap in (0, 256 * KB, MiB, 25 * MiB, 1 << 40):
+        buckets = layout(tensors, cap, MiB)
+        names = [b.name for b in buckets]
+        assert from_names(names, order) == tuple(buckets)
+        assert from_names(names[::-1], order) == tuple(buckets)
+        # a layout that keeps some gradients apart (layout_apart: every third one here)
+        apart = frozenset(order[::3])
+        kept_apart = layout_apart(tensors, cap, MiB, apart)
+        assert from_names([b.name for b in kept_apart], order, apart=apart) == kept_apart
+    small = ["a", "b", "c"]
+    with pytest.raises(BucketError, match=r"'x\+1' names no gradient"):
+        from_names(["x+1", "c"], small)
+    with pytest.raises(BucketError, match=r"'a\+z' names no gradient"):
+        from_names(["a+z"], small)
+    with pytest.raises(BucketError, match="missing"):
+        from_names(["a+1"], small)  # c is in no bucket
+    with pytest.raises(BucketError, match="repeated"):
+        from_names(["a+1", "b+1"], small)
 
 
 def test_fuse_sums_sizes_and_gaps_so_a_bucket_is_ready_with_its_last_member():

@@ -1,0 +1,117 @@
+"""The cost model's predictions of strategies that ran, from the runs' own records.
+
+Every run of ``Compression.espresso`` with ``ESPRESSO_PROFILE_OUT`` leaves its profile
+(workload, cluster, costs) and its check (``check.json``: each strategy it checked, that
+strategy's Options per bucket and its measured median iteration). benchmarks/ddp.py keeps one
+such folder per run (``out/ddp/<model>-<link>-<variant>-<rep>-profile``). This prices every
+checked strategy again on its run's profile with the model as it is now, beside the prediction
+the run made and what the check measured, so that a change to the model is scored on strategies
+that really ran without running them again.
+
+A strategy's buckets are read back from their names: a bucket is named after its first
+gradient in backward order, ``first+N`` when N more follow it (``buckets.from_names``).
+
+    .venv/bin/python benchmarks/predict.py out/ddp/*-profile [--json out.json]
+
+Prints one row per checked strategy (run; which one: ``kept``, ``replanned`` (the first
+checked after it, a re-plan or a fall-back) or ``then``, with its algorithm; its prediction
+at the time, now, and the check's measured median) and the median absolute error of both
+predictions against the measured medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
+from byteps_espresso.strategy.buckets import BucketError, from_names, fuse, reorder
+from byteps_espresso.strategy.context import PlanContext
+from byteps_espresso.strategy.strategy_file import Strategy
+
+
+def checked(check: dict) -> list[tuple[str, dict]]:
+    """(role, record) of every strategy the check measured, the kept one first."""
+    out = [("kept", check["kept"])]
+    if check.get("replanned"):
+        out.append(("replanned", check["replanned"]))
+    out += [("then", r) for r in check.get("then", [])]
+    return [(role, r) for role, r in out if r.get("measured_ms") and r.get("options")]
+
+
+def one_dimensional(workload: Workload) -> frozenset[str]:
+    """The gradients of at most one dimension: what ``Compression.espresso`` keeps apart by
+    default (``worker.profiler.excluded_names``; for fp16 only before it stopped)."""
+    return frozenset(t.name for t in workload.tensors
+                     if t.shapes is not None and sum(len(s) for s in t.shapes) <= 1)
+
+
+def price(folder: Path, options: dict[str, str]) -> float:
+    """The model's iteration (ms) of ``options`` (bucket name -> Option) on the profile in
+    ``folder``, with the compressor and constraints of its strategy file. Buckets named as in
+    that file's layout take its members (a layout that kept gradients apart is no run of the
+    backward order); others are read back from their names (:func:`buckets.from_names`)."""
+    workload = Workload.load(folder / "workload.json")
+    cluster = Cluster.load(folder / "cluster.json")
+    costs = CompressorCosts.load(folder / "costs.json")
+    planned = Strategy.load(folder / "strategy.json")
+    known = {b.name: b for b in planned.layout}
+    if all(name in known for name in options):
+        layout = [b for b in planned.layout if b.name in options]
+    else:
+        try:
+            layout = list(from_names(list(options), workload.names, str(folder)))
+        except BucketError:  # then the run kept its default exclusions apart
+            layout = list(from_names(list(options), workload.names, str(folder),
+                                     one_dimensional(workload)))
+    fused = fuse(reorder(workload, [n for b in layout for n in b.tensors]), layout)
+    ctx = PlanContext(fused, cluster, planned.compressor, planned.params, costs,
+                      planned.constraints)
+    choice = ctx.index([Option.parse(options[t.name]) for t in fused.tensors])
+    return ctx.iteration_us(choice) / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+", type=Path, help="ESPRESSO_PROFILE_OUT folders")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = ap.parse_args()
+    rows = []
+    for folder in sorted(args.folders):
+        if not (folder / "check.json").is_file():
+            print(f"{folder}: no check.json, skipped", file=sys.stderr)
+            continue
+        check = json.loads((folder / "check.json").read_text())
+        for role, record in checked(check):
+            try:
+                now = price(folder, record["options"])
+            except BucketError as exc:
+                print(f"{folder.name} {role}: skipped, {exc}", file=sys.stderr)
+                continue
+            rows.append({"run": folder.name.removesuffix("-profile"), "role": role,
+                         "algorithm": record.get("algorithm"),
+                         "predicted_ms": record["predicted_ms"], "now_ms": now,
+                         "measured_ms": record["measured_ms"]})
+    print(f"{'run':44} {'checked':22} {'then ms':>8} {'now ms':>8} {'change':>7} "
+          f"{'measured':>9} {'error then':>10} {'error now':>9}")
+    for r in rows:
+        m = r["measured_ms"]
+        which = f"{r['role']} ({r['algorithm']})"
+        print(f"{r['run']:44} {which:22} {r['predicted_ms']:8.1f} {r['now_ms']:8.1f} "
+              f"{r['now_ms'] / r['predicted_ms'] - 1:+7.1%} {m:9.1f} "
+              f"{r['predicted_ms'] / m - 1:+10.0%} {r['now_ms'] / m - 1:+9.0%}")
+    if rows:
+        then = statistics.median(abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows)
+        now = statistics.median(abs(r["now_ms"] / r["measured_ms"] - 1) for r in rows)
+        print(f"\nmedian absolute error over {len(rows)} checked strategies: "
+              f"then {then:.1%}, now {now:.1%}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows},
+                                        indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
