@@ -135,13 +135,16 @@ def _cached(cache: OrderedDict, key: tuple, make):  # type: ignore[no-untyped-de
 def _dominated(vectors, rel, abs_us):  # pragma: no cover - compiled
     n, u_count, c_count = vectors.shape
     out = np.zeros((n, u_count), dtype=np.bool_)
+    sums = np.empty(n)  # each row's sum of criteria, once per size (not once per pair)
     for u in range(u_count):
+        for a in range(n):
+            sums[a] = vectors[a, u].sum()
         for b in range(n):
-            tb = vectors[b, u].sum()
+            tb = sums[b]
             for a in range(n):
                 if a == b:
                     continue
-                ta = vectors[a, u].sum()
+                ta = sums[a]
                 if not (ta < tb or (ta == tb and a < b)):
                     continue
                 close = True
@@ -508,21 +511,33 @@ class PlanContext:
 
     def front(self, candidates: Sequence[Option]) -> list[list[Option]]:
         """Per distinct size, the non-dominated candidates (see the module docstring)."""
+        positions, _ = self._front_positions(candidates)
+        return [[candidates[k] for k in pos.tolist()] for pos in positions]
+
+    def _front_positions(self, candidates: Sequence[Option]) \
+            -> tuple[list[np.ndarray], np.ndarray]:
+        """:meth:`front` as positions into ``candidates`` (per size, ascending), and which
+        candidates compress; cached per candidate list (by identity: lists are long)."""
         hit = self._fronts.get(id(candidates))
         if hit is not None and hit[0] is candidates:
             return hit[1]
         busy, total = self._stacks(candidates)
         keep = pareto_front(np.concatenate([busy, total[:, :, None]], axis=2))
         rank = busy.sum(axis=2) if FRONT_RANK == "sum" else busy.max(axis=2)
-        out = []
         compressed = np.array([o.is_compressed for o in candidates], dtype=bool)
-        for u in range(len(self.numels)):
-            alive = np.flatnonzero(keep[:, u] & compressed)
-            alive = alive[np.argsort(rank[alive, u], kind="stable")][:FRONT_LIMIT]
-            dense = np.flatnonzero(keep[:, u] & ~compressed)
-            out.append([candidates[k] for k in sorted([*dense, *alive])])
-        self._fronts[id(candidates)] = (candidates, out)  # keyed by identity: lists are long
-        return out
+        # Per size (column), the FRONT_LIMIT surviving compressed candidates of least rank
+        # (ties: the earlier candidate), and every surviving uncompressed one.
+        ranked = np.where(keep & compressed[:, None], rank, np.inf)
+        best = np.argsort(ranked, axis=0, kind="stable")[:FRONT_LIMIT]
+        size = np.broadcast_to(np.arange(keep.shape[1]), best.shape)
+        alive = np.isfinite(np.take_along_axis(ranked, best, axis=0))
+        chosen = keep & ~compressed[:, None]
+        chosen[best[alive], size[alive]] = True
+        _, positions = np.nonzero(chosen.T)  # by size, then position
+        out = np.split(positions, np.cumsum(chosen.sum(axis=0))[:-1])
+        got = (out, compressed)
+        self._fronts[id(candidates)] = (candidates, got)
+        return got
 
     def searched(self, device: Device) -> list[Option]:
         """The single-device options on ``device`` that Algorithms 1 and 2 choose from
@@ -580,18 +595,21 @@ class PlanContext:
         got = self._device_fronts.get(device)
         if got is None:
             candidates = self.searched(device)
-            fronts = self.front(candidates)
+            positions, compressed = self._front_positions(candidates)
             _, total = self._stacks(candidates)
-            position = {o: k for k, o in enumerate(candidates)}
-            alone = []
-            for u, front in enumerate(fronts):
-                rows = [position[o] for o in front]
-                alone.append(front[int(np.argmin(total[rows, u]))])
+            rows = self._rows(candidates)
+            if min(rows, default=0) >= 0:  # all catalogued (Algorithm 1's, by prepare)
+                index = [np.asarray(rows, dtype=np.int64)[pos] for pos in positions]
+            else:  # catalogued front by front, in this order (it numbers the options)
+                index = [self.index([candidates[k] for k in pos.tolist()]) for pos in positions]
             got = self._device_fronts[device] = Fronts(
-                index=[self.index(f) for f in fronts],
-                compressible=frozenset(u for u, f in enumerate(fronts)
-                                       if any(o.is_compressed for o in f)),
-                fastest_alone=self.index(alone))
+                index=index,
+                compressible=frozenset(u for u, pos in enumerate(positions)
+                                       if compressed[pos].any()),
+                fastest_alone=np.array([front[int(np.argmin(total[pos, u]))]
+                                        for u, (pos, front) in enumerate(zip(positions, index,
+                                                                            strict=True))],
+                                       dtype=np.int64))
         return got
 
     def placements(self, k: int) -> np.ndarray:
@@ -640,7 +658,7 @@ class PlanContext:
         if hit is not None and hit[0] is candidates:
             return hit[1]
         catalogue = self.evaluator.catalogue
-        rows = [catalogue.index.get(o, -1) for o in candidates]
+        rows = self._rows(candidates)
         if min(rows, default=0) >= 0:  # catalogued (Algorithm 1's): read their rows
             got = (catalogue.busy[rows], catalogue.total[rows])
         else:
@@ -652,6 +670,11 @@ class PlanContext:
             got = (busy, total)
         self._stacked[id(candidates)] = (candidates, got)
         return got
+
+    def _rows(self, candidates: Sequence[Option]) -> list[int]:
+        """Each candidate's catalogue index, -1 where it is not catalogued (yet)."""
+        index = self.evaluator.catalogue.index
+        return [index.get(o, -1) for o in candidates]
 
     def index(self, options: Sequence[Option]) -> np.ndarray:
         """Evaluator indices of options (adding them when new)."""
