@@ -597,9 +597,9 @@ class PlanContext:
             candidates = self.searched(device)
             positions, compressed = self._front_positions(candidates)
             _, total = self._stacks(candidates)
-            rows = self._rows(candidates)
-            if min(rows, default=0) >= 0:  # all catalogued (Algorithm 1's, by prepare)
-                index = [np.asarray(rows, dtype=np.int64)[pos] for pos in positions]
+            rows = np.array(self._rows(candidates), dtype=np.int64)
+            if (rows >= 0).all():  # all catalogued (Algorithm 1's, by prepare)
+                index = [rows[pos] for pos in positions]
             else:  # catalogued front by front, in this order (it numbers the options)
                 index = [self.index([candidates[k] for k in pos.tolist()]) for pos in positions]
             got = self._device_fronts[device] = Fronts(
