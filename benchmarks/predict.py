@@ -15,8 +15,9 @@ gradient in backward order, ``first+N`` when N more follow it (``buckets.from_na
 
 Prints one row per checked strategy (run; which one: ``kept``, ``replanned`` (the first
 checked after it, a re-plan or a fall-back) or ``then``, with its algorithm; its prediction
-at the time, now, and the check's measured median) and the median absolute error of both
-predictions against the measured medians.
+at the time, now, and the check's measured median), the median absolute error of both
+predictions against the measured medians, and in how many of the pairs of strategies one run
+checked the model (now) predicts the faster-measured one faster.
 """
 
 from __future__ import annotations
@@ -103,14 +104,30 @@ def main() -> None:
         print(f"{r['run']:44} {which:22} {r['predicted_ms']:8.1f} {r['now_ms']:8.1f} "
               f"{r['now_ms'] / r['predicted_ms'] - 1:+7.1%} {m:9.1f} "
               f"{r['predicted_ms'] / m - 1:+10.0%} {r['now_ms'] / m - 1:+9.0%}")
+    summary = {}
     if rows:
         then = statistics.median(abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows)
         now = statistics.median(abs(r["now_ms"] / r["measured_ms"] - 1) for r in rows)
+        pairs = ordered_pairs(rows)
+        summary = {"median_abs_error_then": then, "median_abs_error_now": now,
+                   "pairs": len(pairs), "pairs_ordered_now": sum(pairs)}
         print(f"\nmedian absolute error over {len(rows)} checked strategies: "
-              f"then {then:.1%}, now {now:.1%}")
+              f"then {then:.1%}, now {now:.1%}; the model orders {sum(pairs)} of {len(pairs)} "
+              "pairs of strategies checked in one run as they measured")
     if args.json is not None:
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows},
-                                        indent=1) + "\n")
+        args.json.write_text(json.dumps({"command": " ".join(sys.argv), **summary,
+                                         "rows": rows}, indent=1) + "\n")
+
+
+def ordered_pairs(rows: list[dict]) -> list[bool]:
+    """For every two strategies one run's check measured: whether the model (now) predicts
+    the one that measured faster as the faster (what the check needs the model for)."""
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        runs.setdefault(r["run"], []).append(r)
+    return [(a["now_ms"] < b["now_ms"]) == (a["measured_ms"] < b["measured_ms"])
+            for checked in runs.values()
+            for i, a in enumerate(checked) for b in checked[i + 1:]]
 
 
 if __name__ == "__main__":
