@@ -16,8 +16,9 @@ gradient in backward order, ``first+N`` when N more follow it (``buckets.from_na
 Prints one row per checked strategy (run; which one: ``kept``, ``replanned`` (the first
 checked after it, a re-plan or a fall-back) or ``then``, with its algorithm; its prediction
 at the time, now, and the check's measured median), the median absolute error of both
-predictions against the measured medians, and in how many of the pairs of strategies one run
-checked the model (now) predicts the faster-measured one faster.
+predictions against the measured medians, in how many of the pairs of strategies one run
+checked the model (now) predicts the faster-measured one faster, and the cost per collective
+step that would reconcile each pair's predicted and measured differences.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
 from byteps_espresso.strategy.buckets import BucketError, from_names, fuse, reorder
@@ -50,29 +52,44 @@ def one_dimensional(workload: Workload) -> frozenset[str]:
                      if t.shapes is not None and sum(len(s) for s in t.shapes) <= 1)
 
 
-def price(folder: Path, options: dict[str, str]) -> float:
-    """The model's iteration (ms) of ``options`` (bucket name -> Option) on the profile in
-    ``folder``, with the compressor and constraints of its strategy file. Buckets named as in
-    that file's layout take its members (a layout that kept gradients apart is no run of the
-    backward order); others are read back from their names (:func:`buckets.from_names`)."""
-    workload = Workload.load(folder / "workload.json")
-    cluster = Cluster.load(folder / "cluster.json")
-    costs = CompressorCosts.load(folder / "costs.json")
-    planned = Strategy.load(folder / "strategy.json")
-    known = {b.name: b for b in planned.layout}
-    if all(name in known for name in options):
-        layout = [b for b in planned.layout if b.name in options]
-    else:
-        try:
-            layout = list(from_names(list(options), workload.names, str(folder)))
-        except BucketError:  # then the run kept its default exclusions apart
-            layout = list(from_names(list(options), workload.names, str(folder),
-                                     one_dimensional(workload)))
-    fused = fuse(reorder(workload, [n for b in layout for n in b.tensors]), layout)
-    ctx = PlanContext(fused, cluster, planned.compressor, planned.params, costs,
-                      planned.constraints)
-    choice = ctx.index([Option.parse(options[t.name]) for t in fused.tensors])
-    return ctx.iteration_us(choice) / 1e3
+class Profile(NamedTuple):
+    """What one run's ``ESPRESSO_PROFILE_OUT`` folder holds for pricing: the measured
+    workload, cluster and costs, and the strategy file (compressor, constraints, layout)."""
+
+    folder: Path
+    workload: Workload
+    cluster: Cluster
+    costs: CompressorCosts
+    planned: Strategy
+
+    @classmethod
+    def load(cls, folder: Path) -> Profile:
+        return cls(folder, Workload.load(folder / "workload.json"),
+                   Cluster.load(folder / "cluster.json"),
+                   CompressorCosts.load(folder / "costs.json"),
+                   Strategy.load(folder / "strategy.json"))
+
+    def price(self, options: dict[str, str]) -> float:
+        """The model's iteration (ms) of ``options`` (bucket name -> Option). Buckets named
+        as in the strategy file's layout take its members (a layout that kept gradients apart
+        is no run of the backward order); others are read back from their names
+        (:func:`buckets.from_names`)."""
+        workload, planned = self.workload, self.planned
+        known = {b.name: b for b in planned.layout}
+        if all(name in known for name in options):
+            layout = [b for b in planned.layout if b.name in options]
+        else:
+            where = str(self.folder)
+            try:
+                layout = list(from_names(list(options), workload.names, where))
+            except BucketError:  # then the run kept its default exclusions apart
+                layout = list(from_names(list(options), workload.names, where,
+                                         one_dimensional(workload)))
+        fused = fuse(reorder(workload, [n for b in layout for n in b.tensors]), layout)
+        ctx = PlanContext(fused, self.cluster, planned.compressor, planned.params, self.costs,
+                          planned.constraints)
+        choice = ctx.index([Option.parse(options[t.name]) for t in fused.tensors])
+        return ctx.iteration_us(choice) / 1e3
 
 
 def main() -> None:
@@ -86,16 +103,19 @@ def main() -> None:
             print(f"{folder}: no check.json, skipped", file=sys.stderr)
             continue
         check = json.loads((folder / "check.json").read_text())
+        profile = Profile.load(folder)
         for role, record in checked(check):
             try:
-                now = price(folder, record["options"])
+                now = profile.price(record["options"])
             except BucketError as exc:
                 print(f"{folder.name} {role}: skipped, {exc}", file=sys.stderr)
                 continue
+            steps = sum(not st.kind.is_compute for o in record["options"].values()
+                        for st in Option.parse(o).steps)
             rows.append({"run": folder.name.removesuffix("-profile"), "role": role,
                          "algorithm": record.get("algorithm"),
                          "predicted_ms": record["predicted_ms"], "now_ms": now,
-                         "measured_ms": record["measured_ms"]})
+                         "measured_ms": record["measured_ms"], "collective_steps": steps})
     print(f"{'run':44} {'checked':22} {'then ms':>8} {'now ms':>8} {'change':>7} "
           f"{'measured':>9} {'error then':>10} {'error now':>9}")
     for r in rows:
@@ -109,24 +129,49 @@ def main() -> None:
         then = statistics.median(abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows)
         now = statistics.median(abs(r["now_ms"] / r["measured_ms"] - 1) for r in rows)
         pairs = ordered_pairs(rows)
+        per_step = step_costs(rows)
         summary = {"median_abs_error_then": then, "median_abs_error_now": now,
-                   "pairs": len(pairs), "pairs_ordered_now": sum(pairs)}
+                   "pairs": len(pairs), "pairs_ordered_now": sum(pairs),
+                   "reconciling_step_ms": per_step}
         print(f"\nmedian absolute error over {len(rows)} checked strategies: "
               f"then {then:.1%}, now {now:.1%}; the model orders {sum(pairs)} of {len(pairs)} "
               "pairs of strategies checked in one run as they measured")
+        if per_step:
+            print(f"a cost per collective step that would reconcile each such pair: "
+                  f"{min(per_step):.1f} to {max(per_step):.1f} ms (median "
+                  f"{statistics.median(per_step):.1f}) over {len(per_step)} pairs")
     if args.json is not None:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), **summary,
                                          "rows": rows}, indent=1) + "\n")
 
 
-def ordered_pairs(rows: list[dict]) -> list[bool]:
-    """For every two strategies one run's check measured: whether the model (now) predicts
-    the one that measured faster as the faster (what the check needs the model for)."""
+def step_costs(rows: list[dict]) -> list[float]:
+    """For every two strategies one run's check measured with different numbers of collective
+    steps per iteration: the cost per step that, added to the model's predictions, would make
+    their predicted difference the measured one (one constant would have to fit them all)."""
+    out = []
+    for checked in _by_run(rows).values():
+        for i, a in enumerate(checked):
+            for b in checked[i + 1:]:
+                if a["collective_steps"] != b["collective_steps"]:
+                    out.append(((a["measured_ms"] - b["measured_ms"])
+                                - (a["now_ms"] - b["now_ms"]))
+                               / (a["collective_steps"] - b["collective_steps"]))
+    return out
+
+
+def _by_run(rows: list[dict]) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {}
     for r in rows:
         runs.setdefault(r["run"], []).append(r)
+    return runs
+
+
+def ordered_pairs(rows: list[dict]) -> list[bool]:
+    """For every two strategies one run's check measured: whether the model (now) predicts
+    the one that measured faster as the faster (what the check needs the model for)."""
     return [(a["now_ms"] < b["now_ms"]) == (a["measured_ms"] < b["measured_ms"])
-            for checked in runs.values()
+            for checked in _by_run(rows).values()
             for i, a in enumerate(checked) for b in checked[i + 1:]]
 
 

@@ -1305,15 +1305,14 @@ class EspressoSpec(CompressionSpec):
 
         if not sums_payloads(self.compressor):
             return []
-        algorithm = HOOK_PLAN
         if apart:  # the caps of the profiled layout (optimizer.default_layout)
             numel = {t.name: t.numel for t in workload.tensors}
             layout = ddp_layout([(n, numel[n]) for b in layout for n in b.tensors],
                                 caps[0] if len(caps) == 1 else None, apart)
         try:
-            hooked = self._on_layout(algorithm, workload, cluster, costs, layout, apart=apart)
+            hooked = self._on_layout(HOOK_PLAN, workload, cluster, costs, layout, apart=apart)
         except BaselineUnavailable as exc:  # the tree or the constraints leave it out
-            log.info("no %s fall-back: %s", algorithm, exc)
+            log.info("no %s fall-back: %s", HOOK_PLAN, exc)
             return []
         if any(s.options == hooked.options and s.layout == hooked.layout for s in finalists):
             return []

@@ -944,9 +944,8 @@ class Catalogue:
         hold (O,): where the cluster models lanes, the task at which the option lets its
             lane go: the first of its in-flight step (:attr:`Program.in_flight`), whose
             issue frees the lane, or ``len`` (the lane is held to the end).
-        busy (O, U, R) / total (O, U) / held (O, U): each option's busy time per resource,
-            its time alone (:class:`StepTasks`) and the time of its tasks before ``hold``,
-            for the bounds of Algorithm 2.
+        busy (O, U, R) / total (O, U): each option's busy time per resource and its time
+            alone (:class:`StepTasks`), for the bounds of Algorithm 2.
     """
 
     def __init__(self, pricer: Pricer):
@@ -959,7 +958,6 @@ class Catalogue:
         self.hold = np.zeros(0, dtype=np.int64)
         self.busy = np.zeros((0, len(pricer.numels), len(RESOURCES)))
         self.total = np.zeros((0, len(pricer.numels)))
-        self.held = np.zeros((0, len(pricer.numels)))
 
     def add(self, options: Sequence[Option],
             priced: Sequence[StepTasks] | None = None) -> list[int]:
@@ -993,16 +991,14 @@ class Catalogue:
             hold = np.zeros(rows, dtype=np.int64)
             busy = np.zeros((rows, *self.busy.shape[1:]))
             total = np.zeros((rows, self.total.shape[1]))
-            held = np.zeros((rows, self.held.shape[1]))
             res[:n_old, : self.res.shape[1]] = self.res[:n_old]
             dur[:n_old, :, : self.dur.shape[2]] = self.dur[:n_old]
             lens[:n_old] = self.len[:n_old]
             hold[:n_old] = self.hold[:n_old]
             busy[:n_old] = self.busy[:n_old]
             total[:n_old] = self.total[:n_old]
-            held[:n_old] = self.held[:n_old]
             self.res, self.dur, self.len, self.hold = res, dur, lens, hold
-            self.busy, self.total, self.held = busy, total, held
+            self.busy, self.total = busy, total
         lanes = bool(self.pricer.cluster.lanes)
         for b in batches:
             rows = n_old + b.positions
@@ -1012,15 +1008,8 @@ class Catalogue:
             self.len[rows] = n_tasks
             self.busy[rows] = b.busy
             self.total[rows] = b.total
-            if lanes:
-                hold = np.array([self.pricer.lane_hold(new[k], n_tasks)
-                                 for k in b.positions.tolist()], dtype=np.int64)
-                self.hold[rows] = hold
-                before = np.arange(n_tasks)[None, None, :] < hold[:, None, None]
-                self.held[rows] = np.where(before, b.duration, 0.0).sum(axis=2)
-            else:
-                self.hold[rows] = n_tasks
-                self.held[rows] = b.total
+            self.hold[rows] = [self.pricer.lane_hold(new[k], n_tasks)
+                               for k in b.positions.tolist()] if lanes else n_tasks
         self.index.update(zip(new, range(n_old, n_all), strict=True))
         self.options.extend(new)
 
@@ -1251,7 +1240,9 @@ class Evaluator:
         rows, sizes = table[i, mask], self.size_idx[i]
         busy[i, mask] = cat.busy[rows, sizes]
         total[i, mask] = cat.total[rows, sizes]
-        held[i, mask] = cat.held[rows, sizes]
+        # the time of the tasks before each option's in-flight step (Catalogue.hold)
+        before = np.arange(cat.dur.shape[2])[None, :] < cat.hold[rows][:, None]
+        held[i, mask] = np.where(before, cat.dur[rows, sizes], 0.0).sum(axis=1)
         return busy, total, held, np.cumsum(self.gaps)
 
     def best_row(self, rows: np.ndarray, current: float, tol: float = 1e-6) \
