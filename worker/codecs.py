@@ -289,9 +289,13 @@ class CodecPair:
 
     def decode_pieces(self, device: Device, payloads: Sequence[tuple],
                       parts: Pieces) -> torch.Tensor:
-        """Decode every piece and concatenate them (the dense values of their extent)."""
+        """Decode every piece and concatenate them (the dense values of their extent). A
+        single piece is its own decoded tensor, not a copy of it: every decoder returns a
+        new tensor."""
         out = [self.decompress(device, pl, p.extent.numel, p.name, p.step)
                for pl, p in zip(payloads, parts, strict=True)]
+        if len(out) == 1:
+            return out[0]
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32, device=self.device)
 
     def aggregate_pieces(self, device: Device, members: Sequence[Sequence[tuple]],

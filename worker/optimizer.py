@@ -956,18 +956,21 @@ class _Sync:
                         ", ".join(over[:_ERRORS_LOGGED]))
 
     def _write_back(self, bucket: _Bucket, total: torch.Tensor) -> None:
-        """The average over workers into each member's ``.grad``."""
-        if bucket.buffer is not None and total.data_ptr() == bucket.buffer.data_ptr():
-            total = total.clone()  # the buffer is rewritten next iteration; .grad must not be
-        avg = total.reshape(-1).div_(self.divisor)
+        """The average over workers into each member's ``.grad``, divided on its way there:
+        one pass over each member, and no ``.grad`` is a view of ``total``, which may be the
+        bucket's buffer (rewritten next iteration)."""
+        flat, divisor = total.reshape(-1), self.divisor
         for name, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels,
                                        strict=True):
             p = self.params[name]
-            value = avg[offset:offset + numel].view(p.shape)
-            if p.grad is None:
-                p.grad = value.to(p.dtype)
+            value = flat[offset:offset + numel].view(p.shape)
+            grad = p.grad
+            if grad is None:
+                p.grad = torch.div(value, divisor).to(p.dtype)
+            elif grad.dtype is torch.float32:
+                torch.div(value, divisor, out=grad)
             else:
-                p.grad.copy_(value)
+                grad.copy_(torch.div(value, divisor))
 
     # ---- plans and trials --------------------------------------------------------------------
     def zeroed(self) -> None:
