@@ -25,8 +25,10 @@ shaped links (``1`` and ``0.25`` Gbit/s; needs root). Variants:
 
 Runs of one (model, link) cell are interleaved ``--repeats`` times, so a slow phase of the
 shared host hits every variant alike. Reported per variant: the median iteration over the
-second half of the steps (the steady state, after profiling and trials), its ratio to DDP's,
-the final held-out loss, the training time until the held-out loss first reaches the
+second half of the steps (the steady state, after profiling and trials) and rank 0's process
+CPU time over the same iterations (every thread: on shared cores what one rank spends is
+what the others wait for), the iteration's ratio to DDP's, the final held-out loss, the
+training time until the held-out loss first reaches the
 target (DDP's final loss x ``--target-factor``; with the runtime's set-up and start-up
 included), for the planned runs the planner's predicted iteration against the measured one
 (as planned, before the strategy ran, and as the check refitted the model to the kept
@@ -155,6 +157,8 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
                      "iteration_ms": iteration_ms,
                      "iteration_ms_runs": [statistics.median(m["iteration_s"][half:]) * 1e3
                                            for m in metrics],
+                     "cpu_ms": statistics.median(
+                         statistics.median(m["cpu_s"][half:]) * 1e3 for m in metrics),
                      "final_loss": statistics.median(m["evals"][-1]["heldout_loss"]
                                                      for m in metrics),
                      "train_s": statistics.median(m["evals"][-1]["train_s"] for m in metrics),
@@ -190,7 +194,7 @@ def _cell(model: str, setting: str, args: argparse.Namespace, out: Path) -> list
 
 def _table(rows: list[dict]) -> str:
     lines = [f"{'model':11} {'link':8} {'variant':20} {'tensors':>7} {'iter ms':>8} "
-             f"{'vs DDP':>7} {'loss':>8} {'to target s':>11} {'predicted':>9} "
+             f"{'CPU ms':>7} {'vs DDP':>7} {'loss':>8} {'to target s':>11} {'predicted':>9} "
              f"{'refitted':>8} {'set-up s':>8} {'1st it ms':>9}"]
     for r in rows:
         if r["iteration_ms"] is None:
@@ -206,8 +210,9 @@ def _table(rows: list[dict]) -> str:
                  else f"{'-':>8}")
         failed = f"  ({len(r['failed_runs'])} run(s) failed)" if r["failed_runs"] else ""
         lines.append(f"{r['model']:11} {r['setting']:8} {r['variant']:20} {r['tensors']:7d} "
-                     f"{r['iteration_ms']:8.1f} {vs} {r['final_loss']:8.4f} {tt} {pred} "
-                     f"{refit} {r['setup_s']:8.1f} {r['first_iteration_ms']:9.0f}{failed}")
+                     f"{r['iteration_ms']:8.1f} {r['cpu_ms']:7.1f} {vs} {r['final_loss']:8.4f} "
+                     f"{tt} {pred} {refit} {r['setup_s']:8.1f} "
+                     f"{r['first_iteration_ms']:9.0f}{failed}")
     return "\n".join(lines)
 
 

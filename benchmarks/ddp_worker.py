@@ -18,8 +18,8 @@ Models (``--model``): ``lstm`` (examples/train.py: embedding + LSTM + output, 5 
 ``transformer`` (4 encoder layers, d_model 256: 51 tensors), ``mlp`` (three large linear
 layers regressing a fixed random teacher). Every ``--eval-every`` steps rank 0 evaluates a
 fixed held-out batch with the clock paused. Rank 0 writes ``--metrics-out`` JSON: each
-iteration's wall time, the held-out loss against training time, the runtime's set-up time
-and the strategy in use.
+iteration's wall time and its own process CPU time (every thread), the held-out loss against
+training time, the runtime's set-up time and the strategy in use.
 
 The training clock starts with the runtime's set-up: every rank has built the model and the
 ``torch.optim`` optimizer and waits for the others (a barrier on torch.distributed's default
@@ -219,13 +219,15 @@ def train(args: argparse.Namespace) -> None:
 
     evaluate(0)
     _every_rank_here()
+    cpu_s = []  # the process's CPU time per iteration, every thread (gloo's, lanes)
     for step in range(1, args.steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         x, y = task.batch(args.batch_size, gen)
         opt.zero_grad()
         task.loss(net(x), y).backward()
         opt.step()
         dt = time.perf_counter() - t0
+        cpu_s.append(time.process_time() - c0)
         iteration_s.append(dt)
         trained += dt
         if step % args.eval_every == 0 or step == args.steps:
@@ -237,7 +239,7 @@ def train(args: argparse.Namespace) -> None:
             "world_size": world, "model": args.model,
             "tensors": sum(1 for p in model.parameters() if p.requires_grad),
             "gradient_bytes": sum(p.numel() * 4 for p in model.parameters()),
-            "setup_s": setup_s, "iteration_s": iteration_s, "evals": evals,
+            "setup_s": setup_s, "iteration_s": iteration_s, "cpu_s": cpu_s, "evals": evals,
             "algorithm": strategy.algorithm if strategy is not None else None,
             "predicted_ms": strategy.predicted_ms if strategy is not None else None,
             "buckets": len(strategy.layout) if strategy is not None else None,
