@@ -20,6 +20,7 @@ import torch
 from numba import njit, prange
 
 __all__ = [
+    "add_lut_bits",
     "constant_codes",
     "decode",
     "decode_lut",
@@ -98,6 +99,23 @@ def decode_lut(packed, bits, lut, out):  # noqa: PLR0912  # pragma: no cover - c
         b = np.int64(packed[full])
         for t in range(n - full * per):
             out[full * per + t] = lut[(b >> (bits * t)) & mask]
+
+
+@njit(parallel=True, cache=True)
+def add_lut_bits(packed, lut, out):  # pragma: no cover - compiled
+    """out[i] += lut[bit i of packed] (bits=1), in place: a decoded payload added to a sum
+    (or, with the table negated, subtracted: ``a + -b`` is ``a - b`` exactly) without the
+    decoded array. One plain loop per byte, as :func:`decode_lut`'s, so it vectorizes."""
+    n = out.size
+    full = n // 8
+    for j in prange(full):
+        b = np.int64(packed[j])
+        for t in range(8):
+            out[8 * j + t] += lut[(b >> t) & 1]
+    if full * 8 < n:
+        b = np.int64(packed[full])
+        for t in range(n - full * 8):
+            out[full * 8 + t] += lut[(b >> t) & 1]
 
 
 @njit(parallel=True, cache=True)

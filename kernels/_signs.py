@@ -7,13 +7,14 @@ decoder maps bit 0 / bit 1 through a two-entry table built from the scales
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from byteps_espresso.kernels import _bits, _exact
 from byteps_espresso.kernels._bits import decode_lut_torch, packed_len
-from byteps_espresso.kernels.base import Compressor, Ctx, Payload
+from byteps_espresso.kernels.base import Compressor, Ctx, Payload, PayloadError
 
 __all__ = [
     "ScaledSignCodec",
@@ -58,6 +59,30 @@ class SignCodecNumba(SignCodec):
 
     def decode(self, payload: Payload, ctx: Ctx) -> np.ndarray:
         return _bits.decode(payload[0], ctx.numel, 1, self.table(payload))
+
+    # A sum of decoded payloads (the servers', an AllgatherC's Decomp) and error feedback's
+    # residual add the packed bits through the tables into one array instead of decoding
+    # each payload into its own (BENCHMARKS.md, "Signs summed and subtracted in place").
+    def aggregate(self, payloads: Sequence[Payload], ctx: Ctx) -> np.ndarray:
+        if not payloads:
+            raise PayloadError(f"{self.name}: aggregate needs at least one payload")
+        for payload in payloads:
+            self.check_payload(payload, ctx)
+        out = np.empty(ctx.numel, np.float32)
+        with self._threads(ctx.numel):
+            # in list order, as the dense sum: ((d0 + d1) + d2) + ..., bit for bit
+            _bits.decode_lut(payloads[0][0], 1, self.table(payloads[0]), out)
+            for payload in payloads[1:]:
+                _bits.add_lut_bits(payload[0], self.table(payload), out)
+        return out.reshape(ctx.shape)
+
+    def subtract_decoded(self, payload: Payload, ctx: Ctx, out: np.ndarray) -> None:
+        if not out.flags.c_contiguous:  # a flat view must be the array itself
+            super().subtract_decoded(payload, ctx, out)
+            return
+        self.check_payload(payload, ctx)
+        with self._threads(ctx.numel):
+            _bits.add_lut_bits(payload[0], -self.table(payload), out.reshape(-1))
 
 
 class ScaledSignCodec(SignCodec):

@@ -198,6 +198,12 @@ class Compressor(abc.ABC):
             total += self.decompress(payload, ctx)
         return total
 
+    def subtract_decoded(self, payload: Payload, ctx: Ctx, out: Any) -> None:
+        """``out -= decompress(payload, ctx)`` in place (``out``: ``ctx.shape``, float32, the
+        array type of this backend): what error feedback keeps of an input. Codecs that can
+        decode straight into the subtraction override it (bit for bit the same)."""
+        out -= self.decompress(payload, ctx)
+
     @abc.abstractmethod
     def encode(self, flat: Any, ctx: Ctx) -> Payload:
         """Pure kernel step: a checked 1-D float32 array -> payload."""

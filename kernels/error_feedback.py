@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
 from byteps_espresso.kernels.base import Ctx, Payload
 from byteps_espresso.kernels.wrapper import Wrapper
 
@@ -41,9 +43,22 @@ class ErrorFeedback(Wrapper):
         self.checked(x, name)
         corrected = x + self.saved(name, x, "residual")
         payload, ctx = self.inner.compress(corrected, name=name, step=step)
-        self.save(name, residual=corrected - self.inner.decompress(payload, ctx))
+        if any(_overlaps(a, corrected) for a in payload):  # the payload holds the input
+            self.save(name, residual=corrected - self.inner.decompress(payload, ctx))
+        else:  # a new array each time: an exported state is never written again
+            self.inner.subtract_decoded(payload, ctx, corrected)
+            self.save(name, residual=corrected)
         return payload, ctx
 
     def residual(self, name: str) -> Any:
         """The current residual of tensor ``name`` (None before its first compression)."""
         return self.state.get(name, {}).get("residual")
+
+
+def _overlaps(a: Any, b: Any) -> bool:
+    """Whether payload array ``a`` may share memory with ``b`` (same array type)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    return False

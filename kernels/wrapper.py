@@ -102,6 +102,9 @@ class Wrapper(Compressor):
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx) -> Any:
         return self.inner.aggregate(payloads, ctx)
 
+    def subtract_decoded(self, payload: Payload, ctx: Ctx, out: Any) -> None:
+        self.inner.subtract_decoded(payload, ctx, out)
+
     def compressed_nbytes(self, numel: int, step: int | None = None) -> int:
         return self.inner.compressed_nbytes(numel, step)
 
