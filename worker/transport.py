@@ -122,23 +122,28 @@ def _as_bytes(arr: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
-def pack(payload: tuple, spec: PayloadSpec, nbytes: int, device: torch.device) -> torch.Tensor:
-    """Pack ``payload``'s arrays into a ``uint8`` buffer of ``nbytes`` on ``device``.
+def pack(payload: tuple, spec: PayloadSpec, nbytes: int, device: torch.device,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack ``payload``'s arrays into a ``uint8`` buffer of ``nbytes`` on ``device`` (or into
+    ``out``, such a buffer: a slice of a collective's send buffer). Each byte is written once:
+    the arrays where they go, zeros in the alignment gaps and after the last array.
 
     Raises:
         ValueError: the payload does not match ``spec`` (array count or byte size).
     """
-    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     if len(payload) != len(spec):
         raise ValueError(f"payload has {len(payload)} arrays, its layout says {len(spec)}")
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device) if out is None else out
     offset = 0
     for arr, (dtype, n) in zip(payload, spec, strict=True):
         raw = _as_bytes(arr)
         size = np.dtype(dtype).itemsize * n
         if raw.numel() != size:
             raise ValueError(f"payload array has {raw.numel()} bytes, its layout says {size}")
-        buf[offset:offset + size] = raw.to(device)
+        buf[offset:offset + size].copy_(raw)
+        buf[offset + size:min(offset + _aligned(size), nbytes)].zero_()
         offset += _aligned(size)
+    buf[min(offset, nbytes):].zero_()
     return buf
 
 
@@ -397,8 +402,9 @@ class DistTransport:
         if len(members) == 1:
             return [unpack(pack(payloads[0], send_specs[0], width, self.comm_device),
                            recv_specs[0])]
-        send = torch.cat([pack(p, s, width, self.comm_device)
-                          for p, s in zip(payloads, send_specs, strict=True)])
+        send = torch.empty(len(payloads) * width, dtype=torch.uint8, device=self.comm_device)
+        for j, (p, s) in enumerate(zip(payloads, send_specs, strict=True)):
+            pack(p, s, width, self.comm_device, out=send[j * width:(j + 1) * width])
         recv = torch.empty_like(send)
         if width > 0:
             dist.all_to_all_single(recv, send, group=group)

@@ -92,3 +92,16 @@ def test_pack_unpack_round_trip_with_alignment():
         assert np.array_equal(np.asarray(a), b.numpy())
     with pytest.raises(ValueError, match="layout"):
         pack(payload[:2], spec, 64, torch.device("cpu"))
+
+
+def test_pack_writes_every_byte_of_its_slice_and_no_other():
+    payload = (np.arange(3, dtype=np.float16), np.array([7], dtype=np.uint8))
+    spec = ((np.dtype(np.float16), 3), (np.dtype(np.uint8), 1))
+    width = packed_nbytes(spec) + 8
+    send = torch.full((3 * width,), 0xAB, dtype=torch.uint8)  # what an empty buffer may hold
+    pack(payload, spec, width, torch.device("cpu"), out=send[width:2 * width])
+    mine = send[width:2 * width]
+    assert mine[:6].view(torch.float16).tolist() == [0.0, 1.0, 2.0]
+    assert mine[6:8].tolist() == [0, 0] and mine[8] == 7  # the gap before the next array
+    assert (mine[9:] == 0).all()  # the gap after the last one, to the slice's end
+    assert (send[:width] == 0xAB).all() and (send[2 * width:] == 0xAB).all()
