@@ -967,7 +967,7 @@ class _Sync:
             grad = p.grad
             if grad is None:
                 p.grad = torch.div(value, divisor).to(p.dtype)
-            elif grad.dtype is torch.float32:
+            elif grad.dtype is torch.float32 and grad.device == value.device:
                 torch.div(value, divisor, out=grad)
             else:
                 grad.copy_(torch.div(value, divisor))
