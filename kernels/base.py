@@ -198,6 +198,14 @@ class Compressor(abc.ABC):
             total += self.decompress(payload, ctx)
         return total
 
+    def decompress_into(self, payload: Payload, ctx: Ctx, out: torch.Tensor) -> None:
+        """``out[:] = decompress(payload, ctx)`` (``out``: a flat float32 tensor of
+        ``ctx.numel``, a slice of a larger one on any device): a receiver's pieces decoded
+        into one buffer. Codecs whose decode is a cast write it there directly."""
+        got = self.decompress(payload, ctx)
+        out.copy_(got.reshape(-1) if isinstance(got, torch.Tensor)
+                  else torch.from_numpy(np.ascontiguousarray(got).reshape(-1)))
+
     def subtract_decoded(self, payload: Payload, ctx: Ctx, out: Any) -> None:
         """``out -= decompress(payload, ctx)`` in place (``out``: ``ctx.shape``, float32, the
         array type of this backend): what error feedback keeps of an input. Codecs that can

@@ -57,6 +57,10 @@ class Bf16Torch(_Bf16):
     def decode(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         return payload[0].view(torch.bfloat16).to(torch.float32)
 
+    def decompress_into(self, payload: Payload, ctx: Ctx, out: torch.Tensor) -> None:
+        self.check_payload(payload, ctx)
+        out.copy_(payload[0].view(torch.bfloat16))  # the cast of decode, into place
+
 
 @register
 class Bf16Numba(_Bf16):

@@ -102,6 +102,9 @@ class Wrapper(Compressor):
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx) -> Any:
         return self.inner.aggregate(payloads, ctx)
 
+    def decompress_into(self, payload: Payload, ctx: Ctx, out: torch.Tensor) -> None:
+        self.inner.decompress_into(payload, ctx, out)
+
     def subtract_decoded(self, payload: Payload, ctx: Ctx, out: Any) -> None:
         self.inner.subtract_decoded(payload, ctx, out)
 

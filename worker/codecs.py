@@ -287,16 +287,40 @@ class CodecPair:
         return [self.compress(device, dense[p.extent.offset - base:p.extent.end - base], p.name,
                               p.step) for p in parts]
 
+    def decompress_into(self, device: Device, payload: tuple, piece: Piece,
+                        out: torch.Tensor) -> None:
+        """Decode one piece's payload on ``device`` into ``out`` (a flat float32 tensor of the
+        piece's extent on the training device, a slice of a larger one)."""
+        numel = piece.extent.numel
+        if numel == 0:
+            return
+        comp = self._by_device[device]
+        ctx = self._ctx(device, numel, piece.name, piece.step)
+        comp.decompress_into(self._as_backend(device, payload), ctx, out)
+
     def decode_pieces(self, device: Device, payloads: Sequence[tuple],
                       parts: Pieces) -> torch.Tensor:
         """Decode every piece and concatenate them (the dense values of their extent). A
         single piece is its own decoded tensor, not a copy of it: every decoder returns a
         new tensor."""
-        out = [self.decompress(device, pl, p.extent.numel, p.name, p.step)
-               for pl, p in zip(payloads, parts, strict=True)]
-        if len(out) == 1:
-            return out[0]
-        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32, device=self.device)
+        if len(parts) == 1:
+            p = parts[0]
+            return self.decompress(device, payloads[0], p.extent.numel, p.name, p.step)
+        return self.decode_concat(device, [payloads], [parts])
+
+    def decode_concat(self, device: Device, members: Sequence[Sequence[tuple]],
+                      parts: Sequence[Pieces]) -> torch.Tensor:
+        """Every member's pieces decoded one after another into one tensor (what decoding
+        each and concatenating gives; a cast's decode writes straight into its place)."""
+        total = sum(p.extent.numel for pieces in parts for p in pieces)
+        out = torch.empty(total, dtype=torch.float32, device=self.device)
+        at = 0
+        for payloads, pieces in zip(members, parts, strict=True):
+            for pl, p in zip(payloads, pieces, strict=True):
+                n = p.extent.numel
+                self.decompress_into(device, pl, p, out[at:at + n])
+                at += n
+        return out
 
     def aggregate_pieces(self, device: Device, members: Sequence[Sequence[tuple]],
                          parts: Pieces) -> torch.Tensor:

@@ -471,8 +471,7 @@ class Executor:
         takes = b.op.takes
         if takes is Form.CONCAT:
             assert b.members is not None
-            return torch.cat([codec.decode_pieces(dev, m, p.at(step))
-                              for m, p in zip(value, b.members, strict=True)])
+            return codec.decode_concat(dev, value, [p.at(step) for p in b.members])
         assert b.parts is not None
         if takes is Form.SUM:
             return codec.aggregate_pieces(dev, value, b.parts.at(step))

@@ -1,7 +1,8 @@
 """Sums of decoded payloads and error feedback's residual, for every algorithm x backend: what
 decoding each payload and adding the dense arrays in list order gives (bit for bit where the
 packed bits are read straight into the sum, the sign codecs on numba; the sparse codecs add
-into zeros, so a lone -0.0 sums to 0.0), and a residual is a new array each step."""
+into zeros, so a lone -0.0 sums to 0.0), a residual is a new array each step, and a payload
+decoded into a slice of a larger buffer is its decoded values."""
 
 import byteps_espresso.kernels as K
 import numpy as np
@@ -79,3 +80,16 @@ def test_error_feedback_keeps_the_input_minus_what_was_sent(name, backend, n):
         kept.append((got, host(got).copy()))
     # every step's residual is its own array: one exported earlier is not written again
     assert all(np.array_equal(host(a), b) for a, b in kept)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("name", K.names())
+def test_decompress_into_writes_the_decoded_values_into_its_slice_only(name, backend):
+    codec = make(name, backend)
+    n = 1001
+    payload, ctx = codec.compress(as_backend(inputs(n, 3), backend), name="t", step=3)
+    want = host(codec.decompress(payload, ctx)).reshape(-1)
+    buf = torch.full((n + 20,), 7.0)
+    codec.decompress_into(payload, ctx, buf[10:10 + n])
+    assert np.array_equal(buf[10:10 + n].numpy().view(np.uint32), want.view(np.uint32))
+    assert (buf[:10] == 7.0).all() and (buf[10 + n:] == 7.0).all()
