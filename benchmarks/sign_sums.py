@@ -60,7 +60,7 @@ def _dense_feedback(codec, x, residual, step: int) -> tuple:
     return payload, corrected - codec.decompress(payload, ctx)
 
 
-def measure(name: str, n: int, repeats: int) -> dict:
+def measure(name: str, n: int, repeats: int) -> list[dict]:
     codec = create(name, backend="numba")
     rng = np.random.default_rng(n)
     inputs = [rng.standard_normal(n).astype(np.float32) * np.float32(i + 1) for i in range(4)]

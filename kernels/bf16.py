@@ -13,6 +13,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 from byteps_espresso.kernels.base import Compressor, Ctx, Payload
+from byteps_espresso.kernels.fp16 import HalfCastTorch
 from byteps_espresso.kernels.registry import register
 from numba import njit, prange
 
@@ -48,18 +49,14 @@ class _Bf16(Compressor):
 
 
 @register
-class Bf16Torch(_Bf16):
+class Bf16Torch(_Bf16, HalfCastTorch):
     backend = "torch"
 
     def encode(self, flat: torch.Tensor, ctx: Ctx) -> Payload:
         return (flat.to(torch.bfloat16).view(torch.uint16),)
 
-    def decode(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        return payload[0].view(torch.bfloat16).to(torch.float32)
-
-    def decompress_into(self, payload: Payload, ctx: Ctx, out: torch.Tensor) -> None:
-        self.check_payload(payload, ctx)
-        out.copy_(payload[0].view(torch.bfloat16))  # the cast of decode, into place
+    def half(self, payload: Payload) -> torch.Tensor:
+        return payload[0].view(torch.bfloat16)
 
 
 @register

@@ -63,19 +63,31 @@ class _Fp16(Compressor):
         return 2 * numel
 
 
+class HalfCastTorch(Compressor):
+    """The decode of the torch half-precision codecs (fp16, bf16): a widening cast of the
+    payload's values, into a new tensor or straight into a receiver's buffer."""
+
+    def half(self, payload: Payload) -> torch.Tensor:
+        """The payload's values as a half-precision tensor."""
+        raise NotImplementedError
+
+    def decode(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
+        return self.half(payload).to(torch.float32)
+
+    def decompress_into(self, payload: Payload, ctx: Ctx, out: torch.Tensor) -> None:
+        self.check_payload(payload, ctx)
+        out.copy_(self.half(payload))  # the cast of decode, into place
+
+
 @register
-class Fp16Torch(_Fp16):
+class Fp16Torch(_Fp16, HalfCastTorch):
     backend = "torch"
 
     def encode(self, flat: torch.Tensor, ctx: Ctx) -> Payload:
         return (flat.to(torch.float16),)
 
-    def decode(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        return payload[0].to(torch.float32)
-
-    def decompress_into(self, payload: Payload, ctx: Ctx, out: torch.Tensor) -> None:
-        self.check_payload(payload, ctx)
-        out.copy_(payload[0])  # the cast of decode, into place
+    def half(self, payload: Payload) -> torch.Tensor:
+        return payload[0]
 
 
 @register
