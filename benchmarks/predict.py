@@ -30,6 +30,9 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+from byteps_espresso.worker.profiler import excluded_names
+
 from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
 from byteps_espresso.strategy.buckets import BucketError, from_names, fuse, reorder
 from byteps_espresso.strategy.context import PlanContext
@@ -46,10 +49,10 @@ def checked(check: dict) -> list[tuple[str, dict]]:
 
 
 def one_dimensional(workload: Workload) -> frozenset[str]:
-    """The gradients of at most one dimension: what ``Compression.espresso`` keeps apart by
-    default (``worker.profiler.excluded_names``; for fp16 only before it stopped)."""
-    return frozenset(t.name for t in workload.tensors
-                     if t.shapes is not None and sum(len(s) for s in t.shapes) <= 1)
+    """What ``Compression.espresso`` keeps apart by default (``excluded_names``: the gradients
+    of at most one dimension; for fp16 only before it stopped), from the profile's shapes."""
+    return excluded_names({t.name: torch.empty(t.shapes[0], device="meta")
+                           for t in workload.tensors if t.shapes is not None}, None)
 
 
 class Profile(NamedTuple):
