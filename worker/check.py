@@ -9,29 +9,31 @@ every member is scheduled: on the LSTM at 1 Gbit/s a 16,000-float P took 17-18 m
 three steps priced at about 1 ms each, and the kept plans ran 30-37% slower than predicted
 (BENCHMARKS.md, "End-to-end").
 
-So once a strategy is kept (after the trials, or at once), its first ``ESPRESSO_CHECK_STEPS``
-iterations after the compressor's schedule are timed step by step, as the profiled ones
-were (``Executor.timings``; the first iteration is a warm-up). The ranks take each step's
-minimum over the ranks that run it (the member that arrived last measured the step itself;
-a non-root sleeps through a rooted Option's middle steps) and the slowest rank's median
-iteration. Rank 0 refits the latencies to those steps (one factor per kind of step:
-exchanges, push/pulls, rooted collectives; a kind the strategy does not run takes the
-largest factor measured, the host's message latency, so that a re-plan cannot flee to a
-kind no step checked) and the compression kernels' costs to its Comp and Decomp steps (one
-factor per device, :func:`~byteps_espresso.worker.profiler.fit_compute`: the kernels were
-timed alone, and in training they share their cores), prices the kept strategy again and
-re-plans on the refitted model (:meth:`CompressionSpec.replan`). A plan predicted at least
-``REPLAN_GAIN`` faster than the kept one runs the same number of checked iterations and
-stays only if its measured median beats the kept one's; otherwise the kept strategy comes
-back. Fall-backs come before a re-plan (measured beats predicted; nothing refitted, nothing
-re-planned), each checked against the fastest so far and staying by the same rule: for a
-compressor whose payloads sum (fp16) the plan DDP's fp16 hook runs (``allreduce-c``: the
-profiled buckets, DDP's, cast and all-reduced) where the trials did not measure it, then
-the fp32 path where the profiled fp32 iterations measured more than ``REPLAN_GAIN`` faster
-than the fastest checked. One re-plan per job: a second would chase the noise of a shared
-host. With ``ESPRESSO_PROFILE_OUT`` rank 0 writes ``check.json``: the factors, each strategy's
-prediction (as planned, refitted) against its measured median, and which one stayed (and
-``strategy.json`` again where another than the kept one stayed).
+So once a strategy is kept (after the trials, or at once), its first
+``ESPRESSO_CHECK_STEPS`` iterations after the compressor's schedule are timed step by step,
+as the profiled ones were (``Executor.timings``; the first iteration is a warm-up). The
+ranks take each step's minimum over the ranks that run it (the member that arrived last
+measured the step itself; a non-root sleeps through a rooted Option's middle steps) and the
+slowest rank's measured iteration (:func:`~byteps_espresso.worker.trials.settled_ms`, the
+fastest after the warm-up, as the trials and the profiled fp32 iterations are measured).
+Rank 0 refits the latencies to those steps (one factor per kind of step: exchanges,
+push/pulls, rooted collectives; a kind the strategy does not run takes the largest factor
+measured, the host's message latency, so that a re-plan cannot flee to a kind no step
+checked) and the compression kernels' costs to its Comp and Decomp steps (one factor per
+device, :func:`~byteps_espresso.worker.profiler.fit_compute`: the kernels were timed alone,
+and in training they share their cores), prices the kept strategy again and re-plans on the
+refitted model (:meth:`CompressionSpec.replan`). A plan predicted at least ``REPLAN_GAIN``
+faster than the kept one runs the same number of checked iterations and stays only if its
+measured time beats the kept one's; otherwise the kept strategy comes back. Fall-backs come
+before a re-plan (measured beats predicted; nothing refitted, nothing re-planned), each
+checked against the fastest so far and staying by the same rule: for a compressor whose
+payloads sum (fp16) the plan DDP's fp16 hook runs (``allreduce-c``: the profiled buckets,
+DDP's, cast and all-reduced) where the trials did not measure it, then the fp32 path where
+the profiled fp32 iterations measured more than ``REPLAN_GAIN`` faster than the fastest
+checked. One re-plan per job: a second would chase the noise of a shared host. With
+``ESPRESSO_PROFILE_OUT`` rank 0 writes ``check.json``: the factors, each strategy's
+prediction (as planned, refitted) against its measured time and its median, and which one
+stayed (and ``strategy.json`` again where another than the kept one stayed).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import Any
 
 import numpy as np
 from byteps_espresso.worker.session import Session, slowest_across_ranks, span_across_ranks
+from byteps_espresso.worker.trials import settled_ms
 
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.workload import atomic_write_text
@@ -115,6 +118,7 @@ class Check:
     against: Check | None = None
     times_ms: list[float] = field(default_factory=list)
     measured_ms: float | None = None
+    median_ms: float | None = None  # the slowest rank's median after the warm-up, as recorded
     # What the refit found (CompressionSpec.replan), for check.json.
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -130,10 +134,11 @@ class Check:
         return len(self.times_ms) >= self.steps
 
     def measure(self, session: Session) -> float:
-        """The slowest rank's median iteration after the warm-up, kept as
-        :attr:`measured_ms` (all ranks call it)."""
-        mine = statistics.median(self.times_ms[1:])
-        self.measured_ms = float(slowest_across_ranks(session, np.array([mine]))[0])
+        """The slowest rank's measured iteration (:func:`settled_ms`), kept as
+        :attr:`measured_ms`, and its median after the warm-up (:attr:`median_ms`; all ranks
+        call it)."""
+        mine = np.array([settled_ms(self.times_ms), statistics.median(self.times_ms[1:])])
+        self.measured_ms, self.median_ms = map(float, slowest_across_ranks(session, mine))
         return self.measured_ms
 
     def runs(self, session: Session) -> list[Run] | None:
@@ -168,7 +173,8 @@ class Check:
 
 def _entry(check: Check) -> dict[str, Any]:
     return {"algorithm": check.strategy.algorithm, "predicted_ms": check.strategy.predicted_ms,
-            "measured_ms": check.measured_ms, "iteration_ms": check.times_ms,
+            "measured_ms": check.measured_ms, "median_ms": check.median_ms,
+            "iteration_ms": check.times_ms,
             "options": {name: str(o) for name, o in check.strategy.options.items()}}
 
 
@@ -179,8 +185,9 @@ def check_record(kept: Check, later: Sequence[Check], stayed: str) -> dict[str, 
     profiled iterations measured faster); ``replanned``: the strategy checked after the kept
     one (the re-plan, or a fall-back: its ``algorithm`` says which) and ``then``: those
     checked after that one (the fp32 path after the hook's plan); iteration times are this
-    rank's, medians the slowest rank's; ``stayed``: ``kept``, ``replanned`` or the
-    fall-back's algorithm (``allreduce-c``, ``fp32``), the strategy that trains on."""
+    rank's, measured times (the fastest after the warm-up) and medians the slowest rank's;
+    ``stayed``: ``kept``, ``replanned`` or the fall-back's algorithm (``allreduce-c``,
+    ``fp32``), the strategy that trains on."""
     return {"steps": kept.steps, "start": kept.start, **kept.info, "kept": _entry(kept),
             "replanned": _entry(later[0]) if later else None,
             "then": [_entry(c) for c in later[1:]], "stayed": stayed}

@@ -995,9 +995,9 @@ class _Sync:
     def _keep(self, trials: Trials) -> None:
         kept = trials.choose(self.session)
         # A finalist the trials measured lost to the kept one there: no second look.
-        medians = trials.medians_ms()
+        measured = trials.measured_ms()
         tried = {id(s) for i, s in enumerate(trials.finalists)
-                 if i not in trials.profiled and not math.isnan(medians[i])}
+                 if i not in trials.profiled and not math.isnan(measured[i])}
         self._fallbacks = tuple(f for f in self._fallbacks if id(f[0]) not in tried)
         self.session.strategy = kept
         self._use_strategy(kept)

@@ -9,17 +9,18 @@ trusting a model. After planning, every finalist of :func:`strategy.planner.plan
 (the planned strategy first, then the baselines and the plan under a device restriction
 predicted within a factor of it) trains for
 ``ESPRESSO_TRIAL_STEPS`` iterations; the first of them is a warm-up (new PS keys, fresh
-error-feedback state) and the median of the rest is the finalist's measured iteration time.
+error-feedback state) and the fastest of the rest is the finalist's measured iteration time
+(:func:`settled_ms`).
 
 Every rank runs the same finalist in the same iterations (the switch is keyed to the
 iteration count, so collectives stay in the same order everywhere). At the end the ranks
-exchange their medians, take the slowest rank's per finalist (an iteration is over when the
+exchange their measured times, take the slowest rank's per finalist (an iteration is over when the
 last worker's gradients are in) and all keep the same one: the first minimum, so a tie keeps
 the planned strategy. Rank 0 logs the measured table and, with ``ESPRESSO_PROFILE_OUT``,
 writes ``trials.json`` and replaces ``strategy.json`` with the strategy kept.
 
 A finalist that is clearly slower stops early, as a race drops its laggards: after its first
-``_RACE_TIMED`` timed iterations the ranks exchange that median and the medians of the
+``_RACE_TIMED`` timed iterations the ranks exchange its time so far and the times of the
 finalists already measured (the same collective ``choose`` uses, at the same iteration on
 every rank) and, when it is over ``_RACE_FACTOR`` times the fastest of them or of the
 profiled fp32 iterations (the first finalist races against those alone), every rank moves
@@ -52,7 +53,7 @@ from byteps_espresso.worker.session import Session, slowest_across_ranks
 
 from byteps_espresso.strategy.workload import atomic_write_text
 
-__all__ = ["MODEL_ERROR", "Trials", "table"]
+__all__ = ["MODEL_ERROR", "Trials", "settled_ms", "table"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,31 @@ _RACE_FACTOR = 1.3
 # the plan's trial at random-k, priced at its prediction alone, took 448 ms of 243 ms left
 # (2.3x its prediction; BENCHMARKS.md "End-to-end").
 MODEL_ERROR = 2.5
+
+
+def settled_ms(times_ms: Sequence[float]) -> float:
+    """A strategy's measured iteration time (ms): the fastest of its timed iterations after
+    the first, a warm-up (new PS keys, fresh error-feedback state), as the profiled fp32
+    iterations are measured (``fp32_ms``). The trials, the check and the fall-backs compare
+    strategies by it, so every one is measured alike.
+
+    The fastest, not the median: on a host whose cores the workers share, interference only
+    lengthens an iteration, and a strategy's first iterations after a switch run slower than
+    the same strategy later in the run. On the transformer at 1 Gbit/s with EFSignSGD (9
+    runs, BENCHMARKS.md "The check's iterations measured by their fastest") the median of
+    the check's five iterations after the warm-up was 1.02-1.51x (median 1.21x) the run's
+    steady iteration, their fastest 0.92-1.18x (median 1.04x); the profiled fp32 iterations'
+    fastest was 1.05-1.19x the fp32 run's steady one (LSTM). Medians against that fastest
+    put a plan checked right after its switch about 10% behind the fp32 path, as much as
+    the gain (``REPLAN_GAIN``) a fall-back needs.
+
+    Raises:
+        ValueError: no timed iteration after the warm-up.
+    """
+    if len(times_ms) < 2:
+        raise ValueError(f"{len(times_ms)} timed iteration(s): a measured time needs one "
+                         "after the warm-up")
+    return min(times_ms[1:])
 
 
 def table(rows: Sequence[tuple[str, float, float | None]], kept: str,
@@ -226,13 +252,13 @@ class Trials:
     def _outpaced(self, session: Session) -> bool:
         """Whether the current finalist, at its ``_RACE_TIMED``-th timed iteration, trails the
         fastest finished one, or the profiled fp32 iterations, by over ``_RACE_FACTOR``
-        (slowest ranks' medians)."""
+        (slowest ranks' measured times)."""
         times = self.times_ms[self.index]
         if ((self.index == 0 and self.fp32_ms is None) or len(times) != 1 + _RACE_TIMED
                 or self.steps <= 1 + _RACE_TIMED):
             return False
         slowest = slowest_across_ranks(session, np.array(
-            [self._median(i) for i in range(self.index + 1)]))
+            [self._measured(i) for i in range(self.index + 1)]))
         ahead = [*slowest[:-1], self.fp32_ms] if self.fp32_ms is not None else slowest[:-1]
         best = float(np.min(ahead))
         if slowest[-1] <= _RACE_FACTOR * best:
@@ -243,33 +269,33 @@ class Trials:
                      "fastest so far", self.current.algorithm, len(times), slowest[-1], best)
         return True
 
-    def _median(self, i: int) -> float:
-        """Finalist ``i``'s median iteration time after its warm-up (``fp32_ms`` where the
+    def _measured(self, i: int) -> float:
+        """Finalist ``i``'s measured iteration time (:func:`settled_ms`; ``fp32_ms`` where the
         profile measured it)."""
         if i in self.profiled:
             assert self.fp32_ms is not None
             return self.fp32_ms
-        return statistics.median(self.times_ms[i][1:])
+        return settled_ms(self.times_ms[i])
 
-    def medians_ms(self) -> np.ndarray:
-        """Per finalist, the median iteration time after the warm-up (once :attr:`done`;
-        NaN for those the budget left out)."""
-        return np.array([np.nan if i in self.unmeasured else self._median(i)
+    def measured_ms(self) -> np.ndarray:
+        """Per finalist, its measured iteration time (once :attr:`done`; NaN for those the
+        budget left out)."""
+        return np.array([np.nan if i in self.unmeasured else self._measured(i)
                          for i in range(len(self.finalists))])
 
     def choose(self, session: Session) -> Any:
-        """The finalist with the smallest slowest-rank median (all ranks call it; every rank
+        """The finalist with the smallest slowest-rank measured time (all ranks call it; every rank
         gets the same one). Rank 0 logs the table and writes the files described above."""
         if not self.done:
             raise RuntimeError(f"finalist {self.index + 1} of {len(self.finalists)} is still "
                                "being measured")
-        measured = slowest_across_ranks(session, self.medians_ms())
+        measured = slowest_across_ranks(session, self.measured_ms())
         # The first minimum: a tie keeps the planned strategy, and so does a budget that
         # left every finalist unmeasured (the model's ranking stands).
         kept = 0 if 0 in self.unmeasured else int(np.nanargmin(measured))
         rt = session.runtime
         if rt.topology.rank == 0:
-            log.info("trials (median of %d iterations after a warm-up, slowest rank):\n%s",
+            log.info("trials (fastest of %d iterations after a warm-up, slowest rank):\n%s",
                      self.steps - 1, self.table(measured, kept))
             if rt.cfg.profile_out:
                 self._write(Path(rt.cfg.profile_out), measured, kept)

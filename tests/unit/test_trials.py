@@ -1,7 +1,7 @@
 """Measured trials of the planner's finalists: which are tried, how they are timed, which is kept.
 
 ``Trials.choose`` runs over the in-memory transport with ranks as threads, so the exchange of
-medians (the slowest rank's count) is the real collective code path.
+measured times (the slowest rank's count) is the real collective code path.
 """
 
 import json
@@ -13,7 +13,7 @@ import pytest
 from byteps_espresso.worker.local_transport import LocalHub
 from byteps_espresso.worker.optimizer import first_step_at
 from byteps_espresso.worker.session import slowest_across_ranks
-from byteps_espresso.worker.trials import Trials
+from byteps_espresso.worker.trials import Trials, settled_ms
 
 from byteps_espresso.strategy import Cluster, Constraints, Strategy, Workload
 from byteps_espresso.strategy.planner import (
@@ -84,15 +84,23 @@ def test_finalists_are_the_baselines_predicted_within_the_factor(inputs, every):
 def test_each_finalist_runs_its_steps_and_the_warm_up_is_not_counted(every):
     trials = Trials(every[:2], steps=3)
     assert trials.current is every[0]
-    for s in (0.500, 0.010, 0.030):  # a 500 ms warm-up (new keys), then 10 and 30 ms
+    for s in (0.005, 0.030, 0.010):  # a 5 ms warm-up, faster than any later, then 30 and 10
         trials.record(s)
     assert trials.current is every[1] and not trials.done
-    for s in (0.040, 0.020, 0.020):
+    for s in (0.500, 0.040, 0.020):  # a 500 ms warm-up (new keys)
         trials.record(s)
     assert trials.done
-    np.testing.assert_allclose(trials.medians_ms(), [20.0, 20.0])
+    # each finalist's fastest iteration after its warm-up
+    np.testing.assert_allclose(trials.measured_ms(), [10.0, 20.0])
     with pytest.raises(RuntimeError, match="choose"):
         trials.record(0.01)
+
+
+def test_a_measured_time_is_the_fastest_after_the_warm_up():
+    assert settled_ms([1.0, 30.0, 12.0, 20.0]) == 12.0
+    assert settled_ms([5.0, 30.0]) == 30.0  # the warm-up never counts, however fast
+    with pytest.raises(ValueError, match="after the warm-up"):
+        settled_ms([5.0])
 
 
 @pytest.mark.parametrize(("finalists", "steps", "match"),
