@@ -15,7 +15,7 @@ as the profiled ones were (``Executor.timings``; the first iteration is a warm-u
 ranks take each step's minimum over the ranks that run it (the member that arrived last
 measured the step itself; a non-root sleeps through a rooted Option's middle steps) and the
 slowest rank's measured iteration (:func:`~byteps_espresso.worker.trials.settled_ms`, the
-fastest after the warm-up, as the trials and the profiled fp32 iterations are measured).
+mean after the warm-up with the slowest left out, as the trials measure theirs).
 Rank 0 refits the latencies to those steps (one factor per kind of step: exchanges,
 push/pulls, rooted collectives; a kind the strategy does not run takes the largest factor
 measured, the host's message latency, so that a re-plan cannot flee to a kind no step
@@ -185,7 +185,7 @@ def check_record(kept: Check, later: Sequence[Check], stayed: str) -> dict[str, 
     profiled iterations measured faster); ``replanned``: the strategy checked after the kept
     one (the re-plan, or a fall-back: its ``algorithm`` says which) and ``then``: those
     checked after that one (the fp32 path after the hook's plan); iteration times are this
-    rank's, measured times (the fastest after the warm-up) and medians the slowest rank's;
+    rank's, measured times (:func:`settled_ms`) and medians the slowest rank's;
     ``stayed``: ``kept``, ``replanned`` or the fall-back's algorithm (``allreduce-c``,
     ``fp32``), the strategy that trains on."""
     return {"steps": kept.steps, "start": kept.start, **kept.info, "kept": _entry(kept),

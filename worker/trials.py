@@ -9,8 +9,8 @@ trusting a model. After planning, every finalist of :func:`strategy.planner.plan
 (the planned strategy first, then the baselines and the plan under a device restriction
 predicted within a factor of it) trains for
 ``ESPRESSO_TRIAL_STEPS`` iterations; the first of them is a warm-up (new PS keys, fresh
-error-feedback state) and the fastest of the rest is the finalist's measured iteration time
-(:func:`settled_ms`).
+error-feedback state) and the mean of the rest, the slowest left out, is the finalist's
+measured iteration time (:func:`settled_ms`).
 
 Every rank runs the same finalist in the same iterations (the switch is keyed to the
 iteration count, so collectives stay in the same order everywhere). At the end the ranks
@@ -72,20 +72,20 @@ MODEL_ERROR = 2.5
 
 
 def settled_ms(times_ms: Sequence[float]) -> float:
-    """A strategy's measured iteration time (ms): the fastest of its timed iterations after
-    the first, a warm-up (new PS keys, fresh error-feedback state), as the profiled fp32
-    iterations are measured (``fp32_ms``). The trials, the check and the fall-backs compare
-    strategies by it, so every one is measured alike.
+    """A strategy's measured iteration time (ms): the mean of its timed iterations after the
+    first (a warm-up: new PS keys, fresh error-feedback state), the slowest of them left out
+    where there are two or more. The trials, the check and its fall-backs compare strategies
+    by it, so every one is measured alike.
 
-    The fastest, not the median: on a host whose cores the workers share, interference only
-    lengthens an iteration, and a strategy's first iterations after a switch run slower than
-    the same strategy later in the run. On the transformer at 1 Gbit/s with EFSignSGD (9
-    runs, BENCHMARKS.md "The check's iterations measured by their fastest") the median of
-    the check's five iterations after the warm-up was 1.02-1.51x (median 1.21x) the run's
-    steady iteration, their fastest 0.92-1.18x (median 1.04x); the profiled fp32 iterations'
-    fastest was 1.05-1.19x the fp32 run's steady one (LSTM). Medians against that fastest
-    put a plan checked right after its switch about 10% behind the fp32 path, as much as
-    the gain (``REPLAN_GAIN``) a fall-back needs.
+    An iteration is timed from one ``synchronize()`` to the next, so when a collective ends
+    late the next iteration is short: a mean is the rate, where a median or the fastest
+    follows the alternation. On a host whose cores the workers share, a strategy's first
+    iterations after a switch also run slower than the same strategy later in the run, and
+    leaving out the slowest takes most of that. Against the steady iteration of the run that
+    trained on the strategy (BENCHMARKS.md "How the start-up reads a strategy's iterations":
+    the LSTM, 8 checks, and the transformer with EFSignSGD at 1 Gbit/s, 9), this mean read
+    0.96x (0.89-1.08x) and 1.11x (1.00-1.39x); the median, read before, 1.08x (0.90-1.16x)
+    and 1.21x (1.02-1.51x); the fastest 0.74x (0.54-0.99x) and 1.04x (0.92-1.18x).
 
     Raises:
         ValueError: no timed iteration after the warm-up.
@@ -93,7 +93,8 @@ def settled_ms(times_ms: Sequence[float]) -> float:
     if len(times_ms) < 2:
         raise ValueError(f"{len(times_ms)} timed iteration(s): a measured time needs one "
                          "after the warm-up")
-    return min(times_ms[1:])
+    timed = sorted(times_ms[1:])
+    return statistics.fmean(timed[:-1] or timed)
 
 
 def table(rows: Sequence[tuple[str, float, float | None]], kept: str,
@@ -295,8 +296,8 @@ class Trials:
         kept = 0 if 0 in self.unmeasured else int(np.nanargmin(measured))
         rt = session.runtime
         if rt.topology.rank == 0:
-            log.info("trials (fastest of %d iterations after a warm-up, slowest rank):\n%s",
-                     self.steps - 1, self.table(measured, kept))
+            log.info("trials (mean of %d iterations after a warm-up, the slowest left out; "
+                     "slowest rank):\n%s", self.steps - 1, self.table(measured, kept))
             if rt.cfg.profile_out:
                 self._write(Path(rt.cfg.profile_out), measured, kept)
             else:  # the choice depends on timing: say how to keep it for the next run
