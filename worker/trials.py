@@ -74,18 +74,20 @@ MODEL_ERROR = 2.5
 def settled_ms(times_ms: Sequence[float]) -> float:
     """A strategy's measured iteration time (ms): the mean of its timed iterations after the
     first (a warm-up: new PS keys, fresh error-feedback state), the slowest of them left out
-    where there are two or more. The trials, the check and its fall-backs compare strategies
-    by it, so every one is measured alike.
+    where there are two or more. The trials and the check measure every strategy they run by
+    it (the profiled fp32 iterations, few and all early, are read by their fastest:
+    ``Plan.fp32_ms``).
 
     An iteration is timed from one ``synchronize()`` to the next, so when a collective ends
     late the next iteration is short: a mean is the rate, where a median or the fastest
     follows the alternation. On a host whose cores the workers share, a strategy's first
     iterations after a switch also run slower than the same strategy later in the run, and
-    leaving out the slowest takes most of that. Against the steady iteration of the run that
-    trained on the strategy (BENCHMARKS.md "How the start-up reads a strategy's iterations":
-    the LSTM, 8 checks, and the transformer with EFSignSGD at 1 Gbit/s, 9), this mean read
-    0.96x (0.89-1.08x) and 1.11x (1.00-1.39x); the median, read before, 1.08x (0.90-1.16x)
-    and 1.21x (1.02-1.51x); the fastest 0.74x (0.54-0.99x) and 1.04x (0.92-1.18x).
+    leaving out the slowest takes most of that. Against the median iteration of the run that
+    trained on the strategy (BENCHMARKS.md "How the start-up reads a strategy's iterations",
+    ``benchmarks/check_reads.py``: 8 LSTM runs and 6 of the transformer with EFSignSGD at 1
+    Gbit/s) this mean read 0.99x (0.83-1.15x) and 1.04x (0.90-1.17x); the median, read
+    before, 1.04x (0.90-1.21x) and 1.06x (0.92-1.27x); the fastest 0.83x (0.58-1.03x) and
+    0.79x (0.64-0.99x).
 
     Raises:
         ValueError: no timed iteration after the warm-up.
