@@ -41,7 +41,7 @@ from byteps_espresso.strategy.strategy_file import Strategy
 
 def median_ms(record: dict) -> float:
     """A checked strategy's slowest-rank median iteration: ``median_ms`` where the check
-    recorded it beside its measured time (the fastest after the warm-up), else
+    recorded it beside its measured time (``worker.trials.settled_ms``), else
     ``measured_ms`` (earlier checks measured the median there)."""
     return record.get("median_ms") or record["measured_ms"]
 

@@ -14,9 +14,9 @@ measured iteration time (:func:`settled_ms`).
 
 Every rank runs the same finalist in the same iterations (the switch is keyed to the
 iteration count, so collectives stay in the same order everywhere). At the end the ranks
-exchange their measured times, take the slowest rank's per finalist (an iteration is over when the
-last worker's gradients are in) and all keep the same one: the first minimum, so a tie keeps
-the planned strategy. Rank 0 logs the measured table and, with ``ESPRESSO_PROFILE_OUT``,
+exchange their measured times, take the slowest rank's per finalist (an iteration is over
+when the last worker's gradients are in) and all keep the same one: the first minimum, so a
+tie keeps the planned strategy. Rank 0 logs the measured table and, with ``ESPRESSO_PROFILE_OUT``,
 writes ``trials.json`` and replaces ``strategy.json`` with the strategy kept.
 
 A finalist that is clearly slower stops early, as a race drops its laggards: after its first
