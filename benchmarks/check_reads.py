@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from byteps_espresso.worker.trials import settled_ms
+from predict import checked
 
 DEFAULT_PROFILES = "out/ddp/{model}-{setting}-{variant}-{rep}-profile"  # where ddp.py leaves them
 READS = {
@@ -37,14 +38,10 @@ READS = {
 
 
 def stayed_iterations(check: dict) -> list[float]:
-    """Rank 0's checked iterations (ms, the warm-up first) of the strategy the run kept."""
-    checked = [check["kept"], *([check["replanned"]] if check.get("replanned") else []),
-               *check.get("then", [])]
-    if check["stayed"] == "kept":
-        return check["kept"]["iteration_ms"]
-    if check["stayed"] == "replanned":
-        return check["replanned"]["iteration_ms"]
-    return next(c["iteration_ms"] for c in checked[1:] if c["algorithm"] == check["stayed"])
+    """Rank 0's checked iterations (ms, the warm-up first) of the strategy the run kept:
+    ``stayed`` names its role (``kept``, ``replanned``) or a fall-back's algorithm."""
+    return next(r["iteration_ms"] for role, r in checked(check)
+                if check["stayed"] in (role, r["algorithm"]))
 
 
 def reads(result: dict, profiles: str) -> list[dict]:
