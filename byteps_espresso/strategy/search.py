@@ -382,35 +382,14 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray, stop: float) -> np.nda
     pass, may pay on the host). A tensor that took another option then tries its
     placements."""
     choice = choice.copy()
-    options = ctx.evaluator.options
     if not ctx.constraints.allow_cpu or not ctx.constraints.allow_gpu:
         return choice
-    cpu_front = ctx.fronts(Device.CPU).index
-    # the compressed ones: Algorithm 1 weighed a compressed tensor against the uncompressed
-    cpu_compressed = [f[[options[k].is_compressed for k in f.tolist()]] for f in cpu_front]
-    size_idx = ctx.evaluator.size_idx
-    n = ctx.n_tensors
-    now = ctx.evaluator.schedule(choice)  # (time, sum of synchronized times, ready, done)
-    for i in ctx.visit_order:
-        if now[0] <= stop:
-            break
-        keep = int(choice[i])
-        if options[keep].is_compressed:
-            table = ctx.placements(keep)
-            placed = table[table >= 0]
-            candidates = np.union1d(placed, cpu_compressed[size_idx[i]])
-        elif i + 1 < n and now[3][i] <= now[2][i + 1]:
-            # Algorithm 1's bubble rule: synchronized before the next gradient is ready,
-            # nothing waits for it and host compression cannot shorten the iteration
-            continue
-        else:
-            placed = np.zeros(0, dtype=np.int64)
-            candidates = cpu_front[size_idx[i]]
-        now = _take_best(ctx, choice, i, candidates, now)
-        taken = int(choice[i])
-        if options[taken].is_compressed and taken not in placed:
-            table = ctx.placements(taken)
-            now = _take_best(ctx, choice, i, table[table >= 0], now)
+    evaluator = ctx.evaluator
+    # the host front's compressed options (Algorithm 1 weighed a compressed tensor against
+    # the uncompressed ones) are what the kernel tries beside a compressed tensor's placements
+    evaluator.refine_devices(choice, ctx.visit_order, placements=ctx.placements,
+                             cpu_front=ctx.fronts(Device.CPU).index,
+                             current=evaluator.schedule(choice), stop_us=stop)
     return choice
 
 

@@ -37,7 +37,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -540,6 +540,112 @@ def _greedy_pass(gaps, size_idx, lane, choice, order, plain, front, front_len, b
 
 
 @numba.njit(cache=True)
+def _refine_pass(gaps, size_idx, lane, choice, order, q0, taken_step, compressed, ptab, prow,  # noqa: PLR0912, PLR0915, PLR0917
+                 cpu_comp, cpu_comp_len, cpu_front, cpu_front_len, cat_len, cat_hold, cat_res,
+                 cat_dur, n_res, forward, tol, t0, s0, trace, spare, task_start, task_end,
+                 stop):  # pragma: no cover - compiled
+    """The device refinement (search._refine_devices) over the tensors order[q0:], each with
+    the others fixed, against its own schedule (t0, s0, ``trace``; a taken candidate is
+    retraced into ``spare`` and the two swap, as in _greedy_pass). ``choice`` is changed in
+    place. A compressed tensor tries the sorted union of its option's placements
+    (ptab[prow[k]], -1 padded) and its size's compressed host options
+    (cpu_comp[u, :cpu_comp_len[u]]); an uncompressed one, unless synchronized before the
+    next gradient is ready, its size's host front (cpu_front[u, :cpu_front_len[u]]). A
+    tensor that took a compressed option outside its option's placements then tries that
+    option's placements (``taken_step``: resume there for order[q0]).
+
+    Placement tables are made by the caller (they may price options), so where one is not
+    yet known (prow < 0) the pass stops and names it. Returns (option whose table is
+    wanted or -1 when the pass is over, q, taken_step, changed, runs, t0, s0, whether the
+    current trace is ``spare``)."""
+    n = gaps.shape[0]
+    cands = np.empty(ptab.shape[1] + cpu_comp.shape[1] + cpu_front.shape[1] + 1, dtype=np.int64)
+    runs = 0
+    changed = False
+    swapped = False
+    for q in range(q0, order.shape[0]):
+        i = order[q]
+        u = size_idx[i]
+        placed = _NONE  # the ptab row of the tensor's option where it is compressed
+        if not (q == q0 and taken_step):
+            if t0 <= stop:
+                break
+            keep = choice[i]
+            m = 0
+            if compressed[keep]:
+                placed = prow[keep]
+                if placed < 0:
+                    return keep, q, False, changed, runs, t0, s0, swapped
+                for c in range(ptab.shape[1]):
+                    if ptab[placed, c] >= 0:
+                        cands[m] = ptab[placed, c]
+                        m += 1
+                for c in range(cpu_comp_len[u]):
+                    cands[m] = cpu_comp[u, c]
+                    m += 1
+                cands[:m].sort()
+                kept = 0  # np.union1d's order, without the incumbent (best_of's candidates)
+                for c in range(m):
+                    if cands[c] != keep and (kept == 0 or cands[c] != cands[kept - 1]):
+                        cands[kept] = cands[c]
+                        kept += 1
+                m = kept
+            elif i + 1 < n and trace[1][i] <= trace[0][i + 1]:
+                continue  # Algorithm 1's bubble rule: nothing waits for it
+            else:
+                for c in range(cpu_front_len[u]):
+                    if cpu_front[u, c] != keep:
+                        cands[m] = cpu_front[u, c]
+                        m += 1
+            k, _, _ = _best_of(gaps, size_idx, lane, choice, i, cands[:m], cat_len, cat_hold,
+                               cat_res, cat_dur, n_res, forward, tol, keep, t0, s0, _YES, trace)
+            runs += m
+            if k == keep:
+                continue
+            choice[i] = k
+            changed = True
+            bwd, last, sdone = _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_hold,
+                                           cat_res, cat_dur, n_res, task_start, task_end, spare,
+                                           trace)
+            runs += 1
+            trace, spare = spare, trace
+            swapped = not swapped
+            t0 = forward + max(bwd, last)
+            s0 = sdone
+            if not compressed[k]:
+                continue
+            if placed >= 0:
+                inside = False
+                for c in range(ptab.shape[1]):
+                    inside = inside or ptab[placed, c] == k
+                if inside:
+                    continue
+            if prow[k] < 0:
+                return k, q, True, changed, runs, t0, s0, swapped
+        keep = choice[i]
+        row = prow[keep]
+        m = 0
+        for c in range(ptab.shape[1]):
+            if ptab[row, c] >= 0 and ptab[row, c] != keep:
+                cands[m] = ptab[row, c]
+                m += 1
+        k, _, _ = _best_of(gaps, size_idx, lane, choice, i, cands[:m], cat_len, cat_hold,
+                           cat_res, cat_dur, n_res, forward, tol, keep, t0, s0, _YES, trace)
+        runs += m
+        if k != keep:
+            choice[i] = k
+            bwd, last, sdone = _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_hold,
+                                           cat_res, cat_dur, n_res, task_start, task_end, spare,
+                                           trace)
+            runs += 1
+            trace, spare = spare, trace
+            swapped = not swapped
+            t0 = forward + max(bwd, last)
+            s0 = sdone
+    return _NONE, order.shape[0], False, changed, runs, t0, s0, swapped
+
+
+@numba.njit(cache=True)
 def _time_below(gaps, size_idx, lane, work, cat_len, cat_hold, cat_res, cat_dur, forward, bound,  # noqa: PLR0917
                 follow, trace, first, last, state, dummy, none):  # pragma: no cover - compiled
     """Iteration time of ``work`` if it is below ``bound``, else inf (the run stops as soon as
@@ -908,6 +1014,16 @@ class Timeline:
     options: tuple[Option, ...]
 
 
+def _padded(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` as one (rows, longest) int64 array, -1 padded (at least 1 x 1), and each
+    row's length: the kernels' form of a list of index arrays."""
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    table = np.full((max(len(rows), 1), max(lengths.max(initial=0), 1)), -1, dtype=np.int64)
+    for k, r in enumerate(rows):
+        table[k, : len(r)] = r
+    return table, lengths
+
+
 def _new_trace(n: int, lanes: int) -> tuple:  # type: ignore[type-arg]
     """Room for the trace of a run of n tensors (see ``_trace_state``)."""
     n_res = len(RESOURCES)
@@ -1165,6 +1281,71 @@ class Evaluator:
         self.calls += int(runs)
         return bool(changed)
 
+    def refine_devices(self, choice: np.ndarray, order: Sequence[int], *,
+                       placements: Callable[[int], np.ndarray],
+                       cpu_front: Sequence[np.ndarray], current: Schedule,
+                       tol: float = 1e-6, stop_us: float = -np.inf) -> None:
+        """The device refinement (search._refine_devices) over the tensors of ``order``,
+        mostly in one kernel call (``_refine_pass``); ``choice`` is changed in place, the
+        same as this loop, bit for bit::
+
+            for i in order:
+                if current.iteration_us <= stop_us:
+                    break
+                keep = choice[i]
+                if options[keep].is_compressed:
+                    placed = placements(keep)[placements(keep) >= 0]
+                    candidates = np.union1d(placed, cpu_compressed[u])
+                elif i + 1 < n and current.done_us[i] <= current.ready_us[i + 1]:
+                    continue
+                else:
+                    placed, candidates = [], cpu_front[u]
+                current = take_best(i, candidates, current)
+                taken = choice[i]
+                if options[taken].is_compressed and taken not in placed:
+                    current = take_best(i, placements(taken)[...  >= 0], current)
+
+        (u: tensor i's size index; cpu_compressed[u]: the compressed options of
+        cpu_front[u], in order; take_best: :meth:`best_of` with ``current``, and
+        :meth:`reschedule` where it changed). ``placements(k)``: option k's placement table
+        (PlanContext.placements), asked for in the loop's order, since it may add options.
+        Called one by one, the best_of and reschedule calls of a warm UGATIT plan spent
+        about 2 ms in Python and argument conversion."""
+        n = len(self.gaps)
+        order = np.asarray(order, dtype=np.int64)
+        choice_is = np.asarray(choice, dtype=np.int64)
+        compressed = np.array([o.is_compressed for o in self.options], dtype=np.bool_)
+        front = _padded(cpu_front)
+        comp = _padded([f[compressed[f]] for f in cpu_front])
+        tables: list[np.ndarray] = []
+        prow = np.full(len(self.options), -1, dtype=np.int64)
+        q, taken_step, runs = 0, False, 0
+        t0, s0 = float(current.iteration_us), float(current.sum_done_us)
+        trace, spare = current.trace, _new_trace(n, self._lanes)
+        while True:
+            need, q, taken_step, _, more, t0, s0, swapped = _refine_pass(
+                self.gaps, self.size_idx, self.lane, choice_is, order, q, taken_step,
+                compressed, _padded(tables)[0], prow, *comp, *front, self._len, self._hold,
+                self._res, self._dur, len(RESOURCES), self.forward_us, tol, t0, s0, trace, spare,
+                np.empty((n, self._res.shape[1])), np.empty((n, self._res.shape[1])),
+                float(stop_us))
+            runs += int(more)
+            if swapped:
+                trace, spare = spare, trace
+            if need < 0:
+                break
+            table = placements(int(need))  # may catalogue options: the arrays grow
+            grown = len(self.options) - len(compressed)
+            if grown:
+                compressed = np.concatenate([compressed, np.array(
+                    [o.is_compressed for o in self.options[-grown:]], dtype=np.bool_)])
+                prow = np.concatenate([prow, np.full(grown, -1, dtype=np.int64)])
+            prow[table[table >= 0]] = len(tables)
+            tables.append(table)
+        if choice_is is not choice:
+            choice[:] = choice_is
+        self.calls += runs
+
     @staticmethod
     def warm_up() -> None:
         """Load (or compile) the kernels a plan runs. The exhaustive ones (bruteforce, the
@@ -1186,6 +1367,12 @@ class Evaluator:
                      np.zeros((1, 1)), np.zeros((1, 1)), -np.inf)
         _resimulate(np.ones(1), one, lane, one, 0, lens, lens, res, dur, n_res,
                     np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0), _new_trace(1, 0))
+        _refine_pass(np.ones(1), one, lane, one.copy(), one, 0, False, np.ones(1, dtype=np.bool_),
+                     np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64),
+                     np.zeros((1, 1), dtype=np.int64), one, np.zeros((1, 1), dtype=np.int64),
+                     one, lens, lens, res, dur, n_res, 0.0, 1e-6, np.inf, np.inf,
+                     _new_trace(1, 0), _new_trace(1, 0), np.zeros((1, 1)), np.zeros((1, 1)),
+                     -np.inf)
         _best_group(np.ones(1), one, lane, one, one, one, lens, lens, res, dur, n_res, 0.0,
                     np.inf, 1e-6, True, none)
         _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),

@@ -1,5 +1,7 @@
 """Search quality against bruteforce, baselines, and pricing/simulating the whole tree."""
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from byteps_espresso.strategy import (
     costs,
     search,
 )
-from byteps_espresso.strategy.context import PlanContext, pareto_front
+from byteps_espresso.strategy.context import PlanContext, clear_model_cache, pareto_front
 from byteps_espresso.strategy.instances import random_instance
 from byteps_espresso.strategy.options import Device
 from byteps_espresso.strategy.tree import option_forms
@@ -172,8 +174,6 @@ def test_search_catalogue_agrees_with_the_options():
 
 def test_priced_model_is_shared_across_plans_and_replans():
     from dataclasses import replace
-
-    from byteps_espresso.strategy.context import clear_model_cache
 
     wl = Workload.builtin("lstm")
     cluster = Cluster.preset(4, 4, "pcie", 25)
@@ -558,3 +558,100 @@ def test_group_and_row_searches_with_nothing_to_run():
     assert empty.best_group(np.zeros(n, dtype=np.int64), np.arange(n),
                             np.zeros(0, dtype=np.int64), 7.0) == (-1, 7.0)
     assert empty.best_row(np.zeros((0, n), dtype=np.int64), 5.0) == (-1, 5.0)
+
+
+@pytest.mark.parametrize(("model", "intra", "gbps", "compressor", "lanes"), [
+    ("vgg16", "pcie", 25, "efsignsgd", None),
+    ("ugatit", "pcie", 25, "randomk", 2),
+    ("bert", "pcie", 25, "dgc", None),
+    ("resnet50", "nvlink", 100, "efsignsgd", 3),
+])
+def test_refine_devices_equals_best_of_and_reschedule_per_tensor(model, intra, gbps, compressor,
+                                                                lanes):
+    """Evaluator.refine_devices, mostly one kernel call, takes the options that the device
+    refinement's loop of best_of and reschedule calls takes from Python (search.py before
+    the kernel), makes the placement tables in the same order (so it catalogues the same
+    options under the same indices) and counts the same evaluations; from a random start of
+    GPU options (so that many tensors move), with and without a stop halfway, each run on
+    an empty priced-model cache."""
+    rng = np.random.default_rng(len(model) + len(compressor))
+    clear_model_cache()
+    start_ctx = _prepared(model, intra, gbps, compressor, lanes)
+    fronts = start_ctx.fronts(Device.GPU)
+    start = np.array([rng.choice(fronts.index[u]) for u in start_ctx.evaluator.size_idx],
+                     dtype=np.int64)
+    first = start_ctx.evaluator.schedule(start).iteration_us
+
+    def cold() -> tuple[PlanContext, list, Callable[[int], np.ndarray]]:
+        """A context on an empty cache, its CPU fronts made, and placements that records
+        each table the first time it is made."""
+        clear_model_cache()
+        ctx = _prepared(model, intra, gbps, compressor, lanes)
+        ctx.fronts(Device.CPU)
+        made: list = []
+        seen: set = set()
+
+        def placements(k: int) -> np.ndarray:
+            table = ctx.placements(k)
+            if id(table) not in seen:
+                seen.add(id(table))
+                made.append(ctx.evaluator.options[k])
+            return table
+
+        return ctx, made, placements
+
+    def loop(stop: float) -> tuple:
+        ctx, made, placements = cold()
+        ev = ctx.evaluator
+        options = ev.options
+        cpu_front = ctx.fronts(Device.CPU).index
+        cpu_compressed = [f[[options[k].is_compressed for k in f.tolist()]] for f in cpu_front]
+        want = start.copy()
+        now = ev.schedule(want)
+        calls, moves, second = ev.calls, 0, 0
+        for i in ctx.visit_order:
+            if now.iteration_us <= stop:
+                break
+            keep = int(want[i])
+            u = ev.size_idx[i]
+            if options[keep].is_compressed:
+                table = placements(keep)
+                placed = table[table >= 0]
+                candidates = np.union1d(placed, cpu_compressed[u])
+            elif i + 1 < ctx.n_tensors and now.done_us[i] <= now.ready_us[i + 1]:
+                continue
+            else:
+                placed, candidates = np.zeros(0, dtype=np.int64), cpu_front[u]
+            k, _ = ev.best_of(want, i, candidates, current=now)
+            if k != keep:
+                want[i] = k
+                moves += 1
+                now = ev.reschedule(want, i, now)
+            if options[k].is_compressed and k not in placed:
+                table = placements(k)
+                k2, _ = ev.best_of(want, i, table[table >= 0], current=now)
+                second += 1
+                if k2 != k:
+                    want[i] = k2
+                    moves += 1
+                    now = ev.reschedule(want, i, now)
+        return want, now[:2], ev.calls - calls, made, moves, second
+
+    full = loop(-np.inf)
+    stop = (first + full[1][0]) / 2
+    cut = loop(stop)
+    # the checks mean something: tensors moved, some to options outside their placements
+    assert full[4] > 0 and 0 < cut[4] < full[4] and full[5] > 0
+    for (want, now_want, calls_want, made_want, *_), stop_us in ((full, -np.inf), (cut, stop)):
+        ctx, made, placements = cold()
+        ev = ctx.evaluator
+        got = start.copy()
+        current = ev.schedule(got)
+        before = ev.calls
+        ev.refine_devices(got, ctx.visit_order, placements=placements,
+                          cpu_front=ctx.fronts(Device.CPU).index, current=current,
+                          stop_us=stop_us)
+        assert ev.calls - before == calls_want
+        assert np.array_equal(got, want)
+        assert ev.schedule(got)[:2] == now_want
+        assert made == made_want
