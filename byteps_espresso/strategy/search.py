@@ -206,15 +206,9 @@ def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarra
     Tensors of one size are interchangeable for the cost model; moving them together escapes
     the plateau where compressing any single one does not shorten the iteration because the
     others still hold the link."""
-    now = ctx.evaluator.schedule(choice)
-    for u, group in ctx.size_groups.items():
-        if now.iteration_us <= stop:
-            break
-        best_k, _ = ctx.evaluator.best_group(choice, group, front_idx[u], now)
-        if best_k >= 0:
-            choice[group] = best_k
-            now = ctx.evaluator.schedule(choice)
-    return now.iteration_us
+    groups = ctx.size_groups
+    return ctx.evaluator.group_moves(choice, list(groups.values()),
+                                     [front_idx[u] for u in groups], stop_us=stop)
 
 
 @dataclass(frozen=True)

@@ -697,6 +697,38 @@ def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_hold,
 
 
 @numba.njit(cache=True)
+def _group_pass(gaps, size_idx, lane, choice, members, members_len, cands, cands_len, cat_len,  # noqa: PLR0917
+                cat_hold, cat_res, cat_dur, n_res, forward, tol, trace, spare, task_start,
+                task_end, stop):  # pragma: no cover - compiled
+    """Algorithm 1's group moves (search._group_moves): for each group g in turn (its tensors
+    members[g, :members_len[g]]), until the iteration time is at most ``stop``, the
+    candidate of cands[g, :cands_len[g]] that, given to all its tensors, gives the shortest
+    iteration below the current one (_best_group, following the current schedule's trace,
+    which is retraced after each move into ``trace``/``spare`` in turn). ``choice`` is
+    changed in place. Returns (the iteration time of ``choice``, the runs)."""
+    bwd, last, _ = _simulate(gaps, size_idx, lane, choice, cat_len, cat_hold, cat_res, cat_dur,
+                             n_res, _YES, task_start, task_end, trace)
+    t0 = forward + max(bwd, last)
+    runs = 1
+    for g in range(members.shape[0]):
+        if t0 <= stop:
+            break
+        group = members[g, :members_len[g]]
+        k, _ = _best_group(gaps, size_idx, lane, choice, group, cands[g, :cands_len[g]], cat_len,
+                           cat_hold, cat_res, cat_dur, n_res, forward, t0, tol, _YES, trace)
+        runs += cands_len[g]
+        if k >= 0:
+            for m in range(group.shape[0]):
+                choice[group[m]] = k
+            bwd, last, _ = _simulate(gaps, size_idx, lane, choice, cat_len, cat_hold, cat_res,
+                                     cat_dur, n_res, _YES, task_start, task_end, spare)
+            runs += 1
+            trace, spare = spare, trace
+            t0 = forward + max(bwd, last)
+    return t0, runs
+
+
+@numba.njit(cache=True)
 def _best_row(gaps, size_idx, lane, rows, cat_len, cat_hold, cat_res, cat_dur,  # noqa: PLR0917
               n_res, forward, current, tol):  # pragma: no cover - compiled
     """The first row (a strategy) of the lowest iteration time below current - tol, taken in
@@ -1375,6 +1407,10 @@ class Evaluator:
                      -np.inf)
         _best_group(np.ones(1), one, lane, one, one, one, lens, lens, res, dur, n_res, 0.0,
                     np.inf, 1e-6, True, none)
+        _group_pass(np.ones(1), one, lane, one.copy(), np.zeros((1, 1), dtype=np.int64), one,
+                    np.zeros((1, 1), dtype=np.int64), one, lens, lens, res, dur, n_res, 0.0,
+                    1e-6, _new_trace(1, 0), _new_trace(1, 0), np.zeros((1, 1)),
+                    np.zeros((1, 1)), -np.inf)
         _offload_search(np.ones(1), one, lane, one, np.zeros((1, 1), dtype=np.int64),
                         np.ones((1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1,
                         lens, lens, res, dur, n_res, 0.0, np.inf, 1e-6, 10,
@@ -1395,6 +1431,37 @@ class Evaluator:
                            trace is not None, trace if trace is not None else self._no_trace)
         self.calls += len(cands)
         return int(k), float(t)
+
+    def group_moves(self, choice: np.ndarray, groups: Sequence[np.ndarray],
+                    candidates: Sequence[np.ndarray], *, tol: float = 1e-6,
+                    stop_us: float = -np.inf) -> float:
+        """Algorithm 1's group moves (search._group_moves) in one kernel call, the same as
+        this loop, bit for bit (``choice`` is changed in place; returns its iteration
+        time)::
+
+            now = self.schedule(choice)
+            for members, cands in zip(groups, candidates):
+                if now.iteration_us <= stop_us:
+                    break
+                k, _ = self.best_group(choice, members, cands, now, tol)
+                if k >= 0:
+                    choice[members] = k
+                    now = self.schedule(choice)
+        """
+        n = len(self.gaps)
+        members, members_len = _padded(groups)
+        cands, cands_len = _padded(candidates)
+        width = self._res.shape[1]
+        work = np.asarray(choice, dtype=np.int64)
+        t, runs = _group_pass(self.gaps, self.size_idx, self.lane, work, members, members_len,
+                              cands, cands_len, self._len, self._hold, self._res, self._dur,
+                              len(RESOURCES), self.forward_us, tol, _new_trace(n, self._lanes),
+                              _new_trace(n, self._lanes), np.empty((n, width)),
+                              np.empty((n, width)), float(stop_us))
+        if work is not choice:
+            choice[:] = work
+        self.calls += int(runs)
+        return float(t)
 
     def best_offload(self, choice: np.ndarray, tunit: np.ndarray, tbits: np.ndarray, *,
                      table: np.ndarray, n_units: int, current: float, tol: float = 1e-6,

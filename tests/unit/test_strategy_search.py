@@ -655,3 +655,50 @@ def test_refine_devices_equals_best_of_and_reschedule_per_tensor(model, intra, g
         assert np.array_equal(got, want)
         assert ev.schedule(got)[:2] == now_want
         assert made == made_want
+
+
+@pytest.mark.parametrize(("model", "intra", "gbps", "compressor", "lanes"), [
+    ("vgg16", "pcie", 25, "efsignsgd", None),
+    ("ugatit", "pcie", 25, "randomk", 2),
+    ("bert", "nvlink", 100, "dgc", 3),
+])
+def test_group_moves_equal_best_group_and_schedule_per_group(model, intra, gbps, compressor,
+                                                             lanes):
+    """Evaluator.group_moves, one kernel call, gives every size group the option that
+    best_group and schedule called per group from Python give it (search.py before the
+    kernel), and counts the same evaluations; from a random start, with and without a stop
+    halfway."""
+    rng = np.random.default_rng(len(model) * len(compressor))
+    ctx = _prepared(model, intra, gbps, compressor, lanes)
+    ev = ctx.evaluator
+    fronts = ctx.fronts(Device.GPU)
+    start = np.array([rng.choice(fronts.index[u]) for u in ev.size_idx], dtype=np.int64)
+    groups = list(ctx.size_groups.items())
+
+    def loop(stop: float) -> tuple[np.ndarray, float, int, int]:
+        want = start.copy()
+        calls = ev.calls
+        now = ev.schedule(want)
+        moves = 0
+        for u, members in groups:
+            if now.iteration_us <= stop:
+                break
+            k, _ = ev.best_group(want, members, fronts.index[u], now)
+            if k >= 0:
+                want[members] = k
+                moves += 1
+                now = ev.schedule(want)
+        return want, now.iteration_us, ev.calls - calls, moves
+
+    full = loop(-np.inf)
+    stop = (ev.schedule(start).iteration_us + full[1]) / 2
+    cut = loop(stop)
+    assert 0 < cut[3] < full[3]  # the checks mean something
+    for (want, t_want, calls_want, _), stop_us in ((full, -np.inf), (cut, stop)):
+        got = start.copy()
+        calls = ev.calls
+        t = ev.group_moves(got, [m for _, m in groups], [fronts.index[u] for u, _ in groups],
+                           stop_us=stop_us)
+        assert np.array_equal(got, want)
+        assert t == t_want
+        assert ev.calls - calls == calls_want
