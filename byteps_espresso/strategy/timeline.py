@@ -556,26 +556,32 @@ def _refine_pass(gaps, size_idx, lane, choice, order, q0, taken_step, compressed
 
     Placement tables are made by the caller (they may price options), so where one is not
     yet known (prow < 0) the pass stops and names it. Returns (option whose table is
-    wanted or -1 when the pass is over, q, taken_step, changed, runs, t0, s0, whether the
-    current trace is ``spare``)."""
+    wanted or -1 when the pass is over, q, taken_step, runs, t0, s0, whether the current
+    trace is ``spare``)."""
     n = gaps.shape[0]
     cands = np.empty(ptab.shape[1] + cpu_comp.shape[1] + cpu_front.shape[1] + 1, dtype=np.int64)
     runs = 0
-    changed = False
     swapped = False
     for q in range(q0, order.shape[0]):
         i = order[q]
         u = size_idx[i]
         placed = _NONE  # the ptab row of the tensor's option where it is compressed
-        if not (q == q0 and taken_step):
-            if t0 <= stop:
-                break
+        step = 1 if q == q0 and taken_step else 0
+        while step < 2:
             keep = choice[i]
             m = 0
-            if compressed[keep]:
+            if step == 1:  # the placements of the option it took
+                row = prow[keep]
+                for c in range(ptab.shape[1]):
+                    if ptab[row, c] >= 0 and ptab[row, c] != keep:
+                        cands[m] = ptab[row, c]
+                        m += 1
+            elif t0 <= stop:
+                return _NONE, order.shape[0], False, runs, t0, s0, swapped
+            elif compressed[keep]:
                 placed = prow[keep]
                 if placed < 0:
-                    return keep, q, False, changed, runs, t0, s0, swapped
+                    return keep, q, False, runs, t0, s0, swapped
                 for c in range(ptab.shape[1]):
                     if ptab[placed, c] >= 0:
                         cands[m] = ptab[placed, c]
@@ -591,7 +597,7 @@ def _refine_pass(gaps, size_idx, lane, choice, order, q0, taken_step, compressed
                         kept += 1
                 m = kept
             elif i + 1 < n and trace[1][i] <= trace[0][i + 1]:
-                continue  # Algorithm 1's bubble rule: nothing waits for it
+                break  # Algorithm 1's bubble rule: nothing waits for it
             else:
                 for c in range(cpu_front_len[u]):
                     if cpu_front[u, c] != keep:
@@ -600,49 +606,27 @@ def _refine_pass(gaps, size_idx, lane, choice, order, q0, taken_step, compressed
             k, _, _ = _best_of(gaps, size_idx, lane, choice, i, cands[:m], cat_len, cat_hold,
                                cat_res, cat_dur, n_res, forward, tol, keep, t0, s0, _YES, trace)
             runs += m
-            if k == keep:
-                continue
-            choice[i] = k
-            changed = True
-            bwd, last, sdone = _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_hold,
-                                           cat_res, cat_dur, n_res, task_start, task_end, spare,
-                                           trace)
-            runs += 1
-            trace, spare = spare, trace
-            swapped = not swapped
-            t0 = forward + max(bwd, last)
-            s0 = sdone
-            if not compressed[k]:
-                continue
+            if k != keep:
+                choice[i] = k
+                bwd, last, sdone = _resimulate(gaps, size_idx, lane, choice, i, cat_len,
+                                               cat_hold, cat_res, cat_dur, n_res, task_start,
+                                               task_end, spare, trace)
+                runs += 1
+                trace, spare = spare, trace
+                swapped = not swapped
+                t0 = forward + max(bwd, last)
+                s0 = sdone
+            # a compressed option outside the tensor's placements: its own placements next
+            inside = step == 1 or not compressed[k]
             if placed >= 0:
-                inside = False
                 for c in range(ptab.shape[1]):
                     inside = inside or ptab[placed, c] == k
-                if inside:
-                    continue
+            if inside:
+                break
             if prow[k] < 0:
-                return k, q, True, changed, runs, t0, s0, swapped
-        keep = choice[i]
-        row = prow[keep]
-        m = 0
-        for c in range(ptab.shape[1]):
-            if ptab[row, c] >= 0 and ptab[row, c] != keep:
-                cands[m] = ptab[row, c]
-                m += 1
-        k, _, _ = _best_of(gaps, size_idx, lane, choice, i, cands[:m], cat_len, cat_hold,
-                           cat_res, cat_dur, n_res, forward, tol, keep, t0, s0, _YES, trace)
-        runs += m
-        if k != keep:
-            choice[i] = k
-            bwd, last, sdone = _resimulate(gaps, size_idx, lane, choice, i, cat_len, cat_hold,
-                                           cat_res, cat_dur, n_res, task_start, task_end, spare,
-                                           trace)
-            runs += 1
-            trace, spare = spare, trace
-            swapped = not swapped
-            t0 = forward + max(bwd, last)
-            s0 = sdone
-    return _NONE, order.shape[0], False, changed, runs, t0, s0, swapped
+                return k, q, True, runs, t0, s0, swapped
+            step = 1
+    return _NONE, order.shape[0], False, runs, t0, s0, swapped
 
 
 @numba.njit(cache=True)
@@ -1355,7 +1339,7 @@ class Evaluator:
         t0, s0 = float(current.iteration_us), float(current.sum_done_us)
         trace, spare = current.trace, _new_trace(n, self._lanes)
         while True:
-            need, q, taken_step, _, more, t0, s0, swapped = _refine_pass(
+            need, q, taken_step, more, t0, s0, swapped = _refine_pass(
                 self.gaps, self.size_idx, self.lane, choice_is, order, q, taken_step,
                 compressed, _padded(tables)[0], prow, *comp, *front, self._len, self._hold,
                 self._res, self._dur, len(RESOURCES), self.forward_us, tol, t0, s0, trace, spare,
