@@ -1285,7 +1285,8 @@ class Evaluator:
 
         (u: tensor i's size index; ``plain``: per catalogued option, whether it is
         uncompressed). Called one by one, the best_of and reschedule calls of a warm
-        ResNet101 plan spent about 3 ms in Python and argument conversion."""
+        ResNet101 plan spent about 3 ms in Python and argument conversion. ``current``'s
+        trace becomes the kernel's work space: do not follow it afterwards."""
         n = len(self.gaps)
         width = self._res.shape[1]
         changed, runs = _greedy_pass(
@@ -1319,17 +1320,19 @@ class Evaluator:
                 current = take_best(i, candidates, current)
                 taken = choice[i]
                 if options[taken].is_compressed and taken not in placed:
-                    current = take_best(i, placements(taken)[...  >= 0], current)
+                    table = placements(taken)
+                    current = take_best(i, table[table >= 0], current)
 
         (u: tensor i's size index; cpu_compressed[u]: the compressed options of
         cpu_front[u], in order; take_best: :meth:`best_of` with ``current``, and
         :meth:`reschedule` where it changed). ``placements(k)``: option k's placement table
         (PlanContext.placements), asked for in the loop's order, since it may add options.
         Called one by one, the best_of and reschedule calls of a warm UGATIT plan spent
-        about 2 ms in Python and argument conversion."""
+        about 2 ms in Python and argument conversion. ``current``'s trace becomes the kernel's
+        work space: do not follow it afterwards."""
         n = len(self.gaps)
         order = np.asarray(order, dtype=np.int64)
-        choice_is = np.asarray(choice, dtype=np.int64)
+        work = np.asarray(choice, dtype=np.int64)
         compressed = np.array([o.is_compressed for o in self.options], dtype=np.bool_)
         front = _padded(cpu_front)
         comp = _padded([f[compressed[f]] for f in cpu_front])
@@ -1340,7 +1343,7 @@ class Evaluator:
         trace, spare = current.trace, _new_trace(n, self._lanes)
         while True:
             need, q, taken_step, more, t0, s0, swapped = _refine_pass(
-                self.gaps, self.size_idx, self.lane, choice_is, order, q, taken_step,
+                self.gaps, self.size_idx, self.lane, work, order, q, taken_step,
                 compressed, _padded(tables)[0], prow, *comp, *front, self._len, self._hold,
                 self._res, self._dur, len(RESOURCES), self.forward_us, tol, t0, s0, trace, spare,
                 np.empty((n, self._res.shape[1])), np.empty((n, self._res.shape[1])),
@@ -1358,8 +1361,8 @@ class Evaluator:
                 prow = np.concatenate([prow, np.full(grown, -1, dtype=np.int64)])
             prow[table[table >= 0]] = len(tables)
             tables.append(table)
-        if choice_is is not choice:
-            choice[:] = choice_is
+        if work is not choice:
+            choice[:] = work
         self.calls += runs
 
     @staticmethod
