@@ -28,7 +28,7 @@ import itertools
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -611,6 +611,12 @@ class PlanContext:
                                                                             strict=True))],
                                        dtype=np.int64))
         return got
+
+    @property
+    def placements_made(self) -> Mapping[int, np.ndarray]:
+        """The placement tables :meth:`placements` has made so far, by option (do not
+        modify them)."""
+        return self._placements
 
     def placements(self, k: int) -> np.ndarray:
         """Evaluator indices of every device placement of option ``k``'s Comp/Decomp steps:

@@ -383,7 +383,8 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray, stop: float) -> np.nda
     # the uncompressed ones) are what the kernel tries beside a compressed tensor's placements
     evaluator.refine_devices(choice, ctx.visit_order, placements=ctx.placements,
                              cpu_front=ctx.fronts(Device.CPU).index,
-                             current=evaluator.schedule(choice), stop_us=stop)
+                             made=ctx.placements_made, current=evaluator.schedule(choice),
+                             stop_us=stop)
     return choice
 
 

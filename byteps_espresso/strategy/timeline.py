@@ -37,7 +37,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -1090,6 +1090,17 @@ class Catalogue:
         self.hold = np.zeros(0, dtype=np.int64)
         self.busy = np.zeros((0, len(pricer.numels), len(RESOURCES)))
         self.total = np.zeros((0, len(pricer.numels)))
+        self._compressed = np.zeros(0, dtype=np.bool_)
+
+    @property
+    def compressed(self) -> np.ndarray:
+        """(O,) whether each option is compressed (:attr:`Option.is_compressed`), extended
+        as options are added."""
+        have = self._compressed
+        if len(have) < len(self.options):
+            self._compressed = have = np.concatenate([have, np.array(
+                [o.is_compressed for o in self.options[len(have):]], dtype=np.bool_)])
+        return have
 
     def add(self, options: Sequence[Option],
             priced: Sequence[StepTasks] | None = None) -> list[int]:
@@ -1300,8 +1311,9 @@ class Evaluator:
 
     def refine_devices(self, choice: np.ndarray, order: Sequence[int], *,
                        placements: Callable[[int], np.ndarray],
-                       cpu_front: Sequence[np.ndarray], current: Schedule,
-                       tol: float = 1e-6, stop_us: float = -np.inf) -> None:
+                       made: Mapping[int, np.ndarray], cpu_front: Sequence[np.ndarray],
+                       current: Schedule, tol: float = 1e-6,
+                       stop_us: float = -np.inf) -> None:
         """The device refinement (search._refine_devices) over the tensors of ``order``,
         mostly in one kernel call (``_refine_pass``); ``choice`` is changed in place, the
         same as this loop, bit for bit::
@@ -1326,18 +1338,25 @@ class Evaluator:
         (u: tensor i's size index; cpu_compressed[u]: the compressed options of
         cpu_front[u], in order; take_best: :meth:`best_of` with ``current``, and
         :meth:`reschedule` where it changed). ``placements(k)``: option k's placement table
-        (PlanContext.placements), asked for in the loop's order, since it may add options.
+        (PlanContext.placements), asked for in the loop's order, since it may add options;
+        ``made``: the tables made before (by option), used without asking.
         Called one by one, the best_of and reschedule calls of a warm UGATIT plan spent
         about 2 ms in Python and argument conversion. ``current``'s trace becomes the kernel's
         work space: do not follow it afterwards."""
         n = len(self.gaps)
         order = np.asarray(order, dtype=np.int64)
         work = np.asarray(choice, dtype=np.int64)
-        compressed = np.array([o.is_compressed for o in self.options], dtype=np.bool_)
+        compressed = self.catalogue.compressed
         front = _padded(cpu_front)
         comp = _padded([f[compressed[f]] for f in cpu_front])
         tables: list[np.ndarray] = []
         prow = np.full(len(self.options), -1, dtype=np.int64)
+        rows: dict[int, int] = {}  # id of a made table -> its row (a form's share one)
+        for k, table in made.items():
+            row = rows.setdefault(id(table), len(tables))
+            if row == len(tables):
+                tables.append(table)
+            prow[k] = row
         q, taken_step, runs = 0, False, 0
         t0, s0 = float(current.iteration_us), float(current.sum_done_us)
         trace, spare = current.trace, _new_trace(n, self._lanes)
@@ -1354,10 +1373,9 @@ class Evaluator:
             if need < 0:
                 break
             table = placements(int(need))  # may catalogue options: the arrays grow
-            grown = len(self.options) - len(compressed)
+            grown = len(self.options) - len(prow)
             if grown:
-                compressed = np.concatenate([compressed, np.array(
-                    [o.is_compressed for o in self.options[-grown:]], dtype=np.bool_)])
+                compressed = self.catalogue.compressed
                 prow = np.concatenate([prow, np.full(grown, -1, dtype=np.int64)])
             prow[table[table >= 0]] = len(tables)
             tables.append(table)

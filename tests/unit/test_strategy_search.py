@@ -644,17 +644,23 @@ def test_refine_devices_equals_best_of_and_reschedule_per_tensor(model, intra, g
     assert full[4] > 0 and 0 < cut[4] < full[4] and full[5] > 0
     for (want, now_want, calls_want, made_want, *_), stop_us in ((full, -np.inf), (cut, stop)):
         ctx, made, placements = cold()
-        ev = ctx.evaluator
-        got = start.copy()
-        current = ev.schedule(got)
-        before = ev.calls
-        ev.refine_devices(got, ctx.visit_order, placements=placements,
-                          cpu_front=ctx.fronts(Device.CPU).index, current=current,
-                          stop_us=stop_us)
-        assert ev.calls - before == calls_want
-        assert np.array_equal(got, want)
-        assert ev.schedule(got)[:2] == now_want
-        assert made == made_want
+        for again in (False, True):
+            # again: a context on the same model, whose tables are made (``made``): none
+            # is asked for
+            if again:
+                ctx = _prepared(model, intra, gbps, compressor, lanes)
+                made.clear()
+            ev = ctx.evaluator
+            got = start.copy()
+            current = ev.schedule(got)
+            before = ev.calls
+            ev.refine_devices(got, ctx.visit_order, placements=placements,
+                              made=ctx.placements_made, cpu_front=ctx.fronts(Device.CPU).index,
+                              current=current, stop_us=stop_us)
+            assert ev.calls - before == calls_want
+            assert np.array_equal(got, want)
+            assert ev.schedule(got)[:2] == now_want
+            assert made == ([] if again else made_want)
 
 
 @pytest.mark.parametrize(("model", "intra", "gbps", "compressor", "lanes"), [
