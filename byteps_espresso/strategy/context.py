@@ -47,7 +47,7 @@ from byteps_espresso.strategy.costs import (
 )
 from byteps_espresso.strategy.options import Device, Kind, Option, Scope, Step
 from byteps_espresso.strategy.program import Form, compile_option
-from byteps_espresso.strategy.timeline import Catalogue, Evaluator
+from byteps_espresso.strategy.timeline import Catalogue, Evaluator, index_table
 from byteps_espresso.strategy.tree import (
     Constraints,
     canonical_options,
@@ -290,18 +290,18 @@ class Fronts:
     fastest_alone: np.ndarray
 
     @functools.cached_property
+    def _table(self) -> tuple[np.ndarray, np.ndarray]:
+        return index_table(self.index)
+
+    @property
     def table(self) -> np.ndarray:
         """``index`` as one (sizes, longest front) array, -1 padded (the kernels' form)."""
-        table = np.full((len(self.index), max(map(len, self.index), default=0)), -1,
-                        dtype=np.int64)
-        for u, front in enumerate(self.index):
-            table[u, : len(front)] = front
-        return table
+        return self._table[0]
 
-    @functools.cached_property
+    @property
     def count(self) -> np.ndarray:
         """The length of each size's front (the valid entries of ``table``)."""
-        return np.array([len(front) for front in self.index], dtype=np.int64)
+        return self._table[1]
 
 
 @dataclass

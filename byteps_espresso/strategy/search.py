@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from byteps_espresso.strategy.context import PlanContext
+from byteps_espresso.strategy.context import Fronts, PlanContext
 from byteps_espresso.strategy.options import Device
 
 __all__ = ["GREEDY_PASSES", "INCUMBENT_AFTER", "INCUMBENT_NODES", "OFFLOAD_NODE_LIMIT",
@@ -177,7 +177,7 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
 
     # The first start's group moves stop at the floor's gap only: compute-bound workloads
     # end there without pricing the bound.
-    t_choice = _group_moves(ctx, choice, fronts.index, stop_us(ctx, gap, bound=False))
+    t_choice = _group_moves(ctx, choice, fronts, stop_us(ctx, gap, bound=False))
     stop = stop_us(ctx, gap, at=t_choice)
     if t_choice <= stop:
         return choice
@@ -192,23 +192,21 @@ def gpu_greedy(ctx: PlanContext, choice: np.ndarray, device: Device = Device.GPU
             return ahead
     # Second start (ours): every tensor on its fastest option in isolation; keep the better.
     alone = fronts.fastest_alone[size_idx]
-    if _group_moves(ctx, alone, fronts.index, stop) < t_choice - 1e-6:
+    if _group_moves(ctx, alone, fronts, stop) < t_choice - 1e-6:
         return greedy(alone)
     return ahead if ahead is not None else greedy(choice)
 
 
-def _group_moves(ctx: PlanContext, choice: np.ndarray, front_idx: list[np.ndarray],
-                 stop: float) -> float:
-    """For each size group (largest first), try giving all its tensors one option (in place),
-    until the iteration time is at most ``stop``; returns the iteration time of the resulting
-    ``choice``.
+def _group_moves(ctx: PlanContext, choice: np.ndarray, fronts: Fronts, stop: float) -> float:
+    """For each size group (largest first), try giving all its tensors one option of its
+    size's front (in place), until the iteration time is at most ``stop``; returns the
+    iteration time of the resulting ``choice``.
 
     Tensors of one size are interchangeable for the cost model; moving them together escapes
     the plateau where compressing any single one does not shorten the iteration because the
     others still hold the link."""
-    groups = ctx.size_groups
-    return ctx.evaluator.group_moves(choice, list(groups.values()),
-                                     [front_idx[u] for u in groups], stop_us=stop)
+    return ctx.evaluator.group_moves(choice, list(ctx.size_groups.values()),
+                                     front=fronts.table, front_len=fronts.count, stop_us=stop)
 
 
 @dataclass(frozen=True)
@@ -381,9 +379,10 @@ def _refine_devices(ctx: PlanContext, choice: np.ndarray, stop: float) -> np.nda
     evaluator = ctx.evaluator
     # the host front's compressed options (Algorithm 1 weighed a compressed tensor against
     # the uncompressed ones) are what the kernel tries beside a compressed tensor's placements
+    cpu_front = ctx.fronts(Device.CPU)
     evaluator.refine_devices(choice, ctx.visit_order, placements=ctx.placements,
-                             cpu_front=ctx.fronts(Device.CPU).index,
-                             made=ctx.placements_made, current=evaluator.schedule(choice),
+                             made=ctx.placements_made, cpu_front=cpu_front.table,
+                             cpu_front_len=cpu_front.count, current=evaluator.schedule(choice),
                              stop_us=stop)
     return choice
 

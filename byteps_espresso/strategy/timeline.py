@@ -49,7 +49,7 @@ from byteps_espresso.strategy.costs import GPU, RESOURCES, PricedBatch, Pricer, 
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.workload import Workload
 
-__all__ = ["Catalogue", "Evaluator", "Schedule", "Task", "Timeline"]
+__all__ = ["Catalogue", "Evaluator", "Schedule", "Task", "Timeline", "index_table"]
 
 
 # A task may start in an idle gap before the last BACKFILL_WINDOW busy intervals of its
@@ -541,16 +541,16 @@ def _greedy_pass(gaps, size_idx, lane, choice, order, plain, front, front_len, b
 
 @numba.njit(cache=True)
 def _refine_pass(gaps, size_idx, lane, choice, order, q0, taken_step, compressed, ptab, prow,  # noqa: PLR0912, PLR0915, PLR0917
-                 cpu_comp, cpu_comp_len, cpu_front, cpu_front_len, cat_len, cat_hold, cat_res,
-                 cat_dur, n_res, forward, tol, t0, s0, trace, spare, task_start, task_end,
+                 cpu_front, cpu_front_len, cat_len, cat_hold, cat_res, cat_dur, n_res, forward,
+                 tol, t0, s0, trace, spare, task_start, task_end,
                  stop):  # pragma: no cover - compiled
     """The device refinement (search._refine_devices) over the tensors order[q0:], each with
     the others fixed, against its own schedule (t0, s0, ``trace``; a taken candidate is
     retraced into ``spare`` and the two swap, as in _greedy_pass). ``choice`` is changed in
     place. A compressed tensor tries the sorted union of its option's placements
-    (ptab[prow[k]], -1 padded) and its size's compressed host options
-    (cpu_comp[u, :cpu_comp_len[u]]); an uncompressed one, unless synchronized before the
-    next gradient is ready, its size's host front (cpu_front[u, :cpu_front_len[u]]). A
+    (ptab[prow[k]], -1 padded) and the compressed options of its size's host front
+    (cpu_front[u, :cpu_front_len[u]]); an uncompressed one, unless synchronized before the
+    next gradient is ready, that whole front. A
     tensor that took a compressed option outside its option's placements then tries that
     option's placements (``taken_step``: resume there for order[q0]).
 
@@ -559,7 +559,7 @@ def _refine_pass(gaps, size_idx, lane, choice, order, q0, taken_step, compressed
     wanted or -1 when the pass is over, q, taken_step, runs, t0, s0, whether the current
     trace is ``spare``)."""
     n = gaps.shape[0]
-    cands = np.empty(ptab.shape[1] + cpu_comp.shape[1] + cpu_front.shape[1] + 1, dtype=np.int64)
+    cands = np.empty(ptab.shape[1] + cpu_front.shape[1] + 1, dtype=np.int64)
     runs = 0
     swapped = False
     for q in range(q0, order.shape[0]):
@@ -586,9 +586,10 @@ def _refine_pass(gaps, size_idx, lane, choice, order, q0, taken_step, compressed
                     if ptab[placed, c] >= 0:
                         cands[m] = ptab[placed, c]
                         m += 1
-                for c in range(cpu_comp_len[u]):
-                    cands[m] = cpu_comp[u, c]
-                    m += 1
+                for c in range(cpu_front_len[u]):
+                    if compressed[cpu_front[u, c]]:
+                        cands[m] = cpu_front[u, c]
+                        m += 1
                 cands[:m].sort()
                 kept = 0  # np.union1d's order, without the incumbent (best_of's candidates)
                 for c in range(m):
@@ -681,12 +682,13 @@ def _best_group(gaps, size_idx, lane, choice, members, cands, cat_len, cat_hold,
 
 
 @numba.njit(cache=True)
-def _group_pass(gaps, size_idx, lane, choice, members, members_len, cands, cands_len, cat_len,  # noqa: PLR0917
+def _group_pass(gaps, size_idx, lane, choice, members, members_len, front, front_len, cat_len,  # noqa: PLR0917
                 cat_hold, cat_res, cat_dur, n_res, forward, tol, trace, spare, task_start,
                 task_end, stop):  # pragma: no cover - compiled
     """Algorithm 1's group moves (search._group_moves): for each group g in turn (its tensors
-    members[g, :members_len[g]]), until the iteration time is at most ``stop``, the
-    candidate of cands[g, :cands_len[g]] that, given to all its tensors, gives the shortest
+    members[g, :members_len[g]], all of one size u), until the iteration time is at most
+    ``stop``, the candidate of front[u, :front_len[u]] that, given to all its tensors, gives
+    the shortest
     iteration below the current one (_best_group, following the current schedule's trace,
     which is retraced after each move into ``trace``/``spare`` in turn). ``choice`` is
     changed in place. Returns (the iteration time of ``choice``, the runs)."""
@@ -698,9 +700,10 @@ def _group_pass(gaps, size_idx, lane, choice, members, members_len, cands, cands
         if t0 <= stop:
             break
         group = members[g, :members_len[g]]
-        k, _ = _best_group(gaps, size_idx, lane, choice, group, cands[g, :cands_len[g]], cat_len,
+        u = size_idx[group[0]]
+        k, _ = _best_group(gaps, size_idx, lane, choice, group, front[u, :front_len[u]], cat_len,
                            cat_hold, cat_res, cat_dur, n_res, forward, t0, tol, _YES, trace)
-        runs += cands_len[g]
+        runs += front_len[u]
         if k >= 0:
             for m in range(group.shape[0]):
                 choice[group[m]] = k
@@ -1030,9 +1033,9 @@ class Timeline:
     options: tuple[Option, ...]
 
 
-def _padded(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """``rows`` as one (rows, longest) int64 array, -1 padded (at least 1 x 1), and each
-    row's length: the kernels' form of a list of index arrays."""
+def index_table(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` (index arrays) as one (rows, longest) int64 array, -1 padded (at least
+    1 x 1), and each row's length: the kernels' form of a list of index arrays."""
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
     table = np.full((max(len(rows), 1), max(lengths.max(initial=0), 1)), -1, dtype=np.int64)
     for k, r in enumerate(rows):
@@ -1311,8 +1314,8 @@ class Evaluator:
 
     def refine_devices(self, choice: np.ndarray, order: Sequence[int], *,
                        placements: Callable[[int], np.ndarray],
-                       made: Mapping[int, np.ndarray], cpu_front: Sequence[np.ndarray],
-                       current: Schedule, tol: float = 1e-6,
+                       made: Mapping[int, np.ndarray], cpu_front: np.ndarray,
+                       cpu_front_len: np.ndarray, current: Schedule, tol: float = 1e-6,
                        stop_us: float = -np.inf) -> None:
         """The device refinement (search._refine_devices) over the tensors of ``order``,
         mostly in one kernel call (``_refine_pass``); ``choice`` is changed in place, the
@@ -1335,8 +1338,9 @@ class Evaluator:
                     table = placements(taken)
                     current = take_best(i, table[table >= 0], current)
 
-        (u: tensor i's size index; cpu_compressed[u]: the compressed options of
-        cpu_front[u], in order; take_best: :meth:`best_of` with ``current``, and
+        (u: tensor i's size index; cpu_front[u]: cpu_front[u, :cpu_front_len[u]], the host
+        front as ``Fronts.table`` and ``Fronts.count`` hold it; cpu_compressed[u]: its
+        compressed options, in order; take_best: :meth:`best_of` with ``current``, and
         :meth:`reschedule` where it changed). ``placements(k)``: option k's placement table
         (PlanContext.placements), asked for in the loop's order, since it may add options;
         ``made``: the tables made before (by option), used without asking.
@@ -1347,8 +1351,6 @@ class Evaluator:
         order = np.asarray(order, dtype=np.int64)
         work = np.asarray(choice, dtype=np.int64)
         compressed = self.catalogue.compressed
-        front = _padded(cpu_front)
-        comp = _padded([f[compressed[f]] for f in cpu_front])
         tables: list[np.ndarray] = []
         prow = np.full(len(self.options), -1, dtype=np.int64)
         rows: dict[int, int] = {}  # id of a made table -> its row (a form's share one)
@@ -1363,10 +1365,10 @@ class Evaluator:
         while True:
             need, q, taken_step, more, t0, s0, swapped = _refine_pass(
                 self.gaps, self.size_idx, self.lane, work, order, q, taken_step,
-                compressed, _padded(tables)[0], prow, *comp, *front, self._len, self._hold,
-                self._res, self._dur, len(RESOURCES), self.forward_us, tol, t0, s0, trace, spare,
-                np.empty((n, self._res.shape[1])), np.empty((n, self._res.shape[1])),
-                float(stop_us))
+                compressed, index_table(tables)[0], prow, cpu_front, cpu_front_len, self._len,
+                self._hold, self._res, self._dur, len(RESOURCES), self.forward_us, tol, t0, s0,
+                trace, spare, np.empty((n, self._res.shape[1])),
+                np.empty((n, self._res.shape[1])), float(stop_us))
             runs += int(more)
             if swapped:
                 trace, spare = spare, trace
@@ -1406,8 +1408,8 @@ class Evaluator:
                     np.zeros((1, 1)), np.zeros((1, 1)), _new_trace(1, 0), _new_trace(1, 0))
         _refine_pass(np.ones(1), one, lane, one.copy(), one, 0, False, np.ones(1, dtype=np.bool_),
                      np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64),
-                     np.zeros((1, 1), dtype=np.int64), one, np.zeros((1, 1), dtype=np.int64),
-                     one, lens, lens, res, dur, n_res, 0.0, 1e-6, np.inf, np.inf,
+                     np.zeros((1, 1), dtype=np.int64), one, lens, lens, res, dur, n_res, 0.0,
+                     1e-6, np.inf, np.inf,
                      _new_trace(1, 0), _new_trace(1, 0), np.zeros((1, 1)), np.zeros((1, 1)),
                      -np.inf)
         _best_group(np.ones(1), one, lane, one, one, one, lens, lens, res, dur, n_res, 0.0,
@@ -1437,29 +1439,31 @@ class Evaluator:
         self.calls += len(cands)
         return int(k), float(t)
 
-    def group_moves(self, choice: np.ndarray, groups: Sequence[np.ndarray],
-                    candidates: Sequence[np.ndarray], *, tol: float = 1e-6,
+    def group_moves(self, choice: np.ndarray, groups: Sequence[np.ndarray], *,
+                    front: np.ndarray, front_len: np.ndarray, tol: float = 1e-6,
                     stop_us: float = -np.inf) -> float:
         """Algorithm 1's group moves (search._group_moves) in one kernel call, the same as
         this loop, bit for bit (``choice`` is changed in place; returns its iteration
         time)::
 
             now = self.schedule(choice)
-            for members, cands in zip(groups, candidates):
+            for members in groups:
                 if now.iteration_us <= stop_us:
                     break
-                k, _ = self.best_group(choice, members, cands, now, tol)
+                u = self.size_idx[members[0]]
+                k, _ = self.best_group(choice, members, front[u, :front_len[u]], now, tol)
                 if k >= 0:
                     choice[members] = k
                     now = self.schedule(choice)
-        """
+
+        (``groups``: the tensors of one size each; ``front``/``front_len``: the candidates
+        per size, as ``Fronts.table`` and ``Fronts.count`` hold them.)"""
         n = len(self.gaps)
-        members, members_len = _padded(groups)
-        cands, cands_len = _padded(candidates)
+        members, members_len = index_table(groups)
         width = self._res.shape[1]
         work = np.asarray(choice, dtype=np.int64)
         t, runs = _group_pass(self.gaps, self.size_idx, self.lane, work, members, members_len,
-                              cands, cands_len, self._len, self._hold, self._res, self._dur,
+                              front, front_len, self._len, self._hold, self._res, self._dur,
                               len(RESOURCES), self.forward_us, tol, _new_trace(n, self._lanes),
                               _new_trace(n, self._lanes), np.empty((n, width)),
                               np.empty((n, width)), float(stop_us))

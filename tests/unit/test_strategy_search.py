@@ -654,9 +654,10 @@ def test_refine_devices_equals_best_of_and_reschedule_per_tensor(model, intra, g
             got = start.copy()
             current = ev.schedule(got)
             before = ev.calls
+            cpu_front = ctx.fronts(Device.CPU)
             ev.refine_devices(got, ctx.visit_order, placements=placements,
-                              made=ctx.placements_made, cpu_front=ctx.fronts(Device.CPU).index,
-                              current=current, stop_us=stop_us)
+                              made=ctx.placements_made, cpu_front=cpu_front.table,
+                              cpu_front_len=cpu_front.count, current=current, stop_us=stop_us)
             assert ev.calls - before == calls_want
             assert np.array_equal(got, want)
             assert ev.schedule(got)[:2] == now_want
@@ -703,8 +704,8 @@ def test_group_moves_equal_best_group_and_schedule_per_group(model, intra, gbps,
     for (want, t_want, calls_want, _), stop_us in ((full, -np.inf), (cut, stop)):
         got = start.copy()
         calls = ev.calls
-        t = ev.group_moves(got, [m for _, m in groups], [fronts.index[u] for u, _ in groups],
-                           stop_us=stop_us)
+        t = ev.group_moves(got, [m for _, m in groups], front=fronts.table,
+                           front_len=fronts.count, stop_us=stop_us)
         assert np.array_equal(got, want)
         assert t == t_want
         assert ev.calls - calls == calls_want
