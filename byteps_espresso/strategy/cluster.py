@@ -116,7 +116,9 @@ class Cluster:
             the kept strategy (``worker.check``) fits it where that strategy runs them.
         shared_host: every worker machine runs on one host (``espresso-launch --local``):
             there is no inter-machine link for a hierarchy to spare, and the uncompressed
-            path is flat (:func:`~byteps_espresso.strategy.baselines.fp32_option`).
+            path is flat (:func:`~byteps_espresso.strategy.baselines.fp32_option`); no NIC is
+            shared by a machine's workers, so a push/pull is priced by the servers' path
+            alone (docs/strategy.md).
         host_device: the workers train on the host's CPU (no accelerator): ``cpu``
             Comp/Decomp run on the cores that also run the backward pass and the ``gpu``
             ones, so the timeline places them on the ``gpu`` resource instead of a host pool

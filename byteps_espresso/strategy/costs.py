@@ -866,9 +866,12 @@ def _ps_tasks(pr: Pricer, c: _Comm, nbytes: np.ndarray,
     cl = pr.cluster
     k = c.active
     pushers = cl.world_size if c.scope is Scope.FLAT else cl.machines * k
-    nic = k * nbytes / pr._b_inter
     srv = pushers * nbytes / (cl.servers * pr._b_server)
-    one_way = cl.ps_latency_us + np.maximum(nic, srv)
+    # With every machine on one host (shared_host) no NIC is shared by a machine's workers:
+    # the push/pull probe, which every worker runs at once, measured the whole path (srv),
+    # where the inter link's rate is gloo's all-reduce between two workers.
+    path = srv if cl.shared_host else np.maximum(k * nbytes / pr._b_inter, srv)
+    one_way = cl.ps_latency_us + path
     return [_Task(INTER, one_way), _Task(SERVER, server_us), _Task(INTER, one_way.copy())]
 
 

@@ -165,6 +165,25 @@ def test_push_pull_uses_the_servers_own_latency_when_measured():
     assert base.ps_latency_us == 10.0 and base.with_(server_latency_us=0.0).ps_latency_us == 0.0
 
 
+def test_push_pull_on_one_host_is_priced_by_the_servers_path_alone():
+    # 2 machines x 2 workers; the servers' path 4 x 4000 bytes over 2 x 8 Gbit/s (4 us) is
+    # quicker than 2 workers sharing a 1 Gbit/s inter link (2 x 4000 bytes: 64 us)
+    cluster = Cluster(machines=2, gpus_per_machine=2, intra_gbps=8.0, intra_latency_us=0.0,
+                      inter_gbps=1.0, inter_latency_us=10.0, servers=2, server_gbps=8.0,
+                      cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
+    for option in ("PushPull(flat)", "Comp(gpu) -> PushPullC(flat) -> Decomp(gpu)"):
+        apart = _ps_tasks(cluster, COSTS, option)
+        shared = _ps_tasks(cluster.with_(shared_host=True), COSTS, option)
+        push = list(apart.resource).index(3)
+        nbytes = 4000 if option.startswith("PushPull") else FP16(np.array([1000.0]))[0]
+        assert apart.duration[0][push] == pytest.approx(10.0 + 2 * nbytes / 125.0)
+        # no NIC shared by a machine's workers on one host: the servers' path alone
+        assert shared.duration[0][push] == pytest.approx(10.0 + 4 * nbytes / (2 * 1000.0))
+        assert shared.duration[0][push + 2] == shared.duration[0][push]
+        assert np.array_equal(np.delete(apart.duration[0], [push, push + 2]),
+                              np.delete(shared.duration[0], [push, push + 2]))
+
+
 def test_server_aggregation_uses_the_server_profile_when_present():
     cluster = PS_CLUSTER
     option = "Comp(gpu) -> PushPullC(flat) -> Decomp(gpu)"
