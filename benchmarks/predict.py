@@ -8,8 +8,9 @@ checked strategy again on its run's profile with the model as it is now, beside 
 the run made and what the check measured, so that a change to the model is scored on strategies
 that really ran without running them again.
 
-A strategy's buckets are read back from their names: a bucket is named after its first
-gradient in backward order, ``first+N`` when N more follow it (``buckets.from_names``).
+A strategy's buckets are the members the check recorded (``buckets``), or in older records
+read back from their names: a bucket is named after its first gradient in backward order,
+``first+N`` when N more follow it (``buckets.from_names``).
 
     .venv/bin/python benchmarks/predict.py out/ddp/*-profile [--json out.json]
 
@@ -34,7 +35,7 @@ import torch
 from byteps_espresso.worker.profiler import excluded_names
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
-from byteps_espresso.strategy.buckets import BucketError, from_names, fuse, reorder
+from byteps_espresso.strategy.buckets import Bucket, BucketError, from_names, fuse, reorder
 from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.strategy_file import Strategy
 
@@ -79,14 +80,17 @@ class Profile(NamedTuple):
                    CompressorCosts.load(folder / "costs.json"),
                    Strategy.load(folder / "strategy.json"))
 
-    def price(self, options: dict[str, str]) -> float:
-        """The model's iteration (ms) of ``options`` (bucket name -> Option). Buckets named
-        as in the strategy file's layout take its members (a layout that kept gradients apart
-        is no run of the backward order); others are read back from their names
-        (:func:`buckets.from_names`)."""
+    def price(self, options: dict[str, str], buckets: list[list[str]] | None = None) -> float:
+        """The model's iteration (ms) of ``options`` (bucket name -> Option) on ``buckets``
+        (their members, as the check records them), or where the record has none: buckets
+        named as in the strategy file's layout take its members (a layout that kept
+        gradients apart is no run of the backward order); others are read back from their
+        names (:func:`buckets.from_names`)."""
         workload, planned = self.workload, self.planned
         known = {b.name: b for b in planned.layout}
-        if all(name in known for name in options):
+        if buckets is not None:
+            layout = [Bucket.of(members) for members in buckets]
+        elif all(name in known for name in options):
             layout = [b for b in planned.layout if b.name in options]
         else:
             where = str(self.folder)
@@ -116,7 +120,7 @@ def main() -> None:
         profile = Profile.load(folder)
         for role, record in checked(check):
             try:
-                now = profile.price(record["options"])
+                now = profile.price(record["options"], record.get("buckets"))
             except BucketError as exc:
                 print(f"{folder.name} {role}: skipped, {exc}", file=sys.stderr)
                 continue

@@ -175,7 +175,8 @@ def _entry(check: Check) -> dict[str, Any]:
     return {"algorithm": check.strategy.algorithm, "predicted_ms": check.strategy.predicted_ms,
             "measured_ms": check.measured_ms, "median_ms": check.median_ms,
             "iteration_ms": check.times_ms,
-            "options": {name: str(o) for name, o in check.strategy.options.items()}}
+            "options": {name: str(o) for name, o in check.strategy.options.items()},
+            "buckets": [list(b.tensors) for b in check.strategy.layout]}
 
 
 def check_record(kept: Check, later: Sequence[Check], stayed: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from byteps_espresso.worker.profiler import _LANE_REPS, _PROBE_ROUNDS
 from byteps_espresso.worker.runtime import DEFAULT_LANES
 
 from byteps_espresso.strategy import Strategy
+from byteps_espresso.strategy.buckets import Bucket
 from byteps_espresso.strategy.options import Option
 
 WORLD = 4
@@ -276,6 +277,10 @@ def test_the_kept_strategy_is_checked_and_every_rank_trains_on_the_one_that_stay
     # what ESPRESSO_STRATEGY would reuse
     saved = Strategy.load(out / "strategy.json")
     assert {name: str(o) for name, o in saved.options.items()} == stayed["options"]
+    # each checked strategy's buckets, named as its Options are (benchmarks/predict.py)
+    assert [list(b.tensors) for b in saved.layout] == stayed["buckets"]
+    for record in (kept, again or kept):
+        assert [Bucket.of(m).name for m in record["buckets"]] == list(record["options"])
 
 
 @pytest.mark.timeout(200)

@@ -26,6 +26,7 @@ from byteps_espresso.worker.profiler import EspressoSpec, step_prices
 from byteps_espresso.worker.session import span_across_ranks
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
+from byteps_espresso.strategy.buckets import Bucket
 from byteps_espresso.strategy.context import PlanContext
 from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes
 from byteps_espresso.strategy.options import Kind
@@ -37,6 +38,7 @@ PUSH_PULLS = {Kind.PUSH_PULL, Kind.PUSH_PULL_C}
 ROOTED = {Kind.REDUCE, Kind.BROADCAST, Kind.BROADCAST_C, Kind.GATHER_C}
 HIER = Option.parse("Reduce(intra) -> PushPull(inter) -> Broadcast(intra)")
 SUMMED = Option.parse("Comp(gpu) -> AllreduceC(flat) -> Decomp(gpu)")
+A = (Bucket.of(["a"]),)  # the layout of the strategies below: one gradient, "a"
 
 
 def _session(hub: LocalHub, rank: int):
@@ -120,7 +122,7 @@ def test_the_measured_iteration_is_the_slowest_rank_s_settled_time(on_every_rank
 
 def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
     kept_strategy = SimpleNamespace(algorithm="espresso", predicted_ms=40.0,
-                                    options={"a": PUSH_PULL})
+                                    options={"a": PUSH_PULL}, layout=A)
     kept = Check(kept_strategy, 3, 12, [], times_ms=[90.0, 60.0, 62.0], measured_ms=61.0,
                  info={"factors": {"ps": 3.0}, "others_factor": 3.0, "kept_refitted_ms": 58.0,
                        "replanned_predicted_ms": 45.0, "replan_ms": 20.0})
@@ -132,6 +134,7 @@ def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
     assert written == json.loads(json.dumps(record))
     assert written["kept"]["options"] == {"a": str(PUSH_PULL)}
     assert written["replanned"]["options"] == {"a": str(HIER)}
+    assert written["kept"]["buckets"] == written["replanned"]["buckets"] == [["a"]]
     assert (written["start"], written["stayed"], written["factors"]) == (12, "replanned",
                                                                           {"ps": 3.0})
     text = check_text(record)
@@ -144,9 +147,9 @@ def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
 
 def test_the_log_line_says_the_fp32_path_measured_faster_and_was_checked_next():
     kept_strategy = SimpleNamespace(algorithm="espresso", predicted_ms=97.0,
-                                    options={"a": HIER})
+                                    options={"a": HIER}, layout=A)
     fp32_strategy = SimpleNamespace(algorithm="fp32", predicted_ms=113.8,
-                                    options={"a": PUSH_PULL})
+                                    options={"a": PUSH_PULL}, layout=A)
     kept = Check(kept_strategy, 3, 4, [], times_ms=[212.0, 206.0, 190.0], measured_ms=206.0,
                  info={"fp32_ms": 131.3})
     fp32 = Check(fp32_strategy, 3, 7, [], against=kept, times_ms=[140.0, 128.0, 127.0],
@@ -163,12 +166,12 @@ def test_the_record_lists_every_fall_back_checked_after_the_kept_strategy(tmp_pa
     """fp16's kept plan measured slow: DDP's fp16-hook plan (allreduce-c) checked next, then
     the fp32 path, which the profile measured faster than both."""
     kept_strategy = SimpleNamespace(algorithm="espresso", predicted_ms=26.9,
-                                    options={"a": HIER})
+                                    options={"a": HIER}, layout=A)
     summed = Check(SimpleNamespace(algorithm="allreduce-c", predicted_ms=30.0,
-                                   options={"a": SUMMED}), 3, 7, [],
+                                   options={"a": SUMMED}, layout=A), 3, 7, [],
                    times_ms=[40.0, 33.0, 34.0], measured_ms=34.0)
     fp32 = Check(SimpleNamespace(algorithm="fp32", predicted_ms=44.4,
-                                 options={"a": PUSH_PULL}), 3, 10, [], against=summed,
+                                 options={"a": PUSH_PULL}, layout=A), 3, 10, [], against=summed,
                  times_ms=[40.0, 31.0, 32.0], measured_ms=32.0)
     kept = Check(kept_strategy, 3, 4, [], times_ms=[50.0, 43.0, 44.0], measured_ms=43.2,
                  info={"fallback": "allreduce-c"})
