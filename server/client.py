@@ -57,7 +57,7 @@ from byteps_espresso.server.shm import Segment, host_identity
 
 from byteps_espresso.config import Config
 
-__all__ = ["Handle", "PSClient", "PSError", "PSTimeout"]
+__all__ = ["Handle", "PSClient", "PSError", "PSTimeout", "address_host"]
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,11 @@ class _Call:
             self.event.set()
 
 
+def address_host(address: str) -> str:
+    """The host of a node's ``tcp://host:port`` address."""
+    return address.removeprefix("tcp://").rpartition(":")[0]
+
+
 def _describe(layout: P.Layout) -> list[str]:
     return [f"{d}:{n}B" for d, n in zip(layout.frame_dtypes, layout.frame_nbytes, strict=True)]
 
@@ -247,6 +252,10 @@ class PSClient:
         if not isinstance(hosts, list) or len(hosts) != len(self.servers):
             hosts = [""] * len(self.servers)
         self._local = [bool(here) and h == here for h in hosts]
+        # The servers on this worker's machine (they advertise this process's address): a
+        # machine's push/pulls to them stay off its link (strategy.Cluster.local_server_share).
+        me = cfg.advertise_host()
+        self.local_servers = sum(address_host(a) == me for a in self.servers)
         self.num_workers = int(accept["num_workers"])
         connected = [dealer(self._ctx, addr, cfg) for addr in self.servers]
         self._socks = [sock for sock, _ in connected]

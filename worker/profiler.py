@@ -1100,9 +1100,11 @@ class EspressoSpec(CompressionSpec):
                    else measure_cluster(session))
         data: bytes | None = None
         if rt.topology.rank == 0:
-            # shared_host: the fp32 baseline's path; host_device: cpu steps share the cores
-            # of the training device.
+            # shared_host: the fp32 baseline's path; local_server_share: the push/pull bytes
+            # that stay off a machine's link; host_device: cpu steps share the cores of the
+            # training device.
             cluster = cluster.with_(shared_host=rt.shared_host,
+                                    local_server_share=rt.local_server_share,
                                     host_device=rt.device.type == "cpu")
             shapes = profile.shapes if profile is not None and profile.shapes else None
             workload = workload_from_offsets(offsets, names, numel, shapes=shapes)

@@ -113,6 +113,9 @@ class Runtime:
 
             self.ps_client = PSClient(cfg, rank=self.topology.rank)
             self.ps = PSPath(self.ps_client)
+        self.local_server_share = _local_server_share(
+            self.topology, self.transports[0], cfg.num_servers,
+            self.ps_client.local_servers if self.ps_client is not None else 0, self.shared_host)
         # ESPRESSO_CPU_THREADS is per machine: this process's share runs its numba kernels
         # (parallel kernels otherwise start one thread per core in every worker process and
         # the processes of one machine oversubscribe its cores).
@@ -228,6 +231,22 @@ def _machines_share_host(topology: Topology, transport: Any, cfg: Config) -> boo
     ident = torch.tensor([zlib.crc32(me)], dtype=torch.int64)
     every = transport.allgather(Scope.FLAT, ident, [1] * topology.world_size)
     return len(set(every.tolist())) == 1
+
+
+def _local_server_share(topology: Topology, transport: Any, servers: int, local: int,
+                        shared_host: bool) -> float:
+    """The share of a machine's push/pull bytes for servers on that machine (keys are
+    spread evenly over the servers): the least over machines of ``local`` (this worker's
+    count of servers at its own address) over ``servers``. 0 without servers or on one host
+    (nothing crosses a machine's link there). One 8-byte all-gather at start-up."""
+    if not servers or shared_host or topology.machines == 1:
+        return 0.0
+    every = transport.allgather(Scope.FLAT, torch.tensor([local], dtype=torch.int64),
+                                [1] * topology.world_size)
+    least = min(int(n) for n in every.tolist())
+    # every server at every machine's address: the machines share one address, and no
+    # push/pull crosses a link between them that the model could price
+    return least / servers if least < servers else 0.0
 
 
 def intra_op_threads(local_size: int, requested: int | None = None) -> int:

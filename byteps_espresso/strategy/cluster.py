@@ -119,6 +119,11 @@ class Cluster:
             path is flat (:func:`~byteps_espresso.strategy.baselines.fp32_option`); no NIC is
             shared by a machine's workers, so a push/pull is priced by the servers' path
             alone (docs/strategy.md).
+        local_server_share: the share of a machine's push/pull bytes that go to servers on
+            that machine, which stay off its link: ``1 / machines`` where the servers are
+            spread over the worker machines, as BytePS deploys one server per machine
+            (keys are spread evenly over the servers). The worker runtime sets it from the
+            servers' addresses; 0 (the presets): every push/pull crosses the machine's link.
         host_device: the workers train on the host's CPU (no accelerator): ``cpu``
             Comp/Decomp run on the cores that also run the backward pass and the ``gpu``
             ones, so the timeline places them on the ``gpu`` resource instead of a host pool
@@ -145,6 +150,7 @@ class Cluster:
     rooted_latency: float = 1.0
     shared_host: bool = False
     host_device: bool = False
+    local_server_share: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("machines", "gpus_per_machine", "cpu_threads", "server_threads"):
@@ -163,6 +169,11 @@ class Cluster:
                                    f"{getattr(self, name)!r}")
         if self.servers and not self.server_gbps > 0:
             raise ClusterError("field 'server_gbps' must be > 0 when 'servers' > 0")
+        _check("local_server_share", self.local_server_share, low=0)
+        if self.local_server_share >= 1:
+            raise ClusterError("field 'local_server_share' must be < 1 (the share of a "
+                               "machine's push/pull bytes for its own servers), got "
+                               f"{self.local_server_share!r}")
 
     @property
     def world_size(self) -> int:

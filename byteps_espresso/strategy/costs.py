@@ -869,8 +869,10 @@ def _ps_tasks(pr: Pricer, c: _Comm, nbytes: np.ndarray,
     srv = pushers * nbytes / (cl.servers * pr._b_server)
     # With every machine on one host (shared_host) no NIC is shared by a machine's workers:
     # the push/pull probe, which every worker runs at once, measured the whole path (srv),
-    # where the inter link's rate is gloo's all-reduce between two workers.
-    path = srv if cl.shared_host else np.maximum(k * nbytes / pr._b_inter, srv)
+    # where the inter link's rate is gloo's all-reduce between two workers. The bytes for a
+    # machine's own servers (local_server_share) stay off its NIC.
+    nic = k * nbytes * (1.0 - cl.local_server_share) / pr._b_inter
+    path = srv if cl.shared_host else np.maximum(nic, srv)
     one_way = cl.ps_latency_us + path
     return [_Task(INTER, one_way), _Task(SERVER, server_us), _Task(INTER, one_way.copy())]
 

@@ -1,5 +1,6 @@
 """Emulated cluster: real namespaces, real shaped links, always torn down (needs root)."""
 
+import json
 import os
 import shutil
 import signal
@@ -191,3 +192,27 @@ def test_namespaces_are_deleted_when_the_owner_is_killed_outright():
     finally:
         proc.kill()
         proc.wait()
+
+
+@needs_root
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("colocate,share", [(True, 0.5), (False, 0.0)])
+def test_the_profile_says_which_push_pull_bytes_stay_on_the_machine(tmp_path, colocate, share):
+    """2 emulated machines x 2 workers and 2 servers: beside the machines (``--colocate``,
+    server j in machine j's namespace) half of each machine's push/pull bytes go to its own
+    server and stay off its link; on nodes of their own every byte crosses it. The
+    profiled cluster the planner prices says so (``local_server_share``)."""
+    out = tmp_path / "profile"
+    env = {**os.environ, "ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "0",
+           "ESPRESSO_CHECK_STEPS": "0", "ESPRESSO_PROFILE_OUT": str(out)}
+    worker = os.path.join(os.path.dirname(__file__), "workers", "optimizer_worker.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "byteps_espresso.deploy.launch", "--emulate", "--inter-gbps",
+         "10", *(["--colocate"] if colocate else []), "--machines", "2",
+         "--workers-per-machine", "2", "--servers", "2", "--",
+         sys.executable, worker, str(tmp_path), "espresso", "1", "3"],
+        env=env, capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cluster = json.loads((out / "cluster.json").read_text())
+    assert (cluster["servers"], cluster["shared_host"]) == (2, False)
+    assert cluster["local_server_share"] == share

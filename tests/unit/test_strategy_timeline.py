@@ -184,6 +184,30 @@ def test_push_pull_on_one_host_is_priced_by_the_servers_path_alone():
                               np.delete(shared.duration[0], [push, push + 2]))
 
 
+def test_push_pull_bytes_for_a_machines_own_servers_stay_off_its_link():
+    from byteps_espresso.strategy import ClusterError
+
+    # 2 machines x 2 workers and a server on each: half of each worker's keys are its own
+    # machine's, so its link carries 2 workers x 2000 of the 4000 bytes (32 us at 1 Gbit/s)
+    cluster = Cluster(machines=2, gpus_per_machine=2, intra_gbps=8.0, intra_latency_us=0.0,
+                      inter_gbps=1.0, inter_latency_us=10.0, servers=2, server_gbps=8.0,
+                      cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
+    colocated = cluster.with_(local_server_share=0.5)
+    push = 0
+    assert _ps_tasks(cluster, COSTS, "PushPull(flat)").duration[0][push] == \
+        pytest.approx(10.0 + 2 * 4000 / 125.0)
+    assert _ps_tasks(colocated, COSTS, "PushPull(flat)").duration[0][push] == \
+        pytest.approx(10.0 + 2 * 2000 / 125.0)
+    # the servers' own path bounds it still: 4 pushers x 4000 bytes into 2 x 0.1 Gbit/s
+    slow = colocated.with_(server_gbps=0.1)
+    assert _ps_tasks(slow, COSTS, "PushPull(flat)").duration[0][push] == \
+        pytest.approx(10.0 + 4 * 4000 / (2 * 12.5))
+    assert Cluster.from_dict(colocated.to_dict()) == colocated
+    for bad in (1.0, -0.1, True, "half"):
+        with pytest.raises(ClusterError, match="local_server_share"):
+            cluster.with_(local_server_share=bad)
+
+
 def test_server_aggregation_uses_the_server_profile_when_present():
     cluster = PS_CLUSTER
     option = "Comp(gpu) -> PushPullC(flat) -> Decomp(gpu)"

@@ -1,0 +1,44 @@
+"""Where the servers are: the share of a machine's push/pull bytes that stay on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from byteps_espresso.server.client import address_host
+from byteps_espresso.worker.runtime import _local_server_share
+from byteps_espresso.worker.topology import Topology
+
+
+class _Gather:
+    """A transport whose all-gather returns every rank's count of local servers."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+
+    def allgather(self, scope, tensor, sizes):  # type: ignore[no-untyped-def]
+        assert list(sizes) == [1] * len(self.counts) and tensor.numel() == 1
+        return torch.tensor(self.counts, dtype=torch.int64)
+
+
+def test_a_servers_host_is_read_from_its_address():
+    assert address_host("tcp://10.213.0.3:9001") == "10.213.0.3"
+    assert address_host("tcp://127.0.0.1:5") == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("counts", "servers", "share"), [
+    ([1, 1, 1, 1], 2, 0.5),  # one server beside each of 2 machines
+    ([2, 2, 1, 1], 4, 0.25),  # machine 1 has fewer: its link carries the most
+    ([1, 1, 0, 0], 2, 0.0),  # both on machine 0: machine 1's bytes all cross its link
+    ([2, 2, 2, 2], 2, 0.0),  # every server at every machine's address: one address
+])
+def test_the_share_is_the_least_over_the_machines(counts, servers, share):
+    topo = Topology(2, 2)
+    assert _local_server_share(topo, _Gather(counts), servers, counts[0], False) == share
+
+
+def test_no_share_without_servers_or_on_one_host():
+    topo = Topology(2, 2)
+    never = _Gather([])  # an all-gather would fail its assertion
+    assert _local_server_share(topo, never, 0, 0, False) == 0.0
+    assert _local_server_share(topo, never, 2, 2, True) == 0.0
+    assert _local_server_share(Topology(1, 4), never, 2, 2, False) == 0.0
