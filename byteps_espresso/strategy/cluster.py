@@ -116,9 +116,8 @@ class Cluster:
             the kept strategy (``worker.check``) fits it where that strategy runs them.
         shared_host: every worker machine runs on one host (``espresso-launch --local``):
             there is no inter-machine link for a hierarchy to spare, and the uncompressed
-            path is flat (:func:`~byteps_espresso.strategy.baselines.fp32_option`); no NIC is
-            shared by a machine's workers, so a push/pull is priced by the servers' path
-            alone (docs/strategy.md).
+            path is flat (:func:`~byteps_espresso.strategy.baselines.fp32_option`); no
+            push/pull byte crosses a machine's link (:attr:`link_share`).
         local_server_share: the share of a machine's push/pull bytes that go to servers on
             that machine, which stay off its link: ``1 / machines`` where the servers are
             spread over the worker machines, as BytePS deploys one server per machine
@@ -183,6 +182,14 @@ class Cluster:
     def ps_latency_us(self) -> float:
         """One-way latency of the PS path."""
         return self.inter_latency_us if self.server_latency_us is None else self.server_latency_us
+
+    @property
+    def link_share(self) -> float:
+        """The share of a machine's push/pull bytes that crosses its link: none with every
+        machine on one host (no NIC for a machine's workers to share; the push/pull probe,
+        which every worker runs at once, measured the servers' whole path), else all but
+        those for its own servers (:attr:`local_server_share`)."""
+        return 0.0 if self.shared_host else 1.0 - self.local_server_share
 
     @property
     def hierarchical(self) -> bool:

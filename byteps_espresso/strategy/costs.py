@@ -866,14 +866,9 @@ def _ps_tasks(pr: Pricer, c: _Comm, nbytes: np.ndarray,
     cl = pr.cluster
     k = c.active
     pushers = cl.world_size if c.scope is Scope.FLAT else cl.machines * k
+    nic = k * nbytes * cl.link_share / pr._b_inter
     srv = pushers * nbytes / (cl.servers * pr._b_server)
-    # With every machine on one host (shared_host) no NIC is shared by a machine's workers:
-    # the push/pull probe, which every worker runs at once, measured the whole path (srv),
-    # where the inter link's rate is gloo's all-reduce between two workers. The bytes for a
-    # machine's own servers (local_server_share) stay off its NIC.
-    nic = k * nbytes * (1.0 - cl.local_server_share) / pr._b_inter
-    path = srv if cl.shared_host else np.maximum(nic, srv)
-    one_way = cl.ps_latency_us + path
+    one_way = cl.ps_latency_us + np.maximum(nic, srv)
     return [_Task(INTER, one_way), _Task(SERVER, server_us), _Task(INTER, one_way.copy())]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Option, TensorProfile, Workload
 from byteps_espresso.strategy.compressor_costs import Linear
-from byteps_espresso.strategy.costs import CompressedSizes, Pricer
+from byteps_espresso.strategy.costs import INTER, CompressedSizes, Pricer
 from byteps_espresso.strategy.timeline import Evaluator
 
 CLUSTER = Cluster(machines=2, gpus_per_machine=1, intra_gbps=8.0, intra_latency_us=0.0,
@@ -165,47 +165,50 @@ def test_push_pull_uses_the_servers_own_latency_when_measured():
     assert base.ps_latency_us == 10.0 and base.with_(server_latency_us=0.0).ps_latency_us == 0.0
 
 
+# 2 machines x 2 workers and 2 servers: the servers' path (2 x 8 Gbit/s) is quicker than a
+# machine's 1 Gbit/s link shared by its 2 workers.
+PS_2X2 = Cluster(machines=2, gpus_per_machine=2, intra_gbps=8.0, intra_latency_us=0.0,
+                 inter_gbps=1.0, inter_latency_us=10.0, servers=2, server_gbps=8.0,
+                 cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
+
+
+def _push_pull_us(cluster, option="PushPull(flat)"):
+    """(push, pull) of the option's push/pull, us (its two tasks on the inter link)."""
+    tasks = _ps_tasks(cluster, COSTS, option)
+    push, pull = np.flatnonzero(tasks.resource == INTER)
+    return tasks.duration[0][push], tasks.duration[0][pull]
+
+
 def test_push_pull_on_one_host_is_priced_by_the_servers_path_alone():
-    # 2 machines x 2 workers; the servers' path 4 x 4000 bytes over 2 x 8 Gbit/s (4 us) is
-    # quicker than 2 workers sharing a 1 Gbit/s inter link (2 x 4000 bytes: 64 us)
-    cluster = Cluster(machines=2, gpus_per_machine=2, intra_gbps=8.0, intra_latency_us=0.0,
-                      inter_gbps=1.0, inter_latency_us=10.0, servers=2, server_gbps=8.0,
-                      cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
+    one_host = PS_2X2.with_(shared_host=True)
     for option in ("PushPull(flat)", "Comp(gpu) -> PushPullC(flat) -> Decomp(gpu)"):
-        apart = _ps_tasks(cluster, COSTS, option)
-        shared = _ps_tasks(cluster.with_(shared_host=True), COSTS, option)
-        push = list(apart.resource).index(3)
         nbytes = 4000 if option.startswith("PushPull") else FP16(np.array([1000.0]))[0]
-        assert apart.duration[0][push] == pytest.approx(10.0 + 2 * nbytes / 125.0)
-        # no NIC shared by a machine's workers on one host: the servers' path alone
-        assert shared.duration[0][push] == pytest.approx(10.0 + 4 * nbytes / (2 * 1000.0))
-        assert shared.duration[0][push + 2] == shared.duration[0][push]
-        assert np.array_equal(np.delete(apart.duration[0], [push, push + 2]),
-                              np.delete(shared.duration[0], [push, push + 2]))
+        # 2 workers x nbytes over the machine's 1 Gbit/s link (125 bytes/us)
+        assert _push_pull_us(PS_2X2, option) == pytest.approx((10.0 + 2 * nbytes / 125.0,) * 2)
+        # no NIC shared by a machine's workers on one host: the servers' path alone,
+        # 4 pushers x nbytes into 2 servers of 1000 bytes/us
+        assert _push_pull_us(one_host, option) == \
+            pytest.approx((10.0 + 4 * nbytes / (2 * 1000.0),) * 2)
+        apart, shared = (_ps_tasks(c, COSTS, option) for c in (PS_2X2, one_host))
+        others = apart.resource != INTER
+        assert np.array_equal(apart.duration[0][others], shared.duration[0][others])
 
 
 def test_push_pull_bytes_for_a_machines_own_servers_stay_off_its_link():
     from byteps_espresso.strategy import ClusterError
 
-    # 2 machines x 2 workers and a server on each: half of each worker's keys are its own
-    # machine's, so its link carries 2 workers x 2000 of the 4000 bytes (32 us at 1 Gbit/s)
-    cluster = Cluster(machines=2, gpus_per_machine=2, intra_gbps=8.0, intra_latency_us=0.0,
-                      inter_gbps=1.0, inter_latency_us=10.0, servers=2, server_gbps=8.0,
-                      cpu_threads=1, h2d_gbps=8000.0, server_threads=1)
-    colocated = cluster.with_(local_server_share=0.5)
-    push = 0
-    assert _ps_tasks(cluster, COSTS, "PushPull(flat)").duration[0][push] == \
-        pytest.approx(10.0 + 2 * 4000 / 125.0)
-    assert _ps_tasks(colocated, COSTS, "PushPull(flat)").duration[0][push] == \
-        pytest.approx(10.0 + 2 * 2000 / 125.0)
+    # a server on each machine: half of each worker's keys are its own machine's, so the
+    # link carries 2 workers x 2000 of the 4000 bytes
+    colocated = PS_2X2.with_(local_server_share=0.5)
+    assert _push_pull_us(PS_2X2)[0] == pytest.approx(10.0 + 2 * 4000 / 125.0)
+    assert _push_pull_us(colocated)[0] == pytest.approx(10.0 + 2 * 2000 / 125.0)
     # the servers' own path bounds it still: 4 pushers x 4000 bytes into 2 x 0.1 Gbit/s
-    slow = colocated.with_(server_gbps=0.1)
-    assert _ps_tasks(slow, COSTS, "PushPull(flat)").duration[0][push] == \
+    assert _push_pull_us(colocated.with_(server_gbps=0.1))[0] == \
         pytest.approx(10.0 + 4 * 4000 / (2 * 12.5))
     assert Cluster.from_dict(colocated.to_dict()) == colocated
     for bad in (1.0, -0.1, True, "half"):
         with pytest.raises(ClusterError, match="local_server_share"):
-            cluster.with_(local_server_share=bad)
+            PS_2X2.with_(local_server_share=bad)
 
 
 def test_server_aggregation_uses_the_server_profile_when_present():
