@@ -324,9 +324,13 @@ class CodecPair:
 
     def aggregate_pieces(self, device: Device, members: Sequence[Sequence[tuple]],
                          parts: Pieces) -> torch.Tensor:
-        """Sum the members' payloads of the same pieces (in list order), piece by piece."""
+        """Sum the members' payloads of the same pieces (in list order), piece by piece. A
+        single piece's sum is returned as it is, not copied by a concatenation: every
+        aggregation returns a new tensor."""
         out = [self.aggregate(device, [m[j] for m in members], p.extent.numel, p.name, p.step)
                for j, p in enumerate(parts)]
+        if len(out) == 1:
+            return out[0]
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.float32, device=self.device)
 
     def flat_spec(self, parts: Pieces) -> tuple[tuple[np.dtype, int], ...]:
