@@ -771,17 +771,22 @@ class LaneProbes:
 
     def record(self) -> dict[str, Any]:
         """The link times :meth:`cluster` inverted (us per path and elements), how many timed
-        calls each median is of, the PS path's source, the profiled fp32 steps' times (what
-        :func:`in_training_latency` fits, so a profile can be fitted again offline) and the
-        lanes' seconds, as ``probes.json`` in ``ESPRESSO_PROFILE_OUT``."""
+        calls each median is of and every call's time in the order taken (so that another
+        statistic of the probes can be scored offline against what the strategies measured),
+        the PS path's source, the profiled fp32 steps' times (what :func:`in_training_latency`
+        fits, so a profile can be fitted again offline) and the lanes' seconds, as
+        ``probes.json`` in ``ESPRESSO_PROFILE_OUT``."""
         links: dict[str, dict[str, float]] = {}
         for (path, n), us in sorted(self.medians.items()):
             links.setdefault(path, {})[str(n)] = us
         samples: dict[str, dict[str, int]] = {}
+        calls: dict[str, dict[str, list[float]]] = {}
         for (path, n), times in sorted(self.links.items()):
             samples.setdefault(path, {})[str(n)] = len(times)
+            calls.setdefault(path, {})[str(n)] = [float(us) for us in times]
         numels, steps_us = self.steps
-        return {"links_us": links, "link_samples": samples, "ps_source": self.ps_source,
+        return {"links_us": links, "link_samples": samples, "link_calls_us": calls,
+                "ps_source": self.ps_source,
                 "fp32_steps": {"option": str(self.fp32), "numels": numels, "us": steps_us},
                 "lane_seconds": {f"{what}/{it}": sec
                                  for (what, it), sec in sorted(self.spent.items())}}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,14 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
         for path, counts in probes["link_samples"].items():
             assert counts["256"] == rounds * _LANE_REPS, path
             assert all(c == _LANE_REPS for n, c in counts.items() if n != "256"), path
+            # every timed call, and the median inverted is theirs (unless the PS path was
+            # probed again with training paused)
+            calls = probes["link_calls_us"][path]
+            assert {n: len(us) for n, us in calls.items()} == counts, path
+            for n, us in calls.items():
+                assert all(u > 0 for u in us)
+                if path != "ps" or probes["ps_source"] != "paused probes":
+                    assert probes["links_us"][path][n] == statistics.median(us), (path, n)
         assert probes["lane_seconds"]["links/0"] > 0 and probes["lane_seconds"]["compressor/1"] > 0
         # the fp32 steps the latencies were fitted to, per profiled bucket and step
         steps_of = probes["fp32_steps"]
