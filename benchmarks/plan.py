@@ -36,6 +36,14 @@
     without the cut (every search to ``OFFLOAD_NODE_LIMIT``), side by side; the strategies
     and predictions compared, the wall time of each.
 
+(h) with --phases only: where each cell's cold plan (c) spends its time, median over the
+    runs: the model build (PlanContext and prepare) and the search's phases (uniform start,
+    Algorithm 1 with its group moves, Algorithm 2, the device refinement, the forwarding
+    twins), which add up to the plan; across them, the pricing of options into the
+    catalogue, the lower bound's prices (``Pricer.fastest_alone``) and the time inside the
+    evaluator's kernel calls (the refinement's includes the placement tables it has made).
+    Each function is wrapped for the run with a timer, so the plans run slower than (c)'s.
+
 Prints the tables and writes benchmarks/results/plan.json (--startup: plan_startup.json).
 
     .venv/bin/python benchmarks/plan.py [--instances 200] [--runs 5]
@@ -44,11 +52,14 @@ Prints the tables and writes benchmarks/results/plan.json (--startup: plan_start
     .venv/bin/python benchmarks/plan.py --startup [--runs 5] [--cold-runs 1]
     .venv/bin/python benchmarks/plan.py --bound   # (f) alone: plan_bound.json
     .venv/bin/python benchmarks/plan.py --layouts   # (g) alone: plan_layouts.json
+    .venv/bin/python benchmarks/plan.py --phases [--runs 5]   # (h) alone: plan_phases.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -58,14 +69,16 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Workload, baselines, search
 from byteps_espresso.strategy.cli import RUNTIME_LANES
 from byteps_espresso.strategy.context import PlanContext, clear_model_cache, load_kernels
+from byteps_espresso.strategy.costs import Pricer
 from byteps_espresso.strategy.instances import random_instance
 from byteps_espresso.strategy.planner import REPORTED_BASELINES, plan_alone, plan_bucketed
+from byteps_espresso.strategy.timeline import Catalogue, Evaluator
 
 SETTINGS = {
     "nvlink-100G": dict(intra="nvlink", inter_gbps=100.0),
@@ -94,6 +107,18 @@ TIME_RESULTS = RESULTS.with_name("plan_time.json")
 STARTUP_RESULTS = RESULTS.with_name("plan_startup.json")
 BOUND_RESULTS = RESULTS.with_name("plan_bound.json")
 LAYOUTS_RESULTS = RESULTS.with_name("plan_layouts.json")
+PHASES_RESULTS = RESULTS.with_name("plan_phases.json")
+# (h)'s phases: (label, owner, attribute). The first six add up to a plan; the last three
+# run inside them.
+PLAN_PHASES = (("build", PlanContext, "__post_init__"), ("build", PlanContext, "prepare"),
+               ("uniform", search, "uniform_best"), ("algorithm 1", search, "gpu_greedy"),
+               ("algorithm 2", search, "cpu_offload"), ("refine", search, "_refine_devices"),
+               ("twins", search, "_refine_twins"))
+INNER_PHASES = (("pricing", Catalogue, "add"), ("pricing", PlanContext, "placements"),
+                ("bound", Pricer, "fastest_alone"),
+                *(("kernels", Evaluator, name) for name in (
+                    "best_of", "greedy_pass", "refine_devices", "best_group", "group_moves",
+                    "best_offload", "best_row", "iteration_us", "schedule", "reschedule")))
 # (g): the workloads (the LSTM to UGATIT: GPT-2's and ResNet101's plans at 2 x 2 add minutes
 # and no other kind of case) and the link speeds, Gbit/s.
 LAYOUT_WORKLOADS = ("lstm", "vgg16", "resnet50", "bert", "ugatit")
@@ -274,6 +299,80 @@ def print_time(rows: list[dict]) -> None:
         target = TARGET_MS[model]
         print(f"{model:9} {cold:>7.1f}/{cold_cpu:<7.1f} {warm:>7.1f}/{warm_cpu:<7.1f} "
               f"{'-' if target is None else target:>7}")
+
+
+@contextlib.contextmanager
+def _phase_timers(spent: dict[str, float]) -> Iterator[None]:
+    """Wrap (h)'s functions for the block, each adding its wall time to ``spent[label]`` (a
+    function called inside another of its label, as prepare inside nothing or placements
+    inside Catalogue.add, is counted once)."""
+    depth: dict[str, int] = {}
+    saved = []
+
+    def timed(label: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            depth[label] = depth.get(label, 0) + 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[label] -= 1
+                if not depth[label]:
+                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+        return call
+
+    for label, owner, name in (*PLAN_PHASES, *INNER_PHASES):
+        fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        saved.append((owner, name, fn))
+        setattr(owner, name, timed(label, fn))
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
+
+
+def phases_only(runs: int) -> list[dict]:
+    """(h) alone: per cell, the median over ``runs`` cold plans of each phase's ms."""
+    rows = []
+    for model, workload, setting, cluster, compressor, params in _cells():
+        per_run: list[dict[str, float]] = []
+        for _ in range(runs):
+            clear_model_cache()
+            spent: dict[str, float] = {}
+            with _phase_timers(spent):
+                strategy, _ = plan_alone(workload, cluster, compressor, params)
+            per_run.append({"plan": strategy.plan_time_ms,
+                            **{k: v * 1e3 for k, v in spent.items()}})
+        labels = dict.fromkeys(k for r in per_run for k in r)
+        rows.append({"workload": model, "setting": setting, "compressor": compressor,
+                     **{k: statistics.median(r.get(k, 0.0) for r in per_run) for k in labels}})
+        print(f"  {model:9} {setting:12} {compressor:10} {rows[-1]['plan']:6.1f} ms",
+              file=sys.stderr)
+    return rows
+
+
+PHASE_COLUMNS = ("plan", "build", "uniform", "algorithm 1", "algorithm 2", "refine", "twins",
+                 "pricing", "bound", "kernels")
+
+
+def print_phases(rows: list[dict]) -> None:
+    """Per cell and per model (median over its cells), (h)'s phases in ms."""
+    print("\n(h) cold plans by phase, ms (medians over the runs; the model rows: medians over "
+          "their cells). plan = build + uniform + algorithm 1 + algorithm 2 + refine + twins; "
+          "pricing, bound and kernels run inside them")
+    head = " ".join(f"{c:>11}" for c in PHASE_COLUMNS)
+    print(f"{'workload':9} {'setting':12} {'compressor':10} {head}")
+    for model in WORKLOADS:
+        cells = [r for r in rows if r["workload"] == model]
+        for r in cells:
+            print(f"{model:9} {r['setting']:12} {r['compressor']:10} "
+                  + " ".join(f"{r.get(c, 0.0):>11.2f}" for c in PHASE_COLUMNS))
+        if cells:
+            print(f"{model:9} {'median':12} {'':10} " + " ".join(
+                f"{statistics.median(r.get(c, 0.0) for r in cells):>11.2f}"
+                for c in PHASE_COLUMNS))
 
 
 def quality_and_time(runs: int) -> list[dict]:
@@ -514,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", action="store_true",
                         help="only (g): start-up plans on the runtime's 2 x 2 cluster, with "
                              "and without Algorithm 2's cut at the best layout so far")
+    parser.add_argument("--phases", action="store_true",
+                        help="only (h): where each cell's cold plan spends its time")
     parser.add_argument("--startup-child", metavar="COMPRESSOR", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -538,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.time_only:
         return _only(lambda: time_only(args.runs), print_time, args.out or str(TIME_RESULTS),
                      command, t0=t0)
+    if args.phases:
+        return _only(lambda: phases_only(args.runs), print_phases,
+                     args.out or str(PHASES_RESULTS), command, t0=t0)
     opt = near_optimality(args.instances, "randomk", {"ratio": 0.01})
     rows = quality_and_time(args.runs)
     print_tables(opt, rows)
@@ -549,8 +653,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _only(rows_of: Callable[[], list[dict]], printer: Callable[[list[dict]], None],
           out: str, command: str, *, key: str = "workloads", t0: float | None = None) -> int:
-    """One table alone (--startup, --bound, --offload-only, --time-only): compute its rows,
-    print them and write them with the command and the machine."""
+    """One table alone (--startup, --bound, --offload-only, --time-only, --phases): compute
+    its rows, print them and write them with the command and the machine."""
     t0 = time.time() if t0 is None else t0
     rows = rows_of()
     printer(rows)
