@@ -108,8 +108,8 @@ STARTUP_RESULTS = RESULTS.with_name("plan_startup.json")
 BOUND_RESULTS = RESULTS.with_name("plan_bound.json")
 LAYOUTS_RESULTS = RESULTS.with_name("plan_layouts.json")
 PHASES_RESULTS = RESULTS.with_name("plan_phases.json")
-# (h)'s phases: (label, owner, attribute). The first six add up to a plan; the last three
-# run inside them.
+# (h)'s timed functions: (label, owner, attribute). The labels of PLAN_PHASES add up to a
+# plan; those of INNER_PHASES run inside them.
 PLAN_PHASES = (("build", PlanContext, "__post_init__"), ("build", PlanContext, "prepare"),
                ("uniform", search, "uniform_best"), ("algorithm 1", search, "gpu_greedy"),
                ("algorithm 2", search, "cpu_offload"), ("refine", search, "_refine_devices"),
@@ -303,9 +303,8 @@ def print_time(rows: list[dict]) -> None:
 
 @contextlib.contextmanager
 def _phase_timers(spent: dict[str, float]) -> Iterator[None]:
-    """Wrap (h)'s functions for the block, each adding its wall time to ``spent[label]`` (a
-    function called inside another of its label, as prepare inside nothing or placements
-    inside Catalogue.add, is counted once)."""
+    """Wrap (h)'s functions for the block, each adding its wall time to ``spent[label]``; a
+    call inside another of the same label counts once, with the outer one."""
     depth: dict[str, int] = {}
     saved = []
 
