@@ -101,11 +101,6 @@ class Runtime:
                 address=f"{cfg.address()}, {self.backend} over {ifname}")
         self.transports = create_groups(self.topology, lanes, backend=self.backend,
                                         comm_device=comm_device)
-        self.shared_host = _machines_share_host(self.topology, self.transports[0], cfg)
-        if self.shared_host and self.topology.rank == 0:
-            log.info("all %d machines run on this host (one host name and address): the "
-                     "uncompressed path skips the intra-machine hierarchy",
-                     self.topology.machines)
         self.ps_client = None
         self.ps: PSPath | None = None
         if cfg.num_servers > 0:
@@ -113,9 +108,13 @@ class Runtime:
 
             self.ps_client = PSClient(cfg, rank=self.topology.rank)
             self.ps = PSPath(self.ps_client)
-        self.local_server_share = _local_server_share(
-            self.topology, self.transports[0], cfg.num_servers,
-            self.ps_client.local_servers if self.ps_client is not None else 0, self.shared_host)
+        self.shared_host, self.local_server_share = _placement(
+            self.topology, self.transports[0], cfg,
+            self.ps_client.local_servers if self.ps_client is not None else 0)
+        if self.shared_host and self.topology.rank == 0:
+            log.info("all %d machines run on this host (one host name and address): the "
+                     "uncompressed path skips the intra-machine hierarchy",
+                     self.topology.machines)
         # ESPRESSO_CPU_THREADS is per machine: this process's share runs its numba kernels
         # (parallel kernels otherwise start one thread per core in every worker process and
         # the processes of one machine oversubscribe its cores).
@@ -221,32 +220,29 @@ class Runtime:
             self._store_tunnel = None
 
 
-def _machines_share_host(topology: Topology, transport: Any, cfg: Config) -> bool:
-    """Whether every worker machine of the job runs on this one host (espresso-launch
-    --local): every rank has the same host name and advertised address. One 8-byte
-    all-gather at start-up."""
+def _placement(topology: Topology, transport: Any, cfg: Config,
+               local_servers: int) -> tuple[bool, float]:
+    """Where the job's machines and servers are, from one all-gather of two int64 per rank at
+    start-up: (shared_host, local_server_share).
+
+    shared_host: every worker machine runs on this one host (espresso-launch --local): every
+    rank has the same host name and advertised address. local_server_share: the share of a
+    machine's push/pull bytes for servers on that machine (keys are spread evenly over the
+    servers), the least over the machines of ``local_servers`` (a worker's count of servers
+    at its own address) over the servers; 0 without servers or on one host (nothing crosses
+    a machine's link there)."""
     if topology.machines == 1:
-        return False
+        return False, 0.0
     me = f"{socket.gethostname()}|{cfg.advertise_host()}".encode()
-    ident = torch.tensor([zlib.crc32(me)], dtype=torch.int64)
-    every = transport.allgather(Scope.FLAT, ident, [1] * topology.world_size)
-    return len(set(every.tolist())) == 1
-
-
-def _local_server_share(topology: Topology, transport: Any, servers: int, local: int,
-                        shared_host: bool) -> float:
-    """The share of a machine's push/pull bytes for servers on that machine (keys are
-    spread evenly over the servers): the least over machines of ``local`` (this worker's
-    count of servers at its own address) over ``servers``. 0 without servers or on one host
-    (nothing crosses a machine's link there). One 8-byte all-gather at start-up."""
-    if not servers or shared_host or topology.machines == 1:
-        return 0.0
-    every = transport.allgather(Scope.FLAT, torch.tensor([local], dtype=torch.int64),
-                                [1] * topology.world_size)
-    least = min(int(n) for n in every.tolist())
+    mine = torch.tensor([zlib.crc32(me), local_servers], dtype=torch.int64)
+    every = transport.allgather(Scope.FLAT, mine, [2] * topology.world_size).reshape(-1, 2)
+    shared = len(set(every[:, 0].tolist())) == 1
+    least = int(every[:, 1].min())
     # every server at every machine's address: the machines share one address, and no
     # push/pull crosses a link between them that the model could price
-    return least / servers if least < servers else 0.0
+    if not cfg.num_servers or shared or least >= cfg.num_servers:
+        return shared, 0.0
+    return shared, least / cfg.num_servers
 
 
 def intra_op_threads(local_size: int, requested: int | None = None) -> int:

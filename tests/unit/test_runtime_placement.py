@@ -1,23 +1,35 @@
-"""Where the servers are: the share of a machine's push/pull bytes that stay on it."""
+"""Where the machines and servers are: whether the machines share one host, and the share of a
+machine's push/pull bytes that stay on it."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from byteps_espresso.server.client import address_host
-from byteps_espresso.worker.runtime import _local_server_share
+from byteps_espresso.worker.runtime import _placement
 from byteps_espresso.worker.topology import Topology
 
 
 class _Gather:
-    """A transport whose all-gather returns every rank's count of local servers."""
+    """A transport whose all-gather returns every rank's (host identity, count of local
+    servers): ``hosts`` the rank's host, ``counts`` its servers at its own address."""
 
-    def __init__(self, counts: list[int]) -> None:
-        self.counts = counts
+    def __init__(self, hosts: list[int], counts: list[int]) -> None:
+        self.hosts, self.counts = hosts, counts
 
     def allgather(self, scope, tensor, sizes):  # type: ignore[no-untyped-def]
-        assert list(sizes) == [1] * len(self.counts) and tensor.numel() == 1
-        return torch.tensor(self.counts, dtype=torch.int64)
+        assert list(sizes) == [2] * len(self.counts) and tensor.numel() == 2
+        return torch.tensor([v for pair in zip(self.hosts, self.counts, strict=True)
+                             for v in pair], dtype=torch.int64)
+
+
+def _cfg(servers: int) -> SimpleNamespace:
+    return SimpleNamespace(num_servers=servers, advertise_host=lambda: "10.0.0.1")
+
+
+APART = [1, 1, 2, 2]  # 2 machines x 2 workers, each machine its own host
 
 
 def test_a_servers_host_is_read_from_its_address():
@@ -33,12 +45,13 @@ def test_a_servers_host_is_read_from_its_address():
 ])
 def test_the_share_is_the_least_over_the_machines(counts, servers, share):
     topo = Topology(2, 2)
-    assert _local_server_share(topo, _Gather(counts), servers, counts[0], False) == share
+    assert _placement(topo, _Gather(APART, counts), _cfg(servers), counts[0]) == (False, share)
 
 
 def test_no_share_without_servers_or_on_one_host():
     topo = Topology(2, 2)
-    never = _Gather([])  # an all-gather would fail its assertion
-    assert _local_server_share(topo, never, 0, 0, False) == 0.0
-    assert _local_server_share(topo, never, 2, 2, True) == 0.0
-    assert _local_server_share(Topology(1, 4), never, 2, 2, False) == 0.0
+    assert _placement(topo, _Gather(APART, [0] * 4), _cfg(0), 0) == (False, 0.0)
+    # every rank with one host identity: the machines share this host
+    assert _placement(topo, _Gather([7] * 4, [2] * 4), _cfg(2), 2) == (True, 0.0)
+    never = _Gather([], [])  # an all-gather would fail its assertion
+    assert _placement(Topology(1, 4), never, _cfg(2), 2) == (False, 0.0)
