@@ -32,16 +32,18 @@ def lane_of(name: str, lanes: int) -> int:
 
 
 def _check(name: str, value: Any, *, low: float, integer: bool = False, strict: bool = False,
-           optional: bool = False) -> None:
+           below: float | None = None, optional: bool = False) -> None:
     """Raise ClusterError unless ``value`` is a number (an integer if ``integer``) >= ``low``
-    (> if ``strict``), or None when ``optional``."""
+    (> if ``strict``) and < ``below`` when given, or None when ``optional``."""
     if value is None and optional:
         return
     kinds = int if integer else int | float
     if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) \
-            or not (value > low if strict else value >= low):
+            or not (value > low if strict else value >= low) \
+            or (below is not None and not value < below):
         what = "an integer" if integer else "a finite number"
-        bound = f"{'>' if strict else '>='} {low:g}"
+        bound = f"{'>' if strict else '>='} {low:g}" + ("" if below is None else
+                                                      f" and < {below:g}")
         raise ClusterError(f"field {name!r} must be {what} {bound}{' or null' if optional else ''}"
                            f", got {value!r}")
 
@@ -168,11 +170,8 @@ class Cluster:
                                    f"{getattr(self, name)!r}")
         if self.servers and not self.server_gbps > 0:
             raise ClusterError("field 'server_gbps' must be > 0 when 'servers' > 0")
-        _check("local_server_share", self.local_server_share, low=0)
-        if self.local_server_share >= 1:
-            raise ClusterError("field 'local_server_share' must be < 1 (the share of a "
-                               "machine's push/pull bytes for its own servers), got "
-                               f"{self.local_server_share!r}")
+        # the share of a machine's push/pull bytes for its own servers: some always cross
+        _check("local_server_share", self.local_server_share, low=0, below=1)
 
     @property
     def world_size(self) -> int:
