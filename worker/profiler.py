@@ -59,7 +59,7 @@ from byteps_espresso.worker.session import Session, slowest_across_ranks, span_a
 from byteps_espresso.worker.trials import MODEL_ERROR
 
 from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB
-from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes, Pricer
+from byteps_espresso.strategy.costs import EXCHANGES, INTER, INTRA, CompressedSizes, Pricer, link_of
 from byteps_espresso.strategy.options import ROUNDING, Device, Kind, Option, Scope
 from byteps_espresso.strategy.tree import PARTNER
 
@@ -375,11 +375,13 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
     The probes run after backward; the Options run during it, on the cores backward uses.
     Each communication step of the profiled ``option`` (the fp32 path every tensor ran while
     profiling) was timed in its lane, and the model prices it as a latency part plus the rest
-    (bandwidth, server work). Two factors are fitted, each by least squares over its steps
+    (bandwidth, server work). The factors are fitted, each by least squares over its steps
     of ``measured = rest + factor x latency part``, every step's error relative to its price
     at the probes' latency, at least 1: ``exchange`` over the steps in which every member
     sends and receives (``Cluster.exchange_latency``: the all-reduce, reduce-scatter and
-    all-gather kinds, whose cost the contention multiplies), ``ps`` over the push/pulls
+    all-gather kinds, whose cost the contention multiplies), one factor per link
+    (``inter_exchange``: ``Cluster.inter_exchange_latency``; a link whose exchanges the
+    profiled path does not run keeps its probed latency), ``ps`` over the push/pulls
     (``server_latency_us``). Relative errors let the latency-bound steps (a small bucket's)
     decide the factor: a bandwidth-bound step's latency part is a sliver of its time and its
     residual mostly the bandwidth's error. The median over steps of (measured - rest) /
@@ -413,12 +415,14 @@ def in_training_latency(cluster: Any, option: Option, numels: Sequence[int],
 
 
 _PUSH_PULLS = frozenset({Kind.PUSH_PULL, Kind.PUSH_PULL_C})
-# Which steps each latency factor is fitted over, and the Cluster field it scales.
+# Which steps each latency factor is fitted over (their kinds, and the link they cross; None:
+# either), and the Cluster field it scales.
 _LATENCY_KINDS = {
-    "exchange": ("exchange_latency", EXCHANGES),
-    "ps": ("server_latency_us", _PUSH_PULLS),
+    "exchange": ("exchange_latency", EXCHANGES, INTRA),
+    "inter_exchange": ("inter_exchange_latency", EXCHANGES, INTER),
+    "ps": ("server_latency_us", _PUSH_PULLS, None),
     "rooted": ("rooted_latency", frozenset(
-        k for k in Kind if not k.is_compute and k not in EXCHANGES | _PUSH_PULLS)),
+        k for k in Kind if not k.is_compute and k not in EXCHANGES | _PUSH_PULLS), None),
 }
 
 
@@ -456,7 +460,7 @@ def _normal_equation(part: np.ndarray, rest: np.ndarray, measured: np.ndarray,
 
 def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
                 compressor: str, params: Mapping[str, Any], costs: Any,
-                kinds: Sequence[str] = ("exchange", "ps"),
+                kinds: Sequence[str] = ("exchange", "inter_exchange", "ps"),
                 unmeasured: bool = False) -> tuple[Any, dict[str, float]]:
     """The cluster with the latencies of ``kinds`` scaled to what ``runs`` took.
 
@@ -464,11 +468,13 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
     Per kind, one factor by least squares over every run's steps of that kind, of
     ``measured = rest + factor x latency part`` on each step's error relative to its price
     (see :func:`in_training_latency`), at least 1. ``exchange`` scales
-    ``Cluster.exchange_latency``, ``ps`` the PS path's latency (``server_latency_us``, made
-    explicit), ``rooted`` ``Cluster.rooted_latency``. With ``unmeasured`` the kinds no step
-    measured take the largest factor fitted (the host's message latency: a plan priced on
-    this cluster must not favour a kind no step checked). Returns (cluster, {kind: factor})
-    for the kinds fitted.
+    ``Cluster.exchange_latency`` (the exchanges over the intra link), ``inter_exchange``
+    ``Cluster.inter_exchange_latency`` (those over the inter link), ``ps`` the PS path's
+    latency (``server_latency_us``, made explicit), ``rooted`` ``Cluster.rooted_latency``.
+    A kind no step measured keeps its probed latency (factor 1); with ``unmeasured`` it
+    takes the largest factor fitted (the host's message latency: a plan priced on this
+    cluster must not favour a kind no step checked). Returns (cluster, {kind: factor}) for
+    the kinds fitted.
     """
     sizes = CompressedSizes(compressor, dict(params))
     kinds = [what for what in kinds if what != "ps" or cluster.servers]
@@ -483,8 +489,9 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
     for option, (numels, measured) in _by_option(runs).items():
         base = per_step(cluster, option, numels)
         for what in kinds:
-            name, members = _LATENCY_KINDS[what]
-            cols = [i for i, st in enumerate(option.steps) if st.kind in members]
+            name, members, link = _LATENCY_KINDS[what]
+            cols = [i for i, st in enumerate(option.steps) if st.kind in members
+                    and (link is None or link_of(cluster, st.scope) == link)]
             if not cols:
                 continue
             latency = (base - per_step(replace(cluster, **{name: 0.0}), option, numels))[:, cols]
@@ -1199,7 +1206,8 @@ class EspressoSpec(CompressionSpec):
         timed_steps = [(r.option, r.numel, r.steps_us) for r in runs]
         refit, factors = fit_latency(
             kept.cluster, timed_steps, compressor=self.compressor, params=self.params,
-            costs=costs, kinds=("exchange", "rooted", "ps"), unmeasured=True)
+            costs=costs, kinds=("exchange", "inter_exchange", "rooted", "ps"),
+            unmeasured=True)
         costs, compute = fit_compute(refit, timed_steps, compressor=self.compressor,
                                      params=self.params, costs=costs)
         ctx = PlanContext(kept.workload, refit, self.compressor, dict(self.params), costs,

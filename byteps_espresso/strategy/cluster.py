@@ -109,10 +109,17 @@ class Cluster:
             the lane go.
         exchange_latency: multiplier on the per-hop latency of the collectives in which every
             member sends and receives (Allreduce, ReduceScatter, Allgather, AllgatherC,
-            AlltoallC); rooted ones (Reduce, Broadcast(C), GatherC) pay the latency as it is.
-            1 for the presets. A profile measured by the runtime sets it from the profiled
-            iterations' own steps: on a host whose cores the workers share, exchanges issued
-            during backward cost more per hop than the probes read.
+            AlltoallC) over the intra-machine link; rooted ones (Reduce, Broadcast(C),
+            GatherC) pay the latency as it is. 1 for the presets. A profile measured by the
+            runtime sets it from the profiled iterations' own steps: on a host whose cores
+            the workers share, exchanges issued during backward cost more per hop than the
+            probes read.
+        inter_exchange_latency: the same multiplier for the exchanges over the
+            inter-machine link (``inter`` scope, and ``flat`` across machines), fitted apart:
+            the hierarchical uncompressed path that start-up profiles exchanges only inside
+            the machines, and its intra factor, applied to the inter link's latency too,
+            priced an fp16 ``AllreduceC(flat)`` LSTM plan at 76.5 ms that ran at 27.9
+            (BENCHMARKS.md, "Exchange latency per link"). 1 until a timed step measures it.
         rooted_latency: the same multiplier for the rooted collectives (Reduce, Broadcast(C),
             GatherC). 1 for the presets and for a start-up profile; the runtime's check of
             the kept strategy (``worker.check``) fits it where that strategy runs them.
@@ -148,6 +155,7 @@ class Cluster:
     server_latency_us: float | None = None
     lanes: int | None = None
     exchange_latency: float = 1.0
+    inter_exchange_latency: float = 1.0
     rooted_latency: float = 1.0
     shared_host: bool = False
     host_device: bool = False
@@ -160,7 +168,7 @@ class Cluster:
         for name in ("intra_gbps", "inter_gbps", "h2d_gbps"):
             _check(name, getattr(self, name), low=0, strict=True)
         for name in ("intra_latency_us", "inter_latency_us", "server_gbps", "exchange_latency",
-                     "rooted_latency"):
+                     "inter_exchange_latency", "rooted_latency"):
             _check(name, getattr(self, name), low=0)
         _check("server_latency_us", self.server_latency_us, low=0, optional=True)
         _check("lanes", self.lanes, integer=True, low=1, optional=True)

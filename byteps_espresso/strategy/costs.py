@@ -97,17 +97,27 @@ __all__ = [
     "bytes_per_us",
     "dense_us",
     "least_sum_warm_up",
+    "link_of",
 ]
 
 # Timeline resources (row order of the Gantt chart).
 GPU, CPU, INTRA, INTER, SERVER = range(5)
 RESOURCES = ("gpu", "cpu", "intra", "inter", "server")
 FLOAT32_BYTES = 4
-# Collectives in which every member sends and receives: Cluster.exchange_latency applies
-# (Cluster.rooted_latency to the other collectives).
+# Collectives in which every member sends and receives: Cluster.exchange_latency applies on
+# the intra link, Cluster.inter_exchange_latency on the inter link (Cluster.rooted_latency to
+# the other collectives).
 EXCHANGES = frozenset({Kind.ALLREDUCE, Kind.ALLREDUCE_C, Kind.REDUCE_SCATTER, Kind.ALLGATHER,
                        Kind.ALLGATHER_C, Kind.ALLTOALL_C})
 _ONE_HOT = np.eye(len(RESOURCES))
+
+
+def link_of(cluster: Cluster, scope: Scope) -> int:
+    """The link (``INTRA`` or ``INTER``) a collective in ``scope`` is priced on: a flat
+    ring crosses the machines' links when there is more than one machine."""
+    if scope is Scope.INTER or (scope is Scope.FLAT and cluster.machines > 1):
+        return INTER
+    return INTRA
 
 
 def bytes_per_us(gbps: float) -> float:
@@ -414,13 +424,11 @@ class Pricer:
     def _link(self, scope: Scope, k: int) -> tuple[float, float, int]:
         """(bytes/us, latency us, resource) of a ring in ``scope`` with k groups per NIC."""
         c = self.cluster
-        if scope is Scope.INTRA:
+        if link_of(c, scope) == INTRA:
             return self._b_intra, c.intra_latency_us, INTRA
         if scope is Scope.INTER:
             return self._b_inter / k, c.inter_latency_us, INTER
-        if self._multi:
-            return min(self._b_intra, self._b_inter), c.inter_latency_us, INTER
-        return self._b_intra, c.intra_latency_us, INTRA
+        return min(self._b_intra, self._b_inter), c.inter_latency_us, INTER
 
     def walk(self, option: Option) -> StepTasks:
         """The option's tasks by walking its compiled program step by step (the reference
@@ -554,8 +562,11 @@ class Pricer:
         active = self._active(prog, op)
         bw, lat, resource = self._link(scope, active)
         # (the PS kinds price their own path's latency, Cluster.ps_latency_us)
-        lat *= (self.cluster.exchange_latency if op.kind in EXCHANGES
-                else self.cluster.rooted_latency)
+        c = self.cluster
+        if op.kind in EXCHANGES:
+            lat *= c.inter_exchange_latency if resource == INTER else c.exchange_latency
+        else:
+            lat *= c.rooted_latency
         prev = self._before(prog, op)
         e = self.extent(prev.shards if prev is not None else ())
         comm = _Comm(p, bw, lat, resource, scope, e, e * FLOAT32_BYTES, active,

@@ -28,7 +28,7 @@ from byteps_espresso.worker.session import span_across_ranks
 from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
 from byteps_espresso.strategy.buckets import Bucket
 from byteps_espresso.strategy.context import PlanContext
-from byteps_espresso.strategy.costs import EXCHANGES, CompressedSizes
+from byteps_espresso.strategy.costs import EXCHANGES, INTER, INTRA, CompressedSizes, link_of
 from byteps_espresso.strategy.options import Kind
 from byteps_espresso.strategy.planner import plan_bucketed
 
@@ -211,7 +211,8 @@ def _steps(cluster, option, numel, costs):
 
 @pytest.mark.parametrize("truth", [
     {"server_latency_us": 5.0, "exchange_latency": 4.0},
-    {"server_latency_us": 3.0, "rooted_latency": 6.0, "exchange_latency": 2.0}])
+    {"server_latency_us": 3.0, "rooted_latency": 6.0, "exchange_latency": 2.0,
+     "inter_exchange_latency": 7.0}])
 def test_the_refit_finds_what_the_steps_took_and_a_switch_needs_the_gain(planned, truth):
     """Every timed step took its price on a cluster whose latencies of one or two kinds are
     a few times the planned ones: the refit finds those factors for the kinds the kept
@@ -227,10 +228,12 @@ def test_the_refit_finds_what_the_steps_took_and_a_switch_needs_the_gain(planned
     spec._planned[frozenset(workload.names)] = (workload, costs, frozenset(), (0, 1 << 20))
     new, info = spec._replanned(kept, runs)
     names = {"server_latency_us": "ps", "exchange_latency": "exchange",
-             "rooted_latency": "rooted"}
-    assert set(info["factors"]) == {kind for kind, members in (
-        ("ps", PUSH_PULLS), ("exchange", EXCHANGES), ("rooted", ROOTED))
-        if any(s.kind in members for o in kept.options.values() for s in o.steps)}
+             "inter_exchange_latency": "inter_exchange", "rooted_latency": "rooted"}
+    assert set(info["factors"]) == {kind for kind, members, links in (
+        ("ps", PUSH_PULLS, (INTRA, INTER)), ("exchange", EXCHANGES, (INTRA,)),
+        ("inter_exchange", EXCHANGES, (INTER,)), ("rooted", ROOTED, (INTRA, INTER)))
+        if any(s.kind in members and link_of(base, s.scope) in links
+               for o in kept.options.values() for s in o.steps)}
     # BytePS' path refits two kinds at once: each from its own steps
     assert len(info["factors"]) >= (2 if kept.algorithm == "fp32" else 1)
     for field, factor in truth.items():

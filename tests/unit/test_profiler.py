@@ -109,7 +109,8 @@ def _fit(cluster, option, measured):
     ("ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)", 1,
      {"exchange_latency": 3.0, "server_latency_us": 800.0}, {"exchange": 3.0, "ps": 2.0}),
     ("ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)", 0,
-     {"exchange_latency": 2.5}, {"exchange": 2.5}),
+     {"exchange_latency": 2.5, "inter_exchange_latency": 4.0},
+     {"exchange": 2.5, "inter_exchange": 4.0}),
 ])
 def test_in_training_latency_recovers_the_latencies_the_steps_took(text, servers, truth,
                                                                    expected):
@@ -126,6 +127,27 @@ def test_in_training_latency_recovers_the_latencies_the_steps_took(text, servers
     # per-hop latencies and bandwidths stay the probes'; only the factors moved
     assert (fitted.intra_latency_us, fitted.inter_latency_us, fitted.inter_gbps) == (
         probed.intra_latency_us, probed.inter_latency_us, probed.inter_gbps)
+
+
+def test_the_intra_exchanges_factor_leaves_the_inter_link_as_probed():
+    """BytePS' path exchanges only inside the machines: their factor does not reach an
+    exchange over the inter link, which no profiled step measured (applied to it, the intra
+    factor priced an fp16 ``AllreduceC(flat)`` plan at 2.7x what it ran at)."""
+    from dataclasses import replace
+
+    from byteps_espresso.strategy import Option
+
+    option = Option.parse("ReduceScatter(intra) -> PushPull(inter) -> Allgather(intra)")
+    probed = _probed()
+    fitted, factors = _fit(probed, option, _step_prices(replace(probed, exchange_latency=4.0),
+                                                        option))
+    assert factors == pytest.approx({"exchange": 4.0, "ps": 1.0})
+    assert fitted.inter_exchange_latency == 1.0
+    for text in ("Allreduce(flat)", "Comp(gpu) -> AllgatherC(inter) -> Decomp(gpu)"):
+        np.testing.assert_array_equal(_step_prices(fitted, Option.parse(text)),
+                                      _step_prices(probed, Option.parse(text)))
+    intra = Option.parse("Allreduce(intra)")
+    assert (_step_prices(fitted, intra) > _step_prices(probed, intra)).all()
 
 
 def test_in_training_latency_ignores_unmeasured_steps_and_keeps_the_probes_as_a_floor():
@@ -330,16 +352,17 @@ def test_fit_latency_fits_each_kind_over_every_run():
     from byteps_espresso.strategy import CompressorCosts, Option
 
     probed = _probed()
-    truth = replace(probed, exchange_latency=2.0, rooted_latency=5.0,
-                    server_latency_us=3 * probed.server_latency_us)
+    truth = replace(probed, exchange_latency=2.0, inter_exchange_latency=4.0,
+                    rooted_latency=5.0, server_latency_us=3 * probed.server_latency_us)
     options = [Option.parse("Reduce(intra) -> PushPull(inter) -> Broadcast(intra)"),
                Option.parse("ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)")]
     runs = [(o, n, row) for o in options for n, row in zip(_NUMELS, _step_prices(truth, o),
                                                            strict=True)]
     fitted, factors = fit_latency(probed, runs, compressor="randomk", params={"ratio": 0.01},
                                   costs=CompressorCosts.default(),
-                                  kinds=("exchange", "rooted", "ps"))
-    assert factors == pytest.approx({"exchange": 2.0, "rooted": 5.0, "ps": 3.0})
+                                  kinds=("exchange", "inter_exchange", "rooted", "ps"))
+    assert factors == pytest.approx({"exchange": 2.0, "inter_exchange": 4.0, "rooted": 5.0,
+                                     "ps": 3.0})
     for o in options:
         np.testing.assert_allclose(_step_prices(fitted, o), _step_prices(truth, o), rtol=1e-9)
 

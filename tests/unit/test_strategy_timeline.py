@@ -326,7 +326,7 @@ def test_rooted_collectives_are_priced_as_the_transport_runs_them():
     np.testing.assert_allclose(priced(8, 1.0, 10**6), [7014.0, 12003.0])
 
 
-def test_exchange_and_rooted_latency_each_scale_their_own_collectives():
+def test_exchange_latencies_per_link_and_rooted_latency_each_scale_their_own_collectives():
     from dataclasses import replace
 
     from byteps_espresso.strategy import ClusterError
@@ -342,12 +342,20 @@ def test_exchange_and_rooted_latency_each_scale_their_own_collectives():
     exchange = "ReduceScatter(intra) -> Allreduce(inter) -> Allgather(intra)"
     rooted = "Reduce(intra) -> Allreduce(inter) -> Broadcast(intra)"
     slow = replace(base, exchange_latency=3.0)
-    # RS + AG: 1 hop each at 500 us; the inter all-reduce of 2 members: 2 hops at 700 us
-    assert total(slow, exchange) - total(base, exchange) == pytest.approx(2 * (500 + 500 + 1400))
-    assert total(slow, rooted) - total(base, rooted) == pytest.approx(2 * 1400)  # Allreduce only
-    with pytest.raises(ClusterError, match="exchange_latency"):
-        replace(base, exchange_latency=-1.0)
-    assert Cluster.from_dict(slow.to_dict()) == slow
+    # RS + AG: 1 hop each at 500 us; the inter all-reduce (2 hops at 700 us) is on the other
+    # link's factor
+    assert total(slow, exchange) - total(base, exchange) == pytest.approx(2 * (500 + 500))
+    assert total(slow, rooted) == total(base, rooted)
+    slow_inter = replace(base, inter_exchange_latency=3.0)
+    for text in (exchange, rooted):  # the inter all-reduce of 2 members: 2 hops at 700 us
+        assert total(slow_inter, text) - total(base, text) == pytest.approx(2 * 1400)
+    # a flat ring across the machines crosses the inter link
+    assert total(slow_inter, "Allreduce(flat)") > total(base, "Allreduce(flat)")
+    assert total(slow, "Allreduce(flat)") == total(base, "Allreduce(flat)")
+    for name in ("exchange_latency", "inter_exchange_latency"):
+        with pytest.raises(ClusterError, match=name):
+            replace(base, **{name: -1.0})
+    assert Cluster.from_dict(slow_inter.to_dict()) == slow_inter
     # rooted_latency, the other way round: Reduce and Broadcast (1 hop each at 500 us, the
     # binomial tree of 2 members) pay it, the exchanges do not
     rooted_slow = replace(base, rooted_latency=4.0)
