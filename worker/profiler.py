@@ -109,7 +109,8 @@ _LANE_REPS = 2
 # less bandwidth than training got (the fp32 push/pulls ran faster than the probes'
 # bandwidth alone predicted: PS latency factor x0.00 in the main job).
 _TRAFFIC_MIN = 1 << 16
-# Compressor timings per size in each timed round (medians over the rounds are taken).
+# Compressor timings per size in each timed round (the least over the rounds is taken:
+# :meth:`LaneProbes.costs`).
 _CODEC_REPS = 1
 # Compressor timing repetitions per size (median taken); sizes capped to keep start-up short.
 _TIMING_REPS = 3
@@ -780,7 +781,8 @@ class LaneProbes:
         """The link times :meth:`cluster` inverted (us per path and elements), how many timed
         calls each median is of and every call's time in the order taken (so that another
         statistic of the probes can be scored offline against what the strategies measured),
-        the PS path's source, the profiled fp32 steps' times (what :func:`in_training_latency`
+        every compressor timing in the lanes (``codec_calls_us``: device, op, elements), the
+        PS path's source, the profiled fp32 steps' times (what :func:`in_training_latency`
         fits, so a profile can be fitted again offline) and the lanes' seconds, as
         ``probes.json`` in ``ESPRESSO_PROFILE_OUT``."""
         links: dict[str, dict[str, float]] = {}
@@ -792,8 +794,11 @@ class LaneProbes:
             samples.setdefault(path, {})[str(n)] = len(times)
             calls.setdefault(path, {})[str(n)] = [float(us) for us in times]
         numels, steps_us = self.steps
+        codec: dict[str, dict[str, dict[str, list[float]]]] = {}
+        for (dev, op, n), times in sorted(self.compressor.items()):
+            codec.setdefault(dev, {}).setdefault(op, {})[str(n)] = [float(us) for us in times]
         return {"links_us": links, "link_samples": samples, "link_calls_us": calls,
-                "ps_source": self.ps_source,
+                "codec_calls_us": codec, "ps_source": self.ps_source,
                 "fp32_steps": {"option": str(self.fp32), "numels": numels, "us": steps_us},
                 "lane_seconds": {f"{what}/{it}": sec
                                  for (what, it), sec in sorted(self.spent.items())}}
@@ -963,13 +968,24 @@ class LaneProbes:
         self.alone = samples
 
     def costs(self, numels: Sequence[int]) -> Any:
-        """``strategy.CompressorCosts`` fitted to the median timings in the lanes, plus what
-        :meth:`time_alone` measured (timed now where it has not run)."""
+        """``strategy.CompressorCosts`` fitted to the least timing in the lanes per size, plus
+        what :meth:`time_alone` measured (timed now where it has not run).
+
+        The least, not the median: each size is timed once in each of the first
+        ``_PROBE_ROUNDS`` probing iterations, so the median of two is their mean, and one slow
+        call (the lane shares its process with the fp32 traffic and its cores with the other
+        ranks) priced the transformer's largest bucket (1-2.4M elements) as if a kernel took
+        24-81 ns an element, in 7 of 38 transformer profiles on the emulated cluster (at most
+        2.3 ns in the 83 other profiles; the fp16 cast timed alone: 0.25 ns). The fp16 hook's
+        plan was priced at 334 ms and ran at 209, an EFSignSGD Decomp(cpu) was priced at 35.8
+        ms and took 3.8 (BENCHMARKS.md, "Exchange latency per link; kernels' least lane
+        timing"). The check's refit (:func:`fit_compute`) raises the kernels' costs to what
+        the kept strategy's steps took and never lowers them: an estimate that errs low is
+        the one it mends."""
         from byteps_espresso.strategy import CompressorCosts
 
         name = "powersgd" if self.low_rank is not None else self.codec.name  # type: ignore
-        samples = [{"compressor": name, "device": dev, "op": op, "numel": n,
-                    "us": statistics.median(us)}
+        samples = [{"compressor": name, "device": dev, "op": op, "numel": n, "us": min(us)}
                    for (dev, op, n), us in sorted(self.compressor.items())]
         if self.low_rank is not None:  # its products alone: no numba kernels, no partner
             return CompressorCosts.fit(

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 from byteps_espresso.worker.check import REPLAN_GAIN
-from byteps_espresso.worker.profiler import _LANE_REPS, _PROBE_ROUNDS
+from byteps_espresso.worker.profiler import _CODEC_REPS, _LANE_REPS, _PROBE_ROUNDS
 from byteps_espresso.worker.runtime import DEFAULT_LANES
 
 from byteps_espresso.strategy import Strategy
 from byteps_espresso.strategy.buckets import Bucket
+from byteps_espresso.strategy.compressor_costs import Linear
 from byteps_espresso.strategy.options import Option
 
 WORLD = 4
@@ -151,6 +152,18 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
     assert measured in costs["note"]
     assert set(costs["compressors"]["randomk"]) >= (
         {"gpu", "cpu", "server"} if steps > 1 else {"gpu", "cpu"})
+    if steps > 1:  # the lanes' kernels priced from the least timing of each size
+        for dev, ops in probes["codec_calls_us"].items():
+            for op, calls in ops.items():
+                # the smallest and largest size in every round, others within its budget
+                sizes = sorted(calls, key=int)
+                assert len(sizes) >= 2 and all(
+                    len(calls[n]) == rounds * _CODEC_REPS for n in (sizes[0], sizes[-1]))
+                assert all(0 < len(us) <= rounds * _CODEC_REPS and min(us) > 0
+                           for us in calls.values()), (dev, op)
+                line = Linear.fit([int(n) for n in calls], [min(us) for us in calls.values()])
+                assert costs["compressors"]["randomk"][dev][op] == pytest.approx(
+                    line.to_dict(), rel=1e-9), (dev, op)
     workload = json.loads((out / "workload.json").read_text())
     assert sorted(t["name"] for t in workload["tensors"]) == ["0.bias", "0.weight", "2.bias",
                                                               "2.weight"]
