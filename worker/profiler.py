@@ -109,8 +109,7 @@ _LANE_REPS = 2
 # less bandwidth than training got (the fp32 push/pulls ran faster than the probes'
 # bandwidth alone predicted: PS latency factor x0.00 in the main job).
 _TRAFFIC_MIN = 1 << 16
-# Compressor timings per size in each timed round (the least over the rounds is taken:
-# :meth:`LaneProbes.costs`).
+# Compressor timings per size in each timed round (medians over the rounds are taken).
 _CODEC_REPS = 1
 # Compressor timing repetitions per size (median taken); sizes capped to keep start-up short.
 _TIMING_REPS = 3
@@ -968,24 +967,24 @@ class LaneProbes:
         self.alone = samples
 
     def costs(self, numels: Sequence[int]) -> Any:
-        """``strategy.CompressorCosts`` fitted to the least timing in the lanes per size, plus
-        what :meth:`time_alone` measured (timed now where it has not run).
+        """``strategy.CompressorCosts`` fitted to the median timings in the lanes, plus what
+        :meth:`time_alone` measured (timed now where it has not run).
 
-        The least, not the median: each size is timed once in each of the first
-        ``_PROBE_ROUNDS`` probing iterations, so the median of two is their mean, and one slow
-        call (the lane shares its process with the fp32 traffic and its cores with the other
-        ranks) priced the transformer's largest bucket (1-2.4M elements) as if a kernel took
-        24-81 ns an element, in 7 of 38 transformer profiles on the emulated cluster (at most
-        2.3 ns in the 83 other profiles; the fp16 cast timed alone: 0.25 ns). The fp16 hook's
-        plan was priced at 334 ms and ran at 209, an EFSignSGD Decomp(cpu) was priced at 35.8
-        ms and took 3.8 (BENCHMARKS.md, "Exchange latency per link; kernels' least lane
-        timing"). The check's refit (:func:`fit_compute`) raises the kernels' costs to what
-        the kept strategy's steps took and never lowers them: an estimate that errs low is
-        the one it mends."""
+        Each size is timed once in each of the first ``_PROBE_ROUNDS`` probing iterations, so
+        the median is the mean of two calls, and one slow call (the lane shares its process
+        with the fp32 traffic and its cores with the other ranks) priced the transformer's
+        largest bucket (1-2.4M elements) as if a kernel took 24-81 ns an element in 7 of 38
+        transformer profiles on the emulated cluster (at most 2.3 ns in the 83 other
+        profiles; the fp16 cast timed alone: 0.25 ns). Fitting the least call instead
+        planned EFSignSGD on the transformer at 1 Gbit/s slower (median 198.0 against 173.3
+        ms over four alternating rounds; BENCHMARKS.md, "Exchange latency per link; the
+        kernels' lane timings"): the mean of two stays, and ``probes.json`` keeps every call
+        (:meth:`record`) so that another statistic can be scored offline."""
         from byteps_espresso.strategy import CompressorCosts
 
         name = "powersgd" if self.low_rank is not None else self.codec.name  # type: ignore
-        samples = [{"compressor": name, "device": dev, "op": op, "numel": n, "us": min(us)}
+        samples = [{"compressor": name, "device": dev, "op": op, "numel": n,
+                    "us": statistics.median(us)}
                    for (dev, op, n), us in sorted(self.compressor.items())]
         if self.low_rank is not None:  # its products alone: no numba kernels, no partner
             return CompressorCosts.fit(

@@ -119,7 +119,8 @@ class Cluster:
             the hierarchical uncompressed path that start-up profiles exchanges only inside
             the machines, and its intra factor, applied to the inter link's latency too,
             priced an fp16 ``AllreduceC(flat)`` LSTM plan at 76.5 ms that ran at 27.9
-            (BENCHMARKS.md, "Exchange latency per link"). 1 until a timed step measures it.
+            (BENCHMARKS.md, "Exchange latency per link; the kernels' lane timings"). 1 until a
+            timed step measures it.
         rooted_latency: the same multiplier for the rooted collectives (Reduce, Broadcast(C),
             GatherC). 1 for the presets and for a start-up profile; the runtime's check of
             the kept strategy (``worker.check``) fits it where that strategy runs them.
