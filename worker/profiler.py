@@ -471,10 +471,11 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
     ``Cluster.exchange_latency`` (the exchanges over the intra link), ``inter_exchange``
     ``Cluster.inter_exchange_latency`` (those over the inter link), ``ps`` the PS path's
     latency (``server_latency_us``, made explicit), ``rooted`` ``Cluster.rooted_latency``.
-    A kind no step measured keeps its probed latency (factor 1); with ``unmeasured`` it
-    takes the largest factor fitted (the host's message latency: a plan priced on this
-    cluster must not favour a kind no step checked). Returns (cluster, {kind: factor}) for
-    the kinds fitted.
+    With every machine on one host, the two links' exchanges share a factor where only one
+    link's were timed. A kind no step measured keeps its probed latency (factor 1); with
+    ``unmeasured`` it takes the largest factor fitted (the host's message latency: a plan
+    priced on this cluster must not favour a kind no step checked). Returns (cluster,
+    {kind: factor}) for the kinds fitted.
     """
     sizes = CompressedSizes(compressor, dict(params))
     kinds = [what for what in kinds if what != "ps" or cluster.servers]
@@ -501,6 +502,13 @@ def fit_latency(cluster: Any, runs: Sequence[tuple[Option, int, np.ndarray]], *,
             sums[what][0] += num
             sums[what][1] += den
     factors = {what: max(1.0, num / den) for what, (num, den) in sums.items() if den > 0}
+    exchanges = ("exchange", "inter_exchange")
+    if cluster.shared_host and all(what in sums for what in exchanges):
+        # Every machine on one host (espresso-launch --local): both links are its loopback,
+        # so a link whose exchanges no step ran takes the other's factor.
+        fitted = [factors[what] for what in exchanges if what in factors]
+        if len(fitted) == 1:
+            factors.update(dict.fromkeys(exchanges, fitted[0]))
     top = max(factors.values(), default=1.0)
     scaled = cluster
     for what, factor in ({what: factors.get(what, top) for what in kinds} if unmeasured

@@ -150,6 +150,22 @@ def test_the_intra_exchanges_factor_leaves_the_inter_link_as_probed():
     assert (_step_prices(fitted, intra) > _step_prices(probed, intra)).all()
 
 
+def test_on_one_host_both_links_exchanges_share_their_factor():
+    """Every machine on one host: the flat path's exchanges price the loopback both links
+    are, so the intra exchanges take the factor they were fitted to as well."""
+    from dataclasses import replace
+
+    from byteps_espresso.strategy import Option
+
+    option = Option.parse("Allreduce(flat)")
+    probed = replace(_probed(0), shared_host=True)
+    fitted, factors = _fit(probed, option, _step_prices(
+        replace(probed, inter_exchange_latency=3.0), option))
+    assert factors == pytest.approx({"exchange": 3.0, "inter_exchange": 3.0})
+    assert fitted.exchange_latency == pytest.approx(3.0)
+    assert fitted.inter_exchange_latency == pytest.approx(3.0)
+
+
 def test_in_training_latency_ignores_unmeasured_steps_and_keeps_the_probes_as_a_floor():
     from dataclasses import replace
 
