@@ -200,10 +200,21 @@ def _ranks_identical(out: Path, steps: int) -> None:
             assert np.array_equal(got[r], got[0]), f"step {step}: rank {r} differs from rank 0"
 
 
+# Steps after the trials for the check of the kept strategy to conclude: each strategy it
+# checks (the kept one, then a re-plan or a fall-back, then another fall-back) runs
+# _CHECK_STEPS iterations and is decided on the next. With fewer, a run could end while a
+# re-plan was under check: no check.json, and the ranks on the re-plan, not on the trials'
+# kept strategy.
+_CHECK_STEPS = 2
+_AFTER_TRIALS = 3 * (_CHECK_STEPS + 1) + 1
+
+
 def _run_trials(tmp_path, cluster, compression, steps):
-    """2 profiled steps, then trials of 2 steps per finalist; files under tmp_path/profile."""
+    """2 profiled steps, then trials of 2 steps per finalist, then the check of
+    ``_CHECK_STEPS`` steps per strategy; files under tmp_path/profile."""
     _train(tmp_path, cluster, compression, steps,
            {"ESPRESSO_PROFILE_STEPS": "2", "ESPRESSO_TRIAL_STEPS": "2",
+            "ESPRESSO_CHECK_STEPS": str(_CHECK_STEPS),
             "ESPRESSO_PROFILE_OUT": str(tmp_path / "profile")})
 
 
@@ -215,7 +226,7 @@ def test_trials_switch_strategies_in_step_and_every_rank_keeps_the_same(tmp_path
     profiled steps equal the single-process result, and every rank keeps the finalist
     trials.json names, the fastest measured."""
     out = tmp_path / "profile"
-    steps = 2 + 2 * 7 + 2
+    steps = 2 + 2 * 7 + _AFTER_TRIALS
     _run_trials(tmp_path, cluster, "espresso-trials", steps)
     _ranks_identical(tmp_path, steps)
     for step, want in enumerate(_expected(1, 2)):  # the profiled steps
@@ -382,7 +393,7 @@ def test_trials_wait_for_the_compressors_warm_up(tmp_path, cluster):
     size the planner priced. Every bucket counts the training's iterations, whichever layout
     (the plan's, a finalist's) brought it in, so the warm-up does not start over."""
     out = tmp_path / "profile"
-    steps = worker.WARMUP + 2 * 7 + 2
+    steps = worker.WARMUP + 2 * 7 + _AFTER_TRIALS
     _run_trials(tmp_path, cluster, "espresso-warmup", steps)
     _ranks_identical(tmp_path, steps)
     trials = json.loads((out / "trials.json").read_text())
