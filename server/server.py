@@ -46,7 +46,7 @@ from byteps_espresso.server.link import (
     recv_frames,
     send_frames,
 )
-from byteps_espresso.server.shm import Segment, host_identity
+from byteps_espresso.server.shm import Segment, boot_id, host_identity
 from numba import njit
 
 from byteps_espresso.config import Config
@@ -663,7 +663,7 @@ class Server:
                 "rejected": dict(self.rejected), "cpu_s": time.process_time(),
                 "aggregate_s": self.agg_seconds, "threads": self.cfg.server_threads,
                 "shm_keys": sum(len(k.shm) for k in self.keys.values()),
-                "shm_replies": self.shm_replies}
+                "shm_replies": self.shm_replies, "boot_id": boot_id()}
         self._send(identity, P.encode_json(P.MsgType.STATS_REPLY, body, sender=self.rank))
 
     # ---- compressor state (checkpoints) -------------------------------------------------------

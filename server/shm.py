@@ -29,9 +29,20 @@ import stat
 
 import numpy as np
 
-__all__ = ["SHM_DIR", "Segment", "host_identity"]
+__all__ = ["SHM_DIR", "Segment", "boot_id", "host_identity"]
 
 SHM_DIR = "/dev/shm"
+
+
+@functools.cache
+def boot_id() -> str:
+    """The running kernel's boot: processes with the same one share a machine's cores
+    (emulated machines and containers are namespaces of one kernel). Empty where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 @functools.cache
@@ -40,9 +51,10 @@ def host_identity() -> str:
     the network namespace (emulated machines are namespaces of one kernel) and the
     ``/dev/shm`` file system (containers may each have their own). Empty when any part is
     unknown, which matches nothing."""
+    boot = boot_id()
+    if not boot:
+        return ""
     try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip()
         net = os.stat("/proc/self/ns/net").st_ino
         shm = os.stat(SHM_DIR)
     except OSError:

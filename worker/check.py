@@ -42,13 +42,13 @@ import json
 import logging
 import statistics
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from byteps_espresso.worker.session import Session, slowest_across_ranks, span_across_ranks
+from byteps_espresso.worker.session import Session, every_rank, span_across_ranks
 from byteps_espresso.worker.trials import settled_ms
 
 from byteps_espresso.strategy.options import Option
@@ -116,9 +116,18 @@ class Check:
     start: int
     executors: list[Any]
     against: Check | None = None
+    # Rank 0: the CPU seconds so far of the servers on this process's cores (None elsewhere,
+    # or without servers).
+    servers_cpu: Callable[[], float] | None = None
     times_ms: list[float] = field(default_factory=list)
+    cpu_times_ms: list[float] = field(default_factory=list)
     measured_ms: float | None = None
     median_ms: float | None = None  # the slowest rank's median after the warm-up, as recorded
+    # Each rank's median process CPU time (every thread) per iteration after the warm-up, ms.
+    cpu_ms: list[float] | None = None
+    # Rank 0: the servers on its cores, their CPU time per iteration after the warm-up, ms.
+    servers_cpu_ms: float | None = None
+    _servers_from: float = 0.0
     # What the refit found (CompressionSpec.replan), for check.json.
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -128,17 +137,31 @@ class Check:
             ex.timings = []
             ex.timed_runs = {}
 
-    def record(self, seconds: float) -> bool:
-        """One checked iteration took ``seconds``; True once the last has run."""
+    def record(self, seconds: float, cpu_seconds: float = float("nan")) -> bool:
+        """One checked iteration took ``seconds``, and this process ``cpu_seconds`` of CPU
+        time in it; True once the last has run."""
         self.times_ms.append(seconds * 1e3)
-        return len(self.times_ms) >= self.steps
+        self.cpu_times_ms.append(cpu_seconds * 1e3)
+        done = len(self.times_ms) >= self.steps
+        if self.servers_cpu is not None and (len(self.times_ms) == 1 or done):
+            now = self.servers_cpu()
+            if len(self.times_ms) == 1:  # after the warm-up
+                self._servers_from = now
+            else:
+                self.servers_cpu_ms = (now - self._servers_from) * 1e3 / (self.steps - 1)
+        return done
 
     def measure(self, session: Session) -> float:
         """The slowest rank's measured iteration (:func:`settled_ms`), kept as
-        :attr:`measured_ms`, and its median after the warm-up (:attr:`median_ms`; all ranks
+        :attr:`measured_ms`, its median after the warm-up (:attr:`median_ms`) and every
+        rank's median CPU time per iteration after the warm-up (:attr:`cpu_ms`; all ranks
         call it)."""
-        mine = np.array([settled_ms(self.times_ms), statistics.median(self.times_ms[1:])])
-        self.measured_ms, self.median_ms = map(float, slowest_across_ranks(session, mine))
+        cpu = self.cpu_times_ms[1:]
+        mine = np.array([settled_ms(self.times_ms), statistics.median(self.times_ms[1:]),
+                         statistics.median(cpu) if cpu else np.nan])
+        every = every_rank(session, mine)
+        self.measured_ms, self.median_ms = map(float, every[:, :2].max(axis=0))
+        self.cpu_ms = [float(v) for v in every[:, 2]]  # NaN: recorded without (tests)
         return self.measured_ms
 
     def runs(self, session: Session) -> list[Run] | None:
@@ -174,12 +197,14 @@ class Check:
 def _entry(check: Check) -> dict[str, Any]:
     return {"algorithm": check.strategy.algorithm, "predicted_ms": check.strategy.predicted_ms,
             "measured_ms": check.measured_ms, "median_ms": check.median_ms,
-            "iteration_ms": check.times_ms,
+            "iteration_ms": check.times_ms, "cpu_ms": check.cpu_ms,
+            "servers_cpu_ms": check.servers_cpu_ms,
             "options": {name: str(o) for name, o in check.strategy.options.items()},
             "buckets": [list(b.tensors) for b in check.strategy.layout]}
 
 
-def check_record(kept: Check, later: Sequence[Check], stayed: str) -> dict[str, Any]:
+def check_record(kept: Check, later: Sequence[Check], stayed: str,
+                 host: Mapping[str, int] | None = None) -> dict[str, Any]:
     """What the check found (``check.json``): the kept check's ``info`` (the factors, the
     kept strategy's refitted prediction, the re-plan's prediction and time; ``fallback``
     where a fall-back was checked instead, with ``fp32_ms`` where it is the fp32 path the
@@ -188,8 +213,11 @@ def check_record(kept: Check, later: Sequence[Check], stayed: str) -> dict[str, 
     checked after that one (the fp32 path after the hook's plan); iteration times are this
     rank's, measured times (:func:`settled_ms`) and medians the slowest rank's;
     ``stayed``: ``kept``, ``replanned`` or the fall-back's algorithm (``allreduce-c``,
-    ``fp32``), the strategy that trains on."""
-    return {"steps": kept.steps, "start": kept.start, **kept.info, "kept": _entry(kept),
+    ``fp32``), the strategy that trains on; ``host``: the cores this process may run on
+    (``cpus``) and the ranks that share them (``ranks``), beside each strategy's ``cpu_ms``
+    per rank and ``servers_cpu_ms``, the CPU time of the servers on those cores."""
+    return {"steps": kept.steps, "start": kept.start, **kept.info, "host": dict(host or {}),
+            "kept": _entry(kept),
             "replanned": _entry(later[0]) if later else None,
             "then": [_entry(c) for c in later[1:]], "stayed": stayed}
 

@@ -36,7 +36,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +187,7 @@ class StartupProfile:
         excluded: parameters to keep uncompressed (:meth:`CompressionSpec.excluded`).
         layout: those buckets' member gradients, in submission order.
         shapes: every parameter's shape (low-rank compressors plan with them).
+        cpu_starts: the process's CPU time (every thread) at each of ``starts``, s.
     """
 
     ready: list[dict[str, float]]
@@ -196,6 +197,7 @@ class StartupProfile:
     excluded: frozenset[str] = frozenset()
     layout: tuple[Bucket, ...] = ()
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    cpu_starts: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -545,8 +547,11 @@ class _Sync:
         self.iteration = 0
         self.ready_times: list[dict[str, float]] = []
         self.starts: list[float] = [time.perf_counter()]  # iteration i began at starts[i]
+        # The process's CPU time (every thread) at each of ``starts`` and at ``ended``.
+        self.cpu_starts: list[float] = [time.process_time()]
         # When the last synchronize() returned, and when the first step began (_first_step_at)
         self.ended = self._first_step = self.starts[0]
+        self.ended_cpu = self.cpu_starts[0]
         self.unused_warned = False
         # True from a synchronize() until the next gradient arrives: a second synchronize()
         # (step() after an explicit one) has nothing new to send.
@@ -835,13 +840,15 @@ class _Sync:
                 self.probes.issue_links(self.engine, self.iteration - 1)
                 self.probes.wait(timeout)
             self.starts.append(time.perf_counter())
+            self.cpu_starts.append(time.process_time())
             if self.iteration >= self._profile_steps:
                 self._first_step = self._first_step_at()
                 self._apply_plan(StartupProfile(
                     self.ready_times, self.starts, self.probes,
                     {b.name: sum(b.numels) for b in self.buckets},
                     self.compression.excluded(self.session, self.params),
-                    tuple(Bucket.of(b.tensors) for b in self.buckets), self.shapes))
+                    tuple(Bucket.of(b.tensors) for b in self.buckets), self.shapes,
+                    self.cpu_starts))
         elif self.trials is not None:
             if self.iteration > self._trials_from:
                 self._trial_step()
@@ -850,6 +857,7 @@ class _Sync:
         elif self.check is not None:
             self._check_step()
         self.ended = time.perf_counter()
+        self.ended_cpu = time.process_time()
 
     # ---- non-finite gradients -----------------------------------------------------------------
     def _first_nonfinite(self, bucket: _Bucket, flat: torch.Tensor) -> int:
@@ -1018,7 +1026,7 @@ class _Sync:
         if steps < 2 or strategy is None or not self.compression.checks(self.session):
             return
         self.check = Check(strategy, steps, max(self.iteration, self._steady_step()),
-                           list(self.engine.executors))
+                           list(self.engine.executors), servers_cpu=self._servers_cpu())
         if self.iteration == self.check.start:
             self.check.begin()
 
@@ -1030,7 +1038,8 @@ class _Sync:
             if self.iteration == check.start:
                 check.begin()
             return
-        if not check.record(time.perf_counter() - self.ended):
+        if not check.record(time.perf_counter() - self.ended,
+                            time.process_time() - self.ended_cpu):
             return
         runs = check.runs(self.session)
         measured = check.measure(self.session)
@@ -1060,8 +1069,20 @@ class _Sync:
         self._use_strategy(new)
         self.session.strategy = new
         self.check = Check(new, check.steps, self.iteration, list(self.engine.executors),
-                           against=best)
+                           against=best, servers_cpu=self._servers_cpu())
         self.check.begin()
+
+    def _servers_cpu(self) -> Callable[[], float] | None:
+        """Rank 0's reading of the CPU seconds of the servers on its cores (their STATS), for
+        the check's record; None on the other ranks and without servers."""
+        client = self.session.runtime.ps_client
+        if client is None or self.session.runtime.topology.rank != 0:
+            return None
+        from byteps_espresso.server.shm import boot_id
+
+        mine = boot_id()
+        return lambda: sum(s["cpu_s"] for s in client.server_stats()
+                           if mine and s.get("boot_id") == mine)
 
     def _next_fallback(self, best_ms: float) -> tuple[Any | None, float | None]:
         """The next strategy to check after one that measured ``best_ms`` (the same on every
@@ -1091,7 +1112,7 @@ class _Sync:
                   else best.strategy.algorithm)
         rt = self.session.runtime
         if rt.topology.rank == 0:
-            record = check_record(kept, later, stayed)
+            record = check_record(kept, later, stayed, rt.host_cores)
             log.info("%s", check_text(record))
             if rt.cfg.profile_out:
                 write_check(rt.cfg.profile_out, record)

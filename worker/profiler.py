@@ -55,7 +55,12 @@ from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.lowrank import LowRank, cost_samples
 from byteps_espresso.worker.lowrank import measure_costs as lowrank_costs
 from byteps_espresso.worker.optimizer import HOOK_PLAN, CompressionSpec, Plan
-from byteps_espresso.worker.session import Session, slowest_across_ranks, span_across_ranks
+from byteps_espresso.worker.session import (
+    Session,
+    every_rank,
+    slowest_across_ranks,
+    span_across_ranks,
+)
 from byteps_espresso.worker.trials import MODEL_ERROR
 
 from byteps_espresso.strategy.buckets import CANDIDATE_CAPS, MiB
@@ -1123,6 +1128,8 @@ class EspressoSpec(CompressionSpec):
         offsets = slowest_across_ranks(session, ready_offsets(ready, starts, names))
         probes = profile.probes if profile is not None else None
         in_lanes = probes is not None and probes.complete
+        fp32_cpu = _fp32_cpu_ms(session, starts, profile.cpu_starts if profile else [],
+                                probes is not None)
         # The profiled iterations ran the fp32 path per bucket (every gradient's own when the
         # profile names none).
         profiled = dict(profile.buckets) if profile is not None and profile.buckets else numel
@@ -1183,7 +1190,8 @@ class EspressoSpec(CompressionSpec):
                              f"{s.algorithm} ({s.predicted_ms:.1f} ms)" for s in finalists))
             if rt.cfg.profile_out:
                 _write_profile(Path(rt.cfg.profile_out), workload, cluster, costs, finalists[0],
-                               probes=probes.record() if in_lanes else None)
+                               probes={**probes.record(), "fp32_cpu_ms": fp32_cpu,
+                                       "host": rt.host_cores} if in_lanes else None)
             data = json.dumps([s.to_dict() for s in finalists]).encode()
         data = rt.broadcast_bytes(data, 0)
         finalists = [Strategy.from_dict(d, "broadcast strategy") for d in json.loads(data)]
@@ -1384,6 +1392,19 @@ def _fp32_ms(session: Session, starts: Sequence[float],
         return None, None
     fastest, slowest = span_across_ranks(session, np.array([min(clean)]))
     return float(slowest[0]) * 1e3, float(fastest[0]) * 1e3
+
+
+def _fp32_cpu_ms(session: Session, starts: Sequence[float], cpu_starts: Sequence[float],
+                 probed: bool) -> list[float] | None:
+    """Every rank's median process CPU time (every thread) per profiled iteration on the fp32
+    path, ms, over the iterations :func:`_fp32_ms` reads (after the first, without probes);
+    None without any (every rank profiled the same iterations). All ranks call it."""
+    lanes = session.runtime.lanes
+    clean = [cpu_starts[i + 1] - cpu_starts[i]
+             for i in range(1, min(len(starts), len(cpu_starts)) - 1)
+             if not (probed and probe_lanes(i, lanes))]
+    every = every_rank(session, np.array([statistics.median(clean) if clean else np.nan]))
+    return None if np.isnan(every).any() else [float(v) * 1e3 for v in every[:, 0]]
 
 
 def _plan_of(strategy: Any, finalists: tuple[Any, ...] = ()) -> Plan:

@@ -111,6 +111,7 @@ class Runtime:
         self.shared_host, self.local_server_share = _placement(
             self.topology, self.transports[0], cfg,
             self.ps_client.local_servers if self.ps_client is not None else 0)
+        self.core_sharers = _core_sharers(self.topology, self.transports[0])
         if self.shared_host and self.topology.rank == 0:
             log.info("all %d machines run on this host (one host name and address): the "
                      "uncompressed path skips the intra-machine hierarchy",
@@ -139,6 +140,12 @@ class Runtime:
         """Iterations per tensor name, shared by every engine of this process: they number
         the PS rounds and seed the random draws (a checkpoint saves and restores them)."""
         return self._counters
+
+    @property
+    def host_cores(self) -> dict[str, int]:
+        """The cores this process may run on (``cpus``) and how many ranks share them
+        (``ranks``: those on this machine's kernel, the emulated machines' too)."""
+        return {"cpus": len(os.sched_getaffinity(0)), "ranks": self.core_sharers}
 
     @property
     def lanes(self) -> int:
@@ -243,6 +250,23 @@ def _placement(topology: Topology, transport: Any, cfg: Config,
     if not cfg.num_servers or shared or least >= cfg.num_servers:
         return shared, 0.0
     return shared, least / cfg.num_servers
+
+
+def _core_sharers(topology: Topology, transport: Any) -> int:
+    """How many ranks run on this process's kernel (:func:`~byteps_espresso.server.shm.
+    boot_id`), and so share its cores: this machine's ranks, and those of every emulated
+    machine on the same host. One all-gather of an int64 per rank at start-up."""
+    if topology.machines == 1:
+        return topology.local_size
+    from byteps_espresso.server.shm import boot_id
+
+    mine = boot_id()
+    # every rank takes part, an unknown boot as -1
+    tag = torch.tensor([zlib.crc32(mine.encode()) if mine else -1], dtype=torch.int64)
+    every = transport.allgather(Scope.FLAT, tag, [1] * topology.world_size)
+    if not mine:  # only this machine's ranks are known to share its cores
+        return topology.local_size
+    return int((every == tag[0]).sum())
 
 
 def intra_op_threads(local_size: int, requested: int | None = None) -> int:

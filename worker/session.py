@@ -18,8 +18,8 @@ from byteps_espresso.worker.topology import Topology
 from byteps_espresso.strategy import baselines
 from byteps_espresso.strategy.options import Option, Scope
 
-__all__ = ["NotInitializedError", "Session", "current", "fp32_option", "install", "installed",
-           "slowest_across_ranks", "span_across_ranks", "uninstall"]
+__all__ = ["NotInitializedError", "Session", "current", "every_rank", "fp32_option", "install",
+           "installed", "slowest_across_ranks", "span_across_ranks", "uninstall"]
 
 
 class NotInitializedError(RuntimeError):
@@ -82,7 +82,7 @@ def current() -> Session:
     return _session
 
 
-def _every_rank(session: Session, values: np.ndarray) -> np.ndarray:
+def every_rank(session: Session, values: np.ndarray) -> np.ndarray:
     """Every rank's ``values`` stacked (ranks x shape; all ranks call it while the engine's
     lanes are idle)."""
     transport = session.runtime.transports[0]
@@ -95,12 +95,12 @@ def _every_rank(session: Session, values: np.ndarray) -> np.ndarray:
 def slowest_across_ranks(session: Session, values: np.ndarray) -> np.ndarray:
     """The element-wise maximum of every rank's ``values`` (same shape on every rank; all
     ranks call it while the engine's lanes are idle). NaN anywhere stays NaN."""
-    return _every_rank(session, values).max(axis=0)
+    return every_rank(session, values).max(axis=0)
 
 
 def span_across_ranks(session: Session, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The element-wise minimum and maximum over the ranks that hold a value, NaN where none
     does (a rank's NaN: it has none, e.g. a step it sleeps through). Called as
     :func:`slowest_across_ranks`."""
-    every = _every_rank(session, values)
+    every = every_rank(session, values)
     return np.fmin.reduce(every, axis=0), np.fmax.reduce(every, axis=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -144,6 +145,10 @@ def test_profiled_iterations_stay_exact_and_plan_from_the_probes(tmp_path, clust
         assert all(len(row) == len(fp32.steps) for row in steps_of["us"])
         assert all(us is None or us > 0 for row in steps_of["us"] for us in row)
         assert any(us is not None for row in steps_of["us"] for us in row)
+        # every rank's CPU time per profiled fp32 iteration, and the cores the 4 ranks share
+        # (one kernel: the test's machines are processes of this host)
+        assert len(probes["fp32_cpu_ms"]) == WORLD and min(probes["fp32_cpu_ms"]) > 0
+        assert probes["host"] == {"cpus": len(os.sched_getaffinity(0)), "ranks": WORLD}
     cluster_json = json.loads((out / "cluster.json").read_text())
     assert cluster_json["intra_link"] == "measured"
     assert cluster_json["server_latency_us"] is not None and cluster_json["server_gbps"] > 0
@@ -281,6 +286,10 @@ def test_the_kept_strategy_is_checked_and_every_rank_trains_on_the_one_that_stay
     check = json.loads((out / "check.json").read_text())
     kept = check["kept"]
     assert (check["start"], check["steps"], len(kept["iteration_ms"])) == (2, 3, 3)
+    # every rank's CPU time per checked iteration, the servers' beside rank 0 (on its cores)
+    assert check["host"] == {"cpus": len(os.sched_getaffinity(0)), "ranks": WORLD}
+    assert len(kept["cpu_ms"]) == WORLD and min(kept["cpu_ms"]) > 0
+    assert kept["servers_cpu_ms"] is not None and kept["servers_cpu_ms"] >= 0
     # every bucket's Option was timed, each communication step on some rank
     assert {r["name"] for r in check["timed_runs"]} == set(kept["options"])
     for run in check["timed_runs"]:

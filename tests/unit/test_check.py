@@ -120,6 +120,35 @@ def test_the_measured_iteration_is_the_slowest_rank_s_settled_time(on_every_rank
     assert list(on_every_rank(run).values()) == [pytest.approx((15.0, 15.0, 17.0))] * WORLD
 
 
+def test_the_check_records_every_rank_s_cpu_and_the_servers_beside_rank_0(on_every_rank,
+                                                                          tmp_path):
+    def run(hub, rank):
+        session = _session(hub, rank)
+        # rank 0 reads the servers' CPU seconds after the warm-up and after the last one
+        readings = iter([10.0, 10.09])
+        check = Check(SimpleNamespace(algorithm="espresso", predicted_ms=20.0,
+                                      options={"a": PUSH_PULL}, layout=A), 4, 0, [],
+                      servers_cpu=(lambda: next(readings)) if rank == 0 else None)
+        # CPU ms per iteration after the warm-up: 3 + rank, 9, 4 + rank (median 4 + rank)
+        for t, cpu in [(0.05, 0.5), (0.02, 0.003 + rank / 1e3), (0.02, 0.009),
+                       (0.02, 0.004 + rank / 1e3)]:
+            check.record(t, cpu)
+        check.measure(session)
+        return check
+
+    checks = on_every_rank(run)
+    for check in checks.values():
+        assert check.cpu_ms == pytest.approx([4.0, 5.0, 6.0, 7.0])
+    assert checks[0].servers_cpu_ms == pytest.approx(30.0)  # 90 ms over 3 iterations
+    assert {checks[r].servers_cpu_ms for r in (1, 2, 3)} == {None}
+    record = check_record(checks[0], [], "kept", {"cpus": 2, "ranks": 4})
+    write_check(tmp_path, record)
+    written = json.loads((tmp_path / "check.json").read_text())
+    assert written["host"] == {"cpus": 2, "ranks": 4}
+    assert written["kept"]["cpu_ms"] == pytest.approx([4.0, 5.0, 6.0, 7.0])
+    assert written["kept"]["servers_cpu_ms"] == pytest.approx(30.0)
+
+
 def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
     kept_strategy = SimpleNamespace(algorithm="espresso", predicted_ms=40.0,
                                     options={"a": PUSH_PULL}, layout=A)

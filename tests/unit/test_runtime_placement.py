@@ -3,12 +3,14 @@ machine's push/pull bytes that stay on it."""
 
 from __future__ import annotations
 
+import zlib
 from types import SimpleNamespace
 
 import pytest
 import torch
+from byteps_espresso.server import shm
 from byteps_espresso.server.client import address_host
-from byteps_espresso.worker.runtime import _placement
+from byteps_espresso.worker.runtime import _core_sharers, _placement
 from byteps_espresso.worker.topology import Topology
 
 
@@ -55,3 +57,26 @@ def test_no_share_without_servers_or_on_one_host():
     assert _placement(topo, _Gather([7] * 4, [2] * 4), _cfg(2), 2) == (True, 0.0)
     never = _Gather([], [])  # an all-gather would fail its assertion
     assert _placement(Topology(1, 4), never, _cfg(2), 2) == (False, 0.0)
+
+
+class _Tags:
+    """A transport whose all-gather returns every rank's boot tag (``tags``)."""
+
+    def __init__(self, tags: list[int]) -> None:
+        self.tags = tags
+
+    def allgather(self, scope, tensor, sizes):  # type: ignore[no-untyped-def]
+        assert list(sizes) == [1] * len(self.tags) and tensor.numel() == 1
+        return torch.tensor(self.tags, dtype=torch.int64)
+
+
+def test_the_ranks_on_this_kernel_share_its_cores(monkeypatch):
+    """Emulated machines are namespaces of one kernel: every rank with this boot shares the
+    cores; machines of their own share only their own ranks'."""
+    monkeypatch.setattr(shm, "boot_id", lambda: "boot-a")
+    here = zlib.crc32(b"boot-a")
+    assert _core_sharers(Topology(2, 2), _Tags([here] * 4)) == 4
+    assert _core_sharers(Topology(2, 2), _Tags([here, here, 7, 7])) == 2
+    assert _core_sharers(Topology(1, 3), _Tags([])) == 3  # one machine: no all-gather
+    monkeypatch.setattr(shm, "boot_id", lambda: "")  # unknown: this machine's ranks only
+    assert _core_sharers(Topology(2, 2), _Tags([-1, -1, here, here])) == 2
