@@ -144,6 +144,8 @@ class Check:
         self.cpu_times_ms.append(cpu_seconds * 1e3)
         done = len(self.times_ms) >= self.steps
         if self.servers_cpu is not None and (len(self.times_ms) == 1 or done):
+            # a STATS round trip to each server (about a millisecond) on rank 0: the others
+            # wait for it in the first timed iteration, which the settled time may leave out
             now = self.servers_cpu()
             if len(self.times_ms) == 1:  # after the warm-up
                 self._servers_from = now

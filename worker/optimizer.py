@@ -1074,15 +1074,15 @@ class _Sync:
 
     def _servers_cpu(self) -> Callable[[], float] | None:
         """Rank 0's reading of the CPU seconds of the servers on its cores (their STATS), for
-        the check's record; None on the other ranks and without servers."""
-        client = self.session.runtime.ps_client
-        if client is None or self.session.runtime.topology.rank != 0:
-            return None
+        the check's record; None on the other ranks, without servers, or where this
+        kernel's boot is unknown."""
         from byteps_espresso.server.shm import boot_id
 
-        mine = boot_id()
+        client, mine = self.session.runtime.ps_client, boot_id()
+        if client is None or self.session.runtime.topology.rank != 0 or not mine:
+            return None
         return lambda: sum(s["cpu_s"] for s in client.server_stats()
-                           if mine and s.get("boot_id") == mine)
+                           if s.get("boot_id") == mine)
 
     def _next_fallback(self, best_ms: float) -> tuple[Any | None, float | None]:
         """The next strategy to check after one that measured ``best_ms`` (the same on every
