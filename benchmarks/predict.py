@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from byteps_espresso.worker.check import cores_ms
 from byteps_espresso.worker.profiler import excluded_names
 
 from byteps_espresso.strategy import Cluster, CompressorCosts, Option, Workload
@@ -171,19 +171,6 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), **summary,
                                          "rows": rows}, indent=1) + "\n")
-
-
-def cores_ms(record: dict, host: dict | None) -> float | None:
-    """The least iteration the cores allow: the CPU time the ranks that share this host
-    spent per iteration of the strategy (the check's ``cpu_ms``, every rank's median; the
-    ranks on the host, ``host["ranks"]``, at their mean) and the servers beside them
-    (``servers_cpu_ms``) over the host's ``cpus``. None where the check recorded no CPU time
-    (earlier runs)."""
-    cpu = [v for v in record.get("cpu_ms") or () if v is not None and math.isfinite(v)]
-    if not cpu or not host:
-        return None
-    servers = record.get("servers_cpu_ms") or 0.0
-    return (statistics.fmean(cpu) * host["ranks"] + servers) / host["cpus"]
 
 
 def step_costs(rows: list[dict]) -> list[float]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -54,8 +55,8 @@ from byteps_espresso.worker.trials import settled_ms
 from byteps_espresso.strategy.options import Option
 from byteps_espresso.strategy.workload import atomic_write_text
 
-__all__ = ["REPLAN_GAIN", "Check", "Run", "check_record", "check_text", "step_medians",
-           "write_check"]
+__all__ = ["REPLAN_GAIN", "Check", "Run", "check_record", "check_text", "cores_ms",
+           "step_medians", "write_check"]
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,19 @@ def check_record(kept: Check, later: Sequence[Check], stayed: str,
             "then": [_entry(c) for c in later[1:]], "stayed": stayed}
 
 
+def cores_ms(entry: Mapping[str, Any], host: Mapping[str, int] | None) -> float | None:
+    """The least iteration the cores allow one checked strategy (an entry of
+    ``check.json``): the CPU time per iteration of the ranks that share this host's cores
+    (every rank's median in ``cpu_ms``; the ``host["ranks"]`` on the host at their mean) and
+    of the servers beside them (``servers_cpu_ms``), over the host's ``cpus``. None where no
+    CPU time was recorded."""
+    cpu = [v for v in entry.get("cpu_ms") or () if v is not None and math.isfinite(v)]
+    if not cpu or not host:
+        return None
+    servers = entry.get("servers_cpu_ms") or 0.0
+    return (statistics.fmean(cpu) * host["ranks"] + servers) / host["cpus"]
+
+
 def _off(predicted: float | None, measured: float | None) -> str:
     if predicted is None or not measured:
         return "-"
@@ -236,6 +250,11 @@ def check_text(record: Mapping[str, Any]) -> str:
     text = (f"check of the kept strategy ({kept['algorithm']}) over {record['steps'] - 1} "
             f"iterations: measured {kept['measured_ms']:.1f} ms, predicted "
             f"{_off(kept['predicted_ms'], kept['measured_ms'])}")
+    host = record.get("host")
+    floor = cores_ms(kept, host)
+    if floor is not None:  # how close to CPU-bound the run is on shared cores
+        text += (f" (its CPU time allows no less than {floor:.1f} ms on the {host['cpus']} "
+                 f"cores {host['ranks']} ranks share)")
     factors = record.get("factors")
     if record.get("fp32_ms") is not None:
         text += (f"; the profiled fp32 iterations measured {record['fp32_ms']:.1f} ms: "

@@ -18,6 +18,7 @@ from byteps_espresso.worker.check import (
     Run,
     check_record,
     check_text,
+    cores_ms,
     step_medians,
     write_check,
 )
@@ -147,6 +148,11 @@ def test_the_check_records_every_rank_s_cpu_and_the_servers_beside_rank_0(on_eve
     assert written["host"] == {"cpus": 2, "ranks": 4}
     assert written["kept"]["cpu_ms"] == pytest.approx([4.0, 5.0, 6.0, 7.0])
     assert written["kept"]["servers_cpu_ms"] == pytest.approx(30.0)
+    # the cores' floor: (4 ranks x 5.5 ms + 30 ms of the servers) over 2 cores
+    assert cores_ms(written["kept"], written["host"]) == pytest.approx(26.0)
+    assert "(its CPU time allows no less than 26.0 ms on the 2 cores 4 ranks share)" in \
+        check_text(record)
+    assert cores_ms(written["kept"], {}) is None  # a record without the host
 
 
 def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
