@@ -117,8 +117,8 @@ class Check:
     start: int
     executors: list[Any]
     against: Check | None = None
-    # Rank 0: the CPU seconds so far of the servers on this process's cores (None elsewhere,
-    # or without servers).
+    # Rank 0: the CPU seconds so far of the servers on this process's cores, NaN where a
+    # reading failed (None elsewhere, or without servers).
     servers_cpu: Callable[[], float] | None = None
     times_ms: list[float] = field(default_factory=list)
     cpu_times_ms: list[float] = field(default_factory=list)
@@ -150,7 +150,7 @@ class Check:
             now = self.servers_cpu()
             if len(self.times_ms) == 1:  # after the warm-up
                 self._servers_from = now
-            else:
+            elif math.isfinite(now - self._servers_from):  # NaN: a reading failed
                 self.servers_cpu_ms = (now - self._servers_from) * 1e3 / (self.steps - 1)
         return done
 

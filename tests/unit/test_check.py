@@ -155,6 +155,13 @@ def test_the_check_records_every_rank_s_cpu_and_the_servers_beside_rank_0(on_eve
     assert cores_ms(written["kept"], {}) is None  # a record without the host
 
 
+def test_a_failed_reading_of_the_servers_leaves_their_cpu_out():
+    readings = iter([math.nan, 10.0])  # the servers did not answer after the warm-up
+    check = Check(None, 3, 0, [], servers_cpu=lambda: next(readings))
+    assert [check.record(0.01, 0.005) for _ in range(3)] == [False, False, True]
+    assert check.servers_cpu_ms is None
+
+
 def test_the_record_and_the_log_line_say_what_stayed(tmp_path):
     kept_strategy = SimpleNamespace(algorithm="espresso", predicted_ms=40.0,
                                     options={"a": PUSH_PULL}, layout=A)
