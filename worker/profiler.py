@@ -1128,7 +1128,7 @@ class EspressoSpec(CompressionSpec):
         offsets = slowest_across_ranks(session, ready_offsets(ready, starts, names))
         probes = profile.probes if profile is not None else None
         in_lanes = probes is not None and probes.complete
-        fp32_cpu = _fp32_cpu_ms(session, starts, profile.cpu_starts if profile else [],
+        fp32_cpu = _fp32_cpu_ms(session, profile.cpu_starts if profile else [],
                                 probes is not None)
         # The profiled iterations ran the fp32 path per bucket (every gradient's own when the
         # profile names none).
@@ -1385,24 +1385,27 @@ def _fp32_ms(session: Session, starts: Sequence[float],
     The fastest, not the median: the first iterations of a run are slower than its steady
     state (on the LSTM at 1 Gbit/s the profiled ones took 110-115 ms, the fp32 run's median
     97-100 ms), and the start-up budget counts in fp32 iterations."""
-    lanes = session.runtime.lanes
-    clean = [starts[i + 1] - starts[i] for i in range(1, len(starts) - 1)
-             if not (probed and probe_lanes(i, lanes))]
+    clean = _clean_spans(starts, session.runtime.lanes, probed)
     if not clean:
         return None, None
     fastest, slowest = span_across_ranks(session, np.array([min(clean)]))
     return float(slowest[0]) * 1e3, float(fastest[0]) * 1e3
 
 
-def _fp32_cpu_ms(session: Session, starts: Sequence[float], cpu_starts: Sequence[float],
+def _clean_spans(marks: Sequence[float], lanes: int, probed: bool) -> list[float]:
+    """What each profiled iteration after the first that ran no probes (``probed``: the
+    lanes probed) took between its ``marks`` (its start and the next's: perf_counter or
+    process CPU seconds)."""
+    return [marks[i + 1] - marks[i] for i in range(1, len(marks) - 1)
+            if not (probed and probe_lanes(i, lanes))]
+
+
+def _fp32_cpu_ms(session: Session, cpu_starts: Sequence[float],
                  probed: bool) -> list[float] | None:
     """Every rank's median process CPU time (every thread) per profiled iteration on the fp32
     path, ms, over the iterations :func:`_fp32_ms` reads (after the first, without probes);
     None without any (every rank profiled the same iterations). All ranks call it."""
-    lanes = session.runtime.lanes
-    clean = [cpu_starts[i + 1] - cpu_starts[i]
-             for i in range(1, min(len(starts), len(cpu_starts)) - 1)
-             if not (probed and probe_lanes(i, lanes))]
+    clean = _clean_spans(cpu_starts, session.runtime.lanes, probed)
     every = every_rank(session, np.array([statistics.median(clean) if clean else np.nan]))
     return None if np.isnan(every).any() else [float(v) * 1e3 for v in every[:, 0]]
 
