@@ -108,10 +108,9 @@ class Runtime:
 
             self.ps_client = PSClient(cfg, rank=self.topology.rank)
             self.ps = PSPath(self.ps_client)
-        self.shared_host, self.local_server_share = _placement(
+        self.shared_host, self.local_server_share, self.core_sharers = _placement(
             self.topology, self.transports[0], cfg,
             self.ps_client.local_servers if self.ps_client is not None else 0)
-        self.core_sharers = _core_sharers(self.topology, self.transports[0])
         if self.shared_host and self.topology.rank == 0:
             log.info("all %d machines run on this host (one host name and address): the "
                      "uncompressed path skips the intra-machine hierarchy",
@@ -228,45 +227,36 @@ class Runtime:
 
 
 def _placement(topology: Topology, transport: Any, cfg: Config,
-               local_servers: int) -> tuple[bool, float]:
-    """Where the job's machines and servers are, from one all-gather of two int64 per rank at
-    start-up: (shared_host, local_server_share).
+               local_servers: int) -> tuple[bool, float, int]:
+    """Where the job's machines and servers are, from one all-gather of three int64 per rank
+    at start-up: (shared_host, local_server_share, core_sharers).
 
     shared_host: every worker machine runs on this one host (espresso-launch --local): every
     rank has the same host name and advertised address. local_server_share: the share of a
     machine's push/pull bytes for servers on that machine (keys are spread evenly over the
     servers), the least over the machines of ``local_servers`` (a worker's count of servers
     at its own address) over the servers; 0 without servers or on one host (nothing crosses
-    a machine's link there)."""
+    a machine's link there). core_sharers: the ranks on this process's kernel
+    (:func:`~byteps_espresso.server.shm.boot_id`), which share its cores: this machine's,
+    and those of every emulated machine on the same host (this machine's alone where the
+    boot is unknown)."""
     if topology.machines == 1:
-        return False, 0.0
+        return False, 0.0, topology.local_size
+    from byteps_espresso.server.shm import boot_id
+
     me = f"{socket.gethostname()}|{cfg.advertise_host()}".encode()
-    mine = torch.tensor([zlib.crc32(me), local_servers], dtype=torch.int64)
-    every = transport.allgather(Scope.FLAT, mine, [2] * topology.world_size).reshape(-1, 2)
+    boot = boot_id()
+    mine = torch.tensor([zlib.crc32(me), local_servers, zlib.crc32(boot.encode()) if boot
+                         else -1], dtype=torch.int64)
+    every = transport.allgather(Scope.FLAT, mine, [3] * topology.world_size).reshape(-1, 3)
+    sharers = int((every[:, 2] == mine[2]).sum()) if boot else topology.local_size
     shared = len(set(every[:, 0].tolist())) == 1
     least = int(every[:, 1].min())
     # every server at every machine's address: the machines share one address, and no
     # push/pull crosses a link between them that the model could price
     if not cfg.num_servers or shared or least >= cfg.num_servers:
-        return shared, 0.0
-    return shared, least / cfg.num_servers
-
-
-def _core_sharers(topology: Topology, transport: Any) -> int:
-    """How many ranks run on this process's kernel (:func:`~byteps_espresso.server.shm.
-    boot_id`), and so share its cores: this machine's ranks, and those of every emulated
-    machine on the same host. One all-gather of an int64 per rank at start-up."""
-    if topology.machines == 1:
-        return topology.local_size
-    from byteps_espresso.server.shm import boot_id
-
-    mine = boot_id()
-    # every rank takes part, an unknown boot as -1
-    tag = torch.tensor([zlib.crc32(mine.encode()) if mine else -1], dtype=torch.int64)
-    every = transport.allgather(Scope.FLAT, tag, [1] * topology.world_size)
-    if not mine:  # only this machine's ranks are known to share its cores
-        return topology.local_size
-    return int((every == tag[0]).sum())
+        return shared, 0.0, sharers
+    return shared, least / cfg.num_servers, sharers
 
 
 def intra_op_threads(local_size: int, requested: int | None = None) -> int:

@@ -10,21 +10,24 @@ import pytest
 import torch
 from byteps_espresso.server import shm
 from byteps_espresso.server.client import address_host
-from byteps_espresso.worker.runtime import _core_sharers, _placement
+from byteps_espresso.worker.runtime import _placement
 from byteps_espresso.worker.topology import Topology
 
 
 class _Gather:
     """A transport whose all-gather returns every rank's (host identity, count of local
-    servers): ``hosts`` the rank's host, ``counts`` its servers at its own address."""
+    servers, kernel boot tag): ``hosts`` the rank's host, ``counts`` its servers at its own
+    address, ``boots`` its kernel (by default, one per machine)."""
 
-    def __init__(self, hosts: list[int], counts: list[int]) -> None:
+    def __init__(self, hosts: list[int], counts: list[int],
+                 boots: list[int] | None = None) -> None:
         self.hosts, self.counts = hosts, counts
+        self.boots = boots if boots is not None else [7, 7, 8, 8]
 
     def allgather(self, scope, tensor, sizes):  # type: ignore[no-untyped-def]
-        assert list(sizes) == [2] * len(self.counts) and tensor.numel() == 2
-        return torch.tensor([v for pair in zip(self.hosts, self.counts, strict=True)
-                             for v in pair], dtype=torch.int64)
+        assert list(sizes) == [3] * len(self.counts) and tensor.numel() == 3
+        return torch.tensor([v for row in zip(self.hosts, self.counts, self.boots, strict=True)
+                             for v in row], dtype=torch.int64)
 
 
 def _cfg(servers: int) -> SimpleNamespace:
@@ -47,27 +50,17 @@ def test_a_servers_host_is_read_from_its_address():
 ])
 def test_the_share_is_the_least_over_the_machines(counts, servers, share):
     topo = Topology(2, 2)
-    assert _placement(topo, _Gather(APART, counts), _cfg(servers), counts[0]) == (False, share)
+    assert _placement(topo, _Gather(APART, counts), _cfg(servers), counts[0])[:2] == (
+        False, share)
 
 
 def test_no_share_without_servers_or_on_one_host():
     topo = Topology(2, 2)
-    assert _placement(topo, _Gather(APART, [0] * 4), _cfg(0), 0) == (False, 0.0)
+    assert _placement(topo, _Gather(APART, [0] * 4), _cfg(0), 0)[:2] == (False, 0.0)
     # every rank with one host identity: the machines share this host
-    assert _placement(topo, _Gather([7] * 4, [2] * 4), _cfg(2), 2) == (True, 0.0)
-    never = _Gather([], [])  # an all-gather would fail its assertion
-    assert _placement(Topology(1, 4), never, _cfg(2), 2) == (False, 0.0)
-
-
-class _Tags:
-    """A transport whose all-gather returns every rank's boot tag (``tags``)."""
-
-    def __init__(self, tags: list[int]) -> None:
-        self.tags = tags
-
-    def allgather(self, scope, tensor, sizes):  # type: ignore[no-untyped-def]
-        assert list(sizes) == [1] * len(self.tags) and tensor.numel() == 1
-        return torch.tensor(self.tags, dtype=torch.int64)
+    assert _placement(topo, _Gather([7] * 4, [2] * 4), _cfg(2), 2)[:2] == (True, 0.0)
+    never = _Gather([], [], [])  # an all-gather would fail its assertion
+    assert _placement(Topology(1, 4), never, _cfg(2), 2)[:2] == (False, 0.0)
 
 
 def test_the_ranks_on_this_kernel_share_its_cores(monkeypatch):
@@ -75,8 +68,14 @@ def test_the_ranks_on_this_kernel_share_its_cores(monkeypatch):
     cores; machines of their own share only their own ranks'."""
     monkeypatch.setattr(shm, "boot_id", lambda: "boot-a")
     here = zlib.crc32(b"boot-a")
-    assert _core_sharers(Topology(2, 2), _Tags([here] * 4)) == 4
-    assert _core_sharers(Topology(2, 2), _Tags([here, here, 7, 7])) == 2
-    assert _core_sharers(Topology(1, 3), _Tags([])) == 3  # one machine: no all-gather
+    topo = Topology(2, 2)
+
+    def sharers(boots: list[int]) -> int:
+        return _placement(topo, _Gather(APART, [0] * 4, boots), _cfg(0), 0)[2]
+
+    assert sharers([here] * 4) == 4
+    assert sharers([here, here, 7, 7]) == 2
+    never = _Gather([], [], [])  # one machine: no all-gather
+    assert _placement(Topology(1, 3), never, _cfg(0), 0)[2] == 3
     monkeypatch.setattr(shm, "boot_id", lambda: "")  # unknown: this machine's ranks only
-    assert _core_sharers(Topology(2, 2), _Tags([-1, -1, here, here])) == 2
+    assert sharers([-1, -1, here, here]) == 2
