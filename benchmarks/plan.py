@@ -72,7 +72,12 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from numba.core.registry import CPUDispatcher
+
 from byteps_espresso.strategy import Cluster, CompressorCosts, Workload, baselines, search
+from byteps_espresso.strategy import context as context_module
+from byteps_espresso.strategy import costs as costs_module
+from byteps_espresso.strategy import timeline as timeline_module
 from byteps_espresso.strategy.cli import RUNTIME_LANES
 from byteps_espresso.strategy.context import PlanContext, clear_model_cache, load_kernels
 from byteps_espresso.strategy.costs import Pricer
@@ -119,6 +124,10 @@ INNER_PHASES = (("pricing", Catalogue, "add"), ("pricing", PlanContext, "placeme
                 *(("kernels", Evaluator, name) for name in (
                     "best_of", "greedy_pass", "refine_devices", "best_group", "group_moves",
                     "best_offload", "best_row", "iteration_us", "schedule", "reschedule")))
+# (h)'s "compiled" column: every numba kernel of these modules, timed at the outermost call
+# from Python (the kernel and numba's dispatch, none of the Python that prepares its
+# arguments): the plan's time that no rewrite of its Python can remove.
+COMPILED_MODULES = (timeline_module, costs_module, context_module)
 # (g): the workloads (the LSTM to UGATIT: GPT-2's and ResNet101's plans at 2 x 2 add minutes
 # and no other kind of case) and the link speeds, Gbit/s.
 LAYOUT_WORKLOADS = ("lstm", "vgg16", "resnet50", "bert", "ugatit")
@@ -321,7 +330,9 @@ def _phase_timers(spent: dict[str, float]) -> Iterator[None]:
                     spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
         return call
 
-    for label, owner, name in (*PLAN_PHASES, *INNER_PHASES):
+    kernels = [("compiled", module, name) for module in COMPILED_MODULES
+               for name, fn in vars(module).items() if isinstance(fn, CPUDispatcher)]
+    for label, owner, name in (*PLAN_PHASES, *INNER_PHASES, *kernels):
         fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
         saved.append((owner, name, fn))
         setattr(owner, name, timed(label, fn))
@@ -353,14 +364,14 @@ def phases_only(runs: int) -> list[dict]:
 
 
 PHASE_COLUMNS = ("plan", "build", "uniform", "algorithm 1", "algorithm 2", "refine", "twins",
-                 "pricing", "bound", "kernels")
+                 "pricing", "bound", "kernels", "compiled")
 
 
 def print_phases(rows: list[dict]) -> None:
     """Per cell and per model (median over its cells), (h)'s phases in ms."""
     print("\n(h) cold plans by phase, ms (medians over the runs; the model rows: medians over "
           "their cells). plan = build + uniform + algorithm 1 + algorithm 2 + refine + twins; "
-          "pricing, bound and kernels run inside them")
+          "pricing, bound and kernels run inside them; compiled: inside the numba kernels alone")
     head = " ".join(f"{c:>11}" for c in PHASE_COLUMNS)
     print(f"{'workload':9} {'setting':12} {'compressor':10} {head}")
     for model in WORKLOADS:
