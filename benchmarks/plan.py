@@ -40,9 +40,11 @@
     runs: the model build (PlanContext and prepare) and the search's phases (uniform start,
     Algorithm 1 with its group moves, Algorithm 2, the device refinement, the forwarding
     twins), which add up to the plan; across them, the pricing of options into the
-    catalogue, the lower bound's prices (``Pricer.fastest_alone``) and the time inside the
-    evaluator's kernel calls (the refinement's includes the placement tables it has made).
-    Each function is wrapped for the run with a timer, so the plans run slower than (c)'s.
+    catalogue, the lower bound's prices (``Pricer.fastest_alone``), the time inside the
+    evaluator's kernel calls (the refinement's includes the placement tables it has made)
+    and the time inside the numba kernels alone (``compiled``: what the plan would cost
+    with its Python gone and the same simulations made). Each function is wrapped for the
+    run with a timer, so the plans run slower than (c)'s.
 
 Prints the tables and writes benchmarks/results/plan.json (--startup: plan_startup.json).
 
