@@ -54,7 +54,7 @@ from byteps_espresso.worker.check import step_medians
 from byteps_espresso.worker.codecs import CodecPair
 from byteps_espresso.worker.lowrank import LowRank, cost_samples
 from byteps_espresso.worker.lowrank import measure_costs as lowrank_costs
-from byteps_espresso.worker.optimizer import HOOK_PLAN, CompressionSpec, Plan
+from byteps_espresso.worker.optimizer import HOOK_PLAN, CompressionSpec, Plan, StartupProfile
 from byteps_espresso.worker.session import (
     Session,
     every_rank,
@@ -1128,8 +1128,8 @@ class EspressoSpec(CompressionSpec):
         offsets = slowest_across_ranks(session, ready_offsets(ready, starts, names))
         probes = profile.probes if profile is not None else None
         in_lanes = probes is not None and probes.complete
-        fp32_cpu = _fp32_cpu_ms(session, profile.cpu_starts if profile else [],
-                                probes is not None)
+        fp32_slowest, fp32_fastest, fp32_cpu = _fp32_iterations(session, profile,
+                                                                probes is not None)
         # The profiled iterations ran the fp32 path per bucket (every gradient's own when the
         # profile names none).
         profiled = dict(profile.buckets) if profile is not None and profile.buckets else numel
@@ -1198,8 +1198,7 @@ class EspressoSpec(CompressionSpec):
         session.strategy = finalists[0]
         plan = _plan_of(finalists[0], tuple(finalists) if len(finalists) > 1 else ())
         if plan.finalists and profile is not None:
-            slowest, fastest = _fp32_ms(session, profile.starts, probes is not None)
-            plan = replace(plan, fp32_ms=slowest, fp32_fastest_ms=fastest)
+            plan = replace(plan, fp32_ms=fp32_slowest, fp32_fastest_ms=fp32_fastest)
         return plan
 
     def checks(self, session: Session) -> bool:
@@ -1374,22 +1373,32 @@ def _bucket_caps(cap_mb: float | None) -> tuple[int, ...]:
     return tuple(CANDIDATE_CAPS) if cap_mb is None else (int(cap_mb * MiB),)
 
 
-def _fp32_ms(session: Session, starts: Sequence[float],
-             probed: bool) -> tuple[float | None, float | None]:
-    """The profiled iterations' time on the fp32 path, ms, from the fastest of those after
-    the first that ran no probes (``probed``: the lanes probed): the slowest rank's (an
-    iteration is over when the last worker's gradients are in; the fp32 finalist's measured
-    time) and the fastest rank's (the start-up budget's unit). (None, None) without any
-    (every rank profiled the same iterations, so all agree). All ranks call it.
+def _fp32_iterations(session: Session, profile: StartupProfile | None,
+                     probed: bool) -> tuple[float | None, float | None, list[float] | None]:
+    """The profiled iterations on the fp32 path, from those after the first that ran no
+    probes (``probed``: the lanes probed), in one all-gather (all ranks call it; every rank
+    profiled the same iterations, so all agree on which): (slowest, fastest, cpu).
 
-    The fastest, not the median: the first iterations of a run are slower than its steady
-    state (on the LSTM at 1 Gbit/s the profiled ones took 110-115 ms, the fp32 run's median
-    97-100 ms), and the start-up budget counts in fp32 iterations."""
-    clean = _clean_spans(starts, session.runtime.lanes, probed)
-    if not clean:
-        return None, None
-    fastest, slowest = span_across_ranks(session, np.array([min(clean)]))
-    return float(slowest[0]) * 1e3, float(fastest[0]) * 1e3
+    slowest and fastest: the fastest of those iterations, ms, on the slowest rank (an
+    iteration is over when the last worker's gradients are in; the fp32 finalist's measured
+    time) and on the fastest rank (the start-up budget's unit); None without any. The
+    fastest iteration, not the median: the first iterations of a run are slower than its
+    steady state (on the LSTM at 1 Gbit/s the profiled ones took 110-115 ms, the fp32 run's
+    median 97-100 ms), and the start-up budget counts in fp32 iterations.
+
+    cpu: every rank's median process CPU time (every thread) per such iteration, ms; None
+    without any."""
+    starts, cpu_starts = (profile.starts, profile.cpu_starts) if profile is not None else ([], [])
+    spans, cpu = (_clean_spans(marks, session.runtime.lanes, probed)
+                  for marks in (starts, cpu_starts))
+    every = every_rank(session, np.array([min(spans) if spans else np.nan,
+                                          statistics.median(cpu) if cpu else np.nan]))
+    if np.isnan(every[:, 0]).any():
+        slowest = fastest = None
+    else:
+        slowest, fastest = float(every[:, 0].max()) * 1e3, float(every[:, 0].min()) * 1e3
+    return slowest, fastest, (None if np.isnan(every[:, 1]).any()
+                              else [float(v) * 1e3 for v in every[:, 1]])
 
 
 def _clean_spans(marks: Sequence[float], lanes: int, probed: bool) -> list[float]:
@@ -1398,16 +1407,6 @@ def _clean_spans(marks: Sequence[float], lanes: int, probed: bool) -> list[float
     process CPU seconds)."""
     return [marks[i + 1] - marks[i] for i in range(1, len(marks) - 1)
             if not (probed and probe_lanes(i, lanes))]
-
-
-def _fp32_cpu_ms(session: Session, cpu_starts: Sequence[float],
-                 probed: bool) -> list[float] | None:
-    """Every rank's median process CPU time (every thread) per profiled iteration on the fp32
-    path, ms, over the iterations :func:`_fp32_ms` reads (after the first, without probes);
-    None without any (every rank profiled the same iterations). All ranks call it."""
-    clean = _clean_spans(cpu_starts, session.runtime.lanes, probed)
-    every = every_rank(session, np.array([statistics.median(clean) if clean else np.nan]))
-    return None if np.isnan(every).any() else [float(v) * 1e3 for v in every[:, 0]]
 
 
 def _plan_of(strategy: Any, finalists: tuple[Any, ...] = ()) -> Plan:
